@@ -1,0 +1,46 @@
+"""The one shape every graph pass has.
+
+A pass is a function from a ``GraphModule`` to a :class:`PassResult`: the (possibly new)
+module and whether it changed. Preconditions and postconditions are checked by the pass and
+raise :class:`PassError` naming the pass and what was wrong (torch's
+``fx/passes/infra/pass_base.py`` follows the same idea).
+
+Analyses write their findings to ``node.meta`` under the keys listed in :data:`META_KEYS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+__all__ = ["PassResult", "PassError", "META_KEYS", "require_meta"]
+
+#: The ``node.meta`` keys the passes write, and what each holds.
+META_KEYS = {
+    "layer_path": "flatten_sequential: qualified name of the layer unit owning the node",
+    "val": "shape_prop: a fake/meta tensor (or pytree of them) with the node's output shape",
+    "cost": "annotate_cost: a NodeCost (forward/backward FLOPs, parameter and activation bytes)",
+    "layer": "group_layers: index of the contiguous layer group the node belongs to",
+}
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns."""
+
+    graph_module: fx.GraphModule
+    modified: bool
+
+
+class PassError(RuntimeError):
+    """A pass found its precondition or postcondition broken (a bug, not a user mistake)."""
+
+
+def require_meta(gm: fx.GraphModule, key: str, pass_name: str) -> None:
+    """Raise unless every call node of ``gm`` carries ``node.meta[key]``."""
+    missing = [n.name for n in gm.graph.nodes
+               if n.op.startswith("call_") and key not in n.meta]
+    if missing:
+        raise PassError(f"{pass_name} needs node.meta[{key!r}] ({META_KEYS.get(key, key)}); "
+                        f"missing on {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,38 @@
+"""Dead-code elimination: drop nodes whose values nobody uses.
+
+A thin pass over ``torch.fx.Graph.eliminate_dead_code`` (which keeps impure nodes such as
+in-place buffer updates), with the pass shape and a postcondition.
+
+Example:
+    >>> import torch
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         unused = x * 2
+    ...         return x + 1
+    >>> eliminate_dead_code(torch.fx.symbolic_trace(M())).modified
+    True
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from passes.base import PassError, PassResult
+
+__all__ = ["eliminate_dead_code"]
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> PassResult:
+    """Remove unused pure nodes from ``gm`` in place.
+
+    Raises:
+        PassError: if the graph no longer lints afterwards.
+    """
+    modified = gm.graph.eliminate_dead_code()
+    try:
+        gm.graph.lint()
+    except Exception as error:  # noqa: BLE001
+        raise PassError(f"eliminate_dead_code broke the graph: {error}") from error
+    if modified:
+        gm.recompile()
+    return PassResult(gm, modified)

@@ -1,0 +1,78 @@
+"""Route dropout through the stage's own generator.
+
+Stages of a pipeline run on several threads; dropout drawing from torch's global generator
+would make masks depend on thread timing, and a checkpointed stage could not replay them.
+This pass rewrites every dropout in a stage graph (``nn.Dropout`` modules, ``F.dropout``,
+``torch.dropout`` and the ``aten`` dropout ops ``torch.export`` produces) into a call of
+``runtime.rng.dropout``, which draws from the generator the stage's worker installs.
+
+Example:
+    >>> import torch
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Dropout(0.5)))
+    >>> route_dropout(gm).modified
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from passes.base import PassError, PassResult
+from runtime import rng
+
+__all__ = ["route_dropout"]
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_FUNCTIONS = {torch.nn.functional.dropout, torch.dropout}
+_ATEN = {torch.ops.aten.dropout.default}
+
+
+def route_dropout(gm: fx.GraphModule) -> PassResult:
+    """Rewrite dropout nodes of ``gm`` in place to draw from the stage generator.
+
+    Only element-wise dropout is rewritten (channel-wise ``Dropout2d``/``3d`` masks have
+    another shape and keep the global generator; see the README's restrictions).
+
+    Returns:
+        ``PassResult(gm, modified)``.
+
+    Raises:
+        PassError: if a rewritten dropout survives (postcondition).
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if _is_module_dropout(gm, node):
+            with gm.graph.inserting_before(node):
+                module = gm.graph.get_attr(str(node.target))
+            node.op, node.target = "call_function", rng.dropout_module
+            node.args = (node.args[0], module)
+            modified = True
+        elif node.op == "call_function" and (node.target in _FUNCTIONS or node.target in _ATEN):
+            x, p, training = _dropout_args(node)
+            node.target = rng.dropout
+            node.args, node.kwargs = (x, p, training), {}
+            modified = True
+    if modified:
+        gm.recompile()
+    left = [n.name for n in gm.graph.nodes if _is_module_dropout(gm, n)]
+    if left:
+        raise PassError(f"route_dropout left dropout modules {left}")
+    return PassResult(gm, modified)
+
+
+def _is_module_dropout(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op != "call_module":
+        return False
+    module = gm.get_submodule(str(node.target))
+    return type(module) is nn.Dropout
+
+
+def _dropout_args(node: fx.Node) -> tuple[object, object, object]:
+    """(input, p, training) of a dropout call, whichever spelling it used."""
+    training_name = "train" if node.target in (torch.dropout, *_ATEN) else "training"
+    names, defaults = ("input", "p", training_name), (None, 0.5, True)
+    values = [node.args[k] if k < len(node.args) else node.kwargs.get(name, default)
+              for k, (name, default) in enumerate(zip(names, defaults))]
+    return values[0], values[1], values[2]

@@ -1,0 +1,237 @@
+"""Run stage graphs as a pipeline in one process, one worker thread per device.
+
+The forward of a mini-batch runs the forward actions of a GPipe schedule, the backward (when
+autograd reaches the pipeline's output) runs its backward actions; both are plain lists from
+``runtime.schedule``. The pipeline enters autograd as one ``torch.autograd.Function`` whose
+backward drives the stages' backwards on their own workers, so the backward overlaps across
+devices too (autograd alone would run every CPU backward on one thread).
+
+Checkpoint modes follow torchgpipe: ``always`` replays every micro-batch's forward in the
+backward, ``except_last`` all but the last micro-batch, ``never`` none.
+
+::
+
+    stage 0 | 0F0 0F1 0F2 .   .   .   0B2 0B1 0B0
+    stage 1 | .   1F0 1F1 1F2 1B2 1B1 1B0 .   .
+
+Example:
+    >>> import torch
+    >>> stages = [torch.fx.symbolic_trace(torch.nn.Linear(2, 2)) for _ in range(2)]
+    >>> pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=2)
+    >>> pipe.run([torch.randn(4, 2)]).shape
+    torch.Size([4, 2])
+    >>> pipe.close()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from partitioner.errors import ChunksError, StageExecutionError
+from runtime.microbatch import gather, scatter
+from runtime.schedule import Action, Schedule, gpipe, split_phases
+from runtime.stage import StageRunner
+from runtime.transfer import Handoff, move_leaves, receive, send
+from runtime.worker import Worker
+
+__all__ = ["LocalPipeline", "CHECKPOINT_MODES", "checkpoint_stop"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def checkpoint_stop(mode: str, chunks: int) -> int:
+    """Micro-batches ``i < checkpoint_stop`` are checkpointed (torchgpipe's rule)."""
+    if mode not in CHECKPOINT_MODES:
+        raise ChunksError(f"checkpoint={mode!r}; pass one of {CHECKPOINT_MODES}")
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+class LocalPipeline:
+    """A pipeline of stage graphs on devices of one process.
+
+    Args:
+        stages: one graph per stage; stage ``j`` takes what stage ``j - 1`` returns, stage 0
+            takes the model's placeholders.
+        devices: one device per stage (repeats allowed: each entry gets its own worker).
+        chunks: micro-batches per mini-batch.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+    """
+
+    def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
+                 chunks: int = 1, checkpoint: str = "never") -> None:
+        if len(stages) != len(devices):
+            raise ValueError(f"{len(stages)} stages for {len(devices)} devices")
+        checkpoint_stop(checkpoint, max(chunks, 1))
+        if chunks < 1:
+            raise ChunksError(f"chunks={chunks}; pass chunks >= 1")
+        self.devices = list(devices)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.runners = [StageRunner(j, gm, d) for j, (gm, d) in enumerate(zip(stages, devices))]
+        self.workers = [Worker(d) for d in self.devices]
+        self._lock = threading.Lock()
+
+    def schedule(self, n_microbatches: int) -> tuple[Schedule, Schedule]:
+        """The forward and backward action lists used for ``n_microbatches``."""
+        return split_phases(gpipe(len(self.runners), n_microbatches))
+
+    def run(self, values: list[Any]) -> Any:
+        """Run one mini-batch; ``values`` has one entry per placeholder of stage 0."""
+        micro = scatter(values, self.chunks)
+        leaves, spec = pytree.tree_flatten(values)
+        grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for r in self.runners for p in r.graph_module.parameters())
+            or any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves))
+        if not grad:
+            return gather(self._forward(micro, grad=False))
+        tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        box: dict[str, Any] = {}
+        phony = torch.empty(0, requires_grad=True)
+        outputs = _PipelineFunction.apply(self, micro, box, phony,
+                                          *[leaves[k] for k in tensor_positions])
+        out_leaves = list(box["leaves"])
+        for position, tensor in zip(box["tensor_positions"], outputs):
+            out_leaves[position] = tensor
+        return pytree.tree_unflatten(out_leaves, box["spec"])
+
+    def _forward(self, micro: list[list[Any]], *, grad: bool) -> list[Any]:
+        n = len(micro)
+        forward, _ = self.schedule(n)
+        stop = checkpoint_stop(self.checkpoint, n)
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        for j, runner in enumerate(self.runners):
+            runner.reset(seed + j)
+        slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
+
+        def stage_loop(j: int, actions: tuple[Action, ...]) -> None:
+            runner = self.runners[j]
+            for action in actions:
+                i = action.microbatch
+                try:
+                    if j == 0:
+                        inputs = pytree.tree_unflatten(
+                            *_as_leaves(micro[i], runner.device, grad))
+                    else:
+                        leaves, spec = receive(slots[j - 1][i].result(), runner.device, grad=grad)
+                        inputs = pytree.tree_unflatten(leaves, spec)
+                    out = runner.forward(i, list(inputs), grad=grad, checkpoint=i < stop)
+                    slots[j][i].set_result(send(out, runner.device))
+                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                    slots[j][i].set_exception(error)
+
+        done = [w.submit(stage_loop, j, forward[j]) for j, w in enumerate(self.workers)]
+        for future in done:
+            future.result()
+        last = slots[-1]
+        errors = [s.exception() for row in slots for s in row if s.exception() is not None]
+        if errors:
+            raise _first_stage_error(errors)
+        return [pytree.tree_unflatten(h.leaves, h.spec) for h in (f.result() for f in last)]
+
+    def _backward(self, n: int, grads_last: list[list[Any]]) -> list[list[Any]]:
+        _, backward = self.schedule(n)
+        slots: list[list[Future[list[Any]]]] = [[Future() for _ in range(n)] for _ in self.runners]
+        last = len(self.runners) - 1
+
+        def stage_loop(j: int, actions: tuple[Action, ...]) -> None:
+            runner = self.runners[j]
+            for action in actions:
+                i = action.microbatch
+                try:
+                    incoming = grads_last[i] if j == last else slots[j + 1][i].result()
+                    incoming = move_leaves(incoming, runner.device, grad=False)
+                    slots[j][i].set_result(runner.backward(i, incoming))
+                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                    slots[j][i].set_exception(error)
+
+        done = [w.submit(stage_loop, j, backward[j]) for j, w in enumerate(self.workers)]
+        for future in done:
+            future.result()
+        errors = [s.exception() for row in slots for s in row if s.exception() is not None]
+        if errors:
+            raise _first_stage_error(errors)
+        return [f.result() for f in slots[0]]
+
+    def close(self) -> None:
+        """Stop the workers."""
+        for worker in self.workers:
+            worker.close()
+
+
+def _as_leaves(values: list[Any], device: torch.device, grad: bool) -> tuple[list[Any], Any]:
+    leaves, spec = pytree.tree_flatten(values)
+    return move_leaves(leaves, device, grad=grad), spec
+
+
+def _first_stage_error(errors: list[BaseException]) -> BaseException:
+    """The root cause: a stage's own error rather than a neighbour's echo of it."""
+    own = [e for e in errors if isinstance(e, StageExecutionError)]
+    own.sort(key=lambda e: (e.microbatch, e.stage))
+    return own[0] if own else errors[0]
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """The whole pipeline as one autograd node (its backward runs the backward schedule)."""
+
+    @staticmethod
+    def forward(ctx: Any, pipe: LocalPipeline, micro: list[list[Any]], box: dict[str, Any],
+                phony: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        per_micro = pipe._forward(micro, grad=True)
+        flat = [pytree.tree_flatten(out) for out in per_micro]
+        gathered = gather(per_micro)
+        leaves, spec = pytree.tree_flatten(gathered)
+        positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        box.update(leaves=leaves, spec=spec, tensor_positions=positions)
+        ctx.pipe = pipe
+        ctx.positions = positions
+        ctx.sizes = [[leaves_i[k].shape[0] if leaves_i[k].dim() else 1 for k in positions]
+                     for leaves_i, _ in flat]
+        ctx.n_leaves = len(leaves)
+        ctx.input_split = [_split_sizes(x, micro, k) for k, x in enumerate(inputs)]
+        outputs = tuple(leaves[k].detach() for k in positions)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()
+                                      and not o.is_complex()])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        n = len(ctx.sizes)
+        per_micro: list[list[Any]] = [[None] * ctx.n_leaves for _ in range(n)]
+        for position_index, (k, g) in enumerate(zip(ctx.positions, grad_outputs)):
+            sizes = [s[position_index] for s in ctx.sizes]
+            parts = torch.split(g, sizes) if n > 1 else (g,)
+            for i in range(n):
+                per_micro[i][k] = parts[i]
+        input_grads = ctx.pipe._backward(n, per_micro)
+        result: list[Any] = []
+        for k, split in enumerate(ctx.input_split):
+            result.append(_join_input_grad([g[split[0]] for g in input_grads], split[1]))
+        return (None, None, None, None, *result)
+
+
+def _split_sizes(x: torch.Tensor, micro: list[list[Any]], k: int) -> tuple[int, bool]:
+    """(leaf index of tensor input ``k`` among stage-0 leaves, whether it was split)."""
+    first_leaves = [v for v in pytree.tree_leaves(micro[0])]
+    tensor_leaf_indices = [i for i, v in enumerate(first_leaves) if isinstance(v, torch.Tensor)]
+    index = tensor_leaf_indices[k]
+    piece = first_leaves[index]
+    return index, len(micro) > 1 and piece.shape != x.shape
+
+
+def _join_input_grad(grads: list[Any], was_split: bool) -> torch.Tensor | None:
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    if was_split:
+        return torch.cat(present)
+    total = present[0]
+    for g in present[1:]:
+        total = total + g
+    return total

@@ -1,0 +1,74 @@
+"""Per-stage random number generators, so dropout is reproducible under pipelining.
+
+Stages run on several threads at once; drawing dropout masks from torch's one global
+generator would make the masks depend on thread timing, and a checkpointed stage could not
+replay its forward exactly. The ``private_rng`` pass rewrites dropout in each stage graph to
+call :func:`dropout` here, which draws from the generator the running worker installed with
+:func:`use_generator`. A checkpointed recomputation installs a copy of the state saved before
+the original forward, so it draws the very same mask.
+
+Example:
+    >>> import torch
+    >>> g = torch.Generator().manual_seed(0)
+    >>> with use_generator(g):
+    ...     y = dropout(torch.ones(4), 0.5, True)
+    >>> sorted(set(y.tolist())) <= [0.0, 2.0]
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["use_generator", "current_generator", "dropout", "dropout_module", "fork"]
+
+_local = threading.local()
+
+
+@contextmanager
+def use_generator(generator: torch.Generator | None) -> Iterator[None]:
+    """Make ``generator`` the one :func:`dropout` draws from on this thread."""
+    previous = getattr(_local, "generator", None)
+    _local.generator = generator
+    try:
+        yield
+    finally:
+        _local.generator = previous
+
+
+def current_generator() -> torch.Generator | None:
+    """The generator installed on this thread, if any."""
+    return getattr(_local, "generator", None)
+
+
+def fork(generator: torch.Generator) -> torch.Generator:
+    """A new generator starting from ``generator``'s current state (for replays)."""
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout drawing its mask from the thread's generator."""
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    generator = current_generator()
+    if generator is None:
+        return torch.nn.functional.dropout(x, p, True)
+    if generator.device != x.device:
+        raise RuntimeError(f"the stage generator is on {generator.device} but dropout's "
+                           f"input is on {x.device}")
+    mask = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
+    return x * mask / (1.0 - p)
+
+
+def dropout_module(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """:func:`dropout` with an ``nn.Dropout``'s own ``p`` and train/eval mode."""
+    return dropout(x, float(module.p), module.training)  # type: ignore[arg-type]

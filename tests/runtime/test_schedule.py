@@ -1,0 +1,365 @@
+"""Tests of runtime/schedule.py: schedules are checked as data, without running a model."""
+
+from __future__ import annotations
+
+import doctest
+from fractions import Fraction
+
+import pytest
+
+import runtime.schedule
+from partitioner.errors import ScheduleError
+from runtime.schedule import (
+    SCHEDULES,
+    Action,
+    Phase,
+    Schedule,
+    bubble_fraction,
+    clock_ticks,
+    gpipe,
+    in_flight,
+    make_schedule,
+    one_f_one_b,
+    render,
+    split_phases,
+    validate,
+)
+
+SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
+
+
+def schedule_of(*stages: str) -> Schedule:
+    """Builds a schedule from one space-separated string of actions per stage."""
+    return tuple(tuple(Action.parse(t) for t in stage.split()) for stage in stages)
+
+
+def text_of(schedule: Schedule) -> list[str]:
+    return [" ".join(str(a) for a in actions) for actions in schedule]
+
+
+def problems_of(schedule: Schedule, n_stages: int, n_microbatches: int) -> str:
+    with pytest.raises(ScheduleError) as caught:
+        validate(schedule, n_stages, n_microbatches)
+    return str(caught.value)
+
+
+# Actions
+
+
+def test_action_prints_stage_phase_microbatch() -> None:
+    assert str(Action(1, Phase.FORWARD, 0)) == "1F0"
+    assert str(Action(12, Phase.BACKWARD, 7)) == "12B7"
+
+
+def test_action_parse_round_trips_every_action() -> None:
+    for schedule in (gpipe(6, 12), one_f_one_b(6, 12)):
+        for actions in schedule:
+            for a in actions:
+                assert Action.parse(str(a)) == a
+
+
+def test_action_parse_reads_fields() -> None:
+    assert Action.parse(" 2B13 ") == Action(2, Phase.BACKWARD, 13)
+
+
+@pytest.mark.parametrize("text", ["", "1X0", "F0", "1F", "-1F0", "1F0x", "1 F 0", "1f0"])
+def test_action_parse_rejects_bad_text(text: str) -> None:
+    with pytest.raises(ScheduleError, match="like '1F0'") as caught:
+        Action.parse(text)
+    assert repr(text) in str(caught.value)
+
+
+def test_action_rejects_bad_fields_all_at_once() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        Action(-1, "F", True)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert "stage must be an int >= 0, got -1" in message
+    assert "microbatch must be an int >= 0, got True" in message
+    assert "phase must be a Phase, got 'F'" in message
+
+
+def test_action_is_frozen() -> None:
+    a = Action(0, Phase.FORWARD, 0)
+    with pytest.raises(AttributeError):
+        a.stage = 1  # type: ignore[misc]
+
+
+# Schedule builders
+
+
+def test_gpipe_runs_forwards_then_backwards_in_reverse() -> None:
+    assert text_of(gpipe(2, 3)) == [
+        "0F0 0F1 0F2 0B2 0B1 0B0",
+        "1F0 1F1 1F2 1B2 1B1 1B0",
+    ]
+
+
+def test_one_f_one_b_warms_up_then_alternates() -> None:
+    assert text_of(one_f_one_b(3, 4)) == [
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3",
+    ]
+
+
+def test_one_f_one_b_with_fewer_microbatches_than_stages() -> None:
+    assert text_of(one_f_one_b(3, 1)) == ["0F0 0B0", "1F0 1B0", "2F0 2B0"]
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_gpipe_validates(n_stages: int, n_microbatches: int) -> None:
+    validate(gpipe(n_stages, n_microbatches), n_stages, n_microbatches)
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_one_f_one_b_validates(n_stages: int, n_microbatches: int) -> None:
+    validate(one_f_one_b(n_stages, n_microbatches), n_stages, n_microbatches)
+
+
+@pytest.mark.parametrize("build", [gpipe, one_f_one_b])
+@pytest.mark.parametrize(
+    ("n_stages", "n_microbatches", "expected"),
+    [
+        (0, 4, "n_stages must be an int >= 1, got 0"),
+        (2, 0, "n_microbatches must be an int >= 1, got 0"),
+        (2.0, 4, "n_stages must be an int >= 1, got 2.0 (float)"),
+        (2, True, "n_microbatches must be an int >= 1, got True (bool)"),
+    ],
+)
+def test_builders_reject_bad_counts(
+    build: object, n_stages: object, n_microbatches: object, expected: str
+) -> None:
+    assert callable(build)
+    with pytest.raises(ScheduleError, match="pass the number of") as caught:
+        build(n_stages, n_microbatches)
+    assert expected in str(caught.value)
+
+
+def test_builders_report_both_bad_counts() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        gpipe(-1, -2)
+    assert "got -1" in str(caught.value)
+    assert "got -2" in str(caught.value)
+
+
+def test_make_schedule_builds_by_name() -> None:
+    assert make_schedule("gpipe", 3, 5) == gpipe(3, 5)
+    assert make_schedule("1f1b", 3, 5) == one_f_one_b(3, 5)
+    assert set(SCHEDULES) == {"gpipe", "1f1b"}
+
+
+def test_make_schedule_unknown_name_lists_known_names() -> None:
+    with pytest.raises(ScheduleError, match="unknown schedule 'zero_bubble'") as caught:
+        make_schedule("zero_bubble", 2, 2)
+    assert "'1f1b', 'gpipe'" in str(caught.value)
+
+
+# Memory and bubble
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_gpipe_keeps_every_microbatch_in_flight(n_stages: int, n_microbatches: int) -> None:
+    assert in_flight(gpipe(n_stages, n_microbatches)) == (n_microbatches,) * n_stages
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_one_f_one_b_in_flight_is_min_of_stages_left_and_microbatches(
+    n_stages: int, n_microbatches: int
+) -> None:
+    expected = tuple(min(n_stages - j, n_microbatches) for j in range(n_stages))
+    assert in_flight(one_f_one_b(n_stages, n_microbatches)) == expected
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(
+    n_stages: int, n_microbatches: int
+) -> None:
+    bubble = bubble_fraction(gpipe(n_stages, n_microbatches), 1.0, 1.0)
+    assert bubble == (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_gpipe_bubble_is_unchanged_by_a_longer_backward(
+    n_stages: int, n_microbatches: int
+) -> None:
+    # Fill and drain each cost P-1 forward+backward slots, as does the work per stage:
+    # the fraction stays (P-1)/(m+P-1) with backward_time = 2 * forward_time.
+    bubble = bubble_fraction(gpipe(n_stages, n_microbatches), 1.0, 2.0)
+    assert bubble == (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+@pytest.mark.parametrize("backward_time", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SIZES)
+def test_one_f_one_b_bubble_equals_gpipe(
+    n_stages: int, n_microbatches: int, backward_time: float
+) -> None:
+    ours = bubble_fraction(one_f_one_b(n_stages, n_microbatches), 1.0, backward_time)
+    theirs = bubble_fraction(gpipe(n_stages, n_microbatches), 1.0, backward_time)
+    assert ours == theirs
+
+
+def test_bubble_fraction_counts_idle_stage_ticks() -> None:
+    # gpipe(2, 3) with backward 2: 12 ticks, 9 busy on each stage.
+    assert Fraction(bubble_fraction(gpipe(2, 3))) == Fraction(6, 24)
+
+
+# Clock ticks and rendering
+
+
+def test_clock_ticks_backward_occupies_ratio_ticks() -> None:
+    grid = clock_ticks(gpipe(1, 1), forward_time=0.5, backward_time=1.5)
+    assert [[str(a) for a in tick] for tick in grid] == [["0F0"], ["0B0"], ["0B0"], ["0B0"]]
+
+
+def test_clock_ticks_marks_bubbles_none() -> None:
+    grid = clock_ticks(gpipe(2, 1), 1.0, 1.0)
+    assert grid == [
+        [Action(0, Phase.FORWARD, 0), None],
+        [None, Action(1, Phase.FORWARD, 0)],
+        [None, Action(1, Phase.BACKWARD, 0)],
+        [Action(0, Phase.BACKWARD, 0), None],
+    ]
+
+
+@pytest.mark.parametrize(("forward_time", "backward_time"), [(2.0, 3.0), (2.0, 1.0), (0.0, 1.0)])
+def test_clock_ticks_rejects_non_whole_ratio(forward_time: float, backward_time: float) -> None:
+    with pytest.raises(ScheduleError, match="forward_time"):
+        clock_ticks(gpipe(2, 2), forward_time, backward_time)
+
+
+def test_clock_ticks_rejects_invalid_schedule() -> None:
+    with pytest.raises(ScheduleError, match="never runs 0B0"):
+        clock_ticks(schedule_of("0F0"))
+
+
+def test_render_gpipe_two_stages_three_microbatches() -> None:
+    assert render(gpipe(2, 3)) == (
+        "0F0 0F1 0F2   .   .   . 0B2 0B2 0B1 0B1 0B0 0B0\n"
+        "  . 1F0 1F1 1F2 1B2 1B2 1B1 1B1 1B0 1B0   .   ."
+    )
+
+
+def test_render_one_f_one_b_two_stages_three_microbatches() -> None:
+    assert render(one_f_one_b(2, 3)) == (
+        "0F0 0F1   .   . 0B0 0B0 0F2 0B1 0B1   . 0B2 0B2\n"
+        "  . 1F0 1B0 1B0 1F1 1B1 1B1 1F2 1B2 1B2   .   ."
+    )
+
+
+def test_render_widens_columns_for_long_labels() -> None:
+    row = render(gpipe(1, 11), 1.0, 1.0)
+    assert row.startswith(" 0F0  0F1  0F2")
+    assert row.endswith("0F10 0B10  0B9  0B8  0B7  0B6  0B5  0B4  0B3  0B2  0B1  0B0")
+
+
+# Validation of broken schedules
+
+
+def test_validate_reports_missing_backward() -> None:
+    message = problems_of(schedule_of("0F0 0F1 0B1 0B0", "1F0 1F1 1B1"), 2, 2)
+    assert "stage 1 never runs 1B0" in message
+    assert "1 problem:" in message
+
+
+def test_validate_reports_duplicate_forward() -> None:
+    message = problems_of(schedule_of("0F0 0F0 0B0"), 1, 1)
+    assert "stage 0 runs 0F0 2 times; run it once" in message
+
+
+def test_validate_reports_backward_before_forward() -> None:
+    message = problems_of(schedule_of("0B0 0F0"), 1, 1)
+    assert "stage 0 runs 0B0 before 0F0" in message
+    # Reported once: the deadlock check would only restate it as a stuck stage.
+    assert "1 problem:" in message
+
+
+def test_validate_reports_forwards_out_of_order() -> None:
+    message = problems_of(schedule_of("0F1 0F0 0B1 0B0"), 1, 2)
+    assert "stage 0 runs forwards in micro-batch order [1, 0]; run them as [0, 1]" in message
+
+
+def test_validate_reports_microbatch_out_of_range() -> None:
+    message = problems_of(schedule_of("0F0 0B0 0F1 0B1"), 1, 1)
+    assert "0F1 names micro-batch 1 but n_microbatches=1; use micro-batches 0..0" in message
+
+
+def test_validate_reports_action_on_wrong_stage_list() -> None:
+    message = problems_of(schedule_of("0F0 1F0 0B0", "1B0"), 2, 1)
+    assert "stage 0 list holds 1F0; move it to stage 1's list" in message
+
+
+def test_validate_reports_action_of_missing_stage() -> None:
+    message = problems_of(schedule_of("0F0 0B0 4F0"), 1, 1)
+    assert "stage 0 list holds 4F0, but n_stages=1; use stages 0..0" in message
+
+
+def test_validate_reports_wrong_number_of_stage_lists() -> None:
+    message = problems_of(gpipe(2, 2), 3, 2)
+    assert "schedule has 2 stage lists but n_stages=3" in message
+
+
+def test_validate_reports_entries_that_are_not_actions() -> None:
+    broken = ((Action(0, Phase.FORWARD, 0), "0B0"),)
+    message = problems_of(broken, 1, 1)  # type: ignore[arg-type]
+    assert "stage 0 list holds '0B0', not an Action" in message
+
+
+def test_validate_reports_deadlock_with_each_stuck_stage() -> None:
+    # Stage 0 starts 0B0 before sending 0F1, but stage 1 needs 0F1 before it runs 1B0.
+    message = problems_of(schedule_of("0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"), 2, 2)
+    assert (
+        "deadlock: stage 0 waits on 0B0 which needs 1B0; "
+        "stage 1 waits on 1F1 which needs 0F1"
+    ) in message
+
+
+def test_validate_reports_every_problem_at_once() -> None:
+    broken = schedule_of("0F1 0F0 0F0 1F0 0B0 0F9", "1B1 1F0 1F1 1B0", "")
+    message = problems_of(broken, 2, 2)
+    expected = [
+        "schedule has 3 stage lists but n_stages=2",
+        "stage 0 list holds 1F0; move it to stage 1's list",
+        "0F9 names micro-batch 9 but n_microbatches=2",
+        "stage 0 never runs 0B1",
+        "stage 0 runs 0F0 2 times",
+        "stage 0 runs forwards in micro-batch order [1, 0, 0]",
+        "stage 1 runs 1B1 before 1F1",
+    ]
+    for problem in expected:
+        assert problem in message
+    assert "has 7 problems:" in message
+
+
+def test_validate_accepts_a_hand_written_valid_schedule() -> None:
+    validate(schedule_of("0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"), 2, 2)
+
+
+# Splitting into passes
+
+
+def test_split_phases_separates_gpipe() -> None:
+    forwards, backwards = split_phases(gpipe(2, 3))
+    assert text_of(forwards) == ["0F0 0F1 0F2", "1F0 1F1 1F2"]
+    assert text_of(backwards) == ["0B2 0B1 0B0", "1B2 1B1 1B0"]
+
+
+def test_split_phases_rejects_one_f_one_b_naming_each_stage() -> None:
+    with pytest.raises(ScheduleError, match="cannot split") as caught:
+        split_phases(one_f_one_b(3, 4))
+    message = str(caught.value)
+    assert "stage 0 runs 0F3 after 0B0" in message
+    assert "stage 1 runs 1F2 after 1B0" in message
+    assert "stage 2 runs 2F1 after 2B0" in message
+
+
+def test_split_phases_accepts_one_f_one_b_with_one_microbatch() -> None:
+    # With m=1 there is no later forward, so 1F1B degenerates to fill-drain.
+    forwards, backwards = split_phases(one_f_one_b(2, 1))
+    assert text_of(forwards) == ["0F0", "1F0"]
+    assert text_of(backwards) == ["0B0", "1B0"]
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(runtime.schedule)
+    assert result.attempted > 0
+    assert result.failed == 0
