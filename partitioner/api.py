@@ -35,6 +35,7 @@ from passes.dead_code import eliminate_dead_code
 from passes.flatten_sequential import assign_layer_paths
 from passes.group_layers import Layer, group_layers
 from passes.private_rng import route_dropout
+from passes.protect_inputs import protect_inputs
 from passes.shape_prop import propagate_shapes
 from passes.split_stages import split_stages
 from runtime.local import CHECKPOINT_MODES
@@ -277,6 +278,7 @@ def _stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
     _check_tied_parameters(graphs, plan.devices)
     for gm_j, device in zip(graphs, plan.devices):
         route_dropout(gm_j)
+        protect_inputs(gm_j)
         gm_j.to(torch.device(device))
     return graphs
 

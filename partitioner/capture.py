@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import os
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -180,11 +181,20 @@ def _trace_message(model: nn.Module, fx_error: BaseException, export_error: Base
             "or pass balance=/split_points= on an nn.Sequential of traceable children.")
 
 
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (torch.__file__, __file__,
+                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "passes", "__init__.py"),
+                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "runtime", "__init__.py")))
+
+
 def _first_user_line(error: BaseException) -> str | None:
     """The deepest frame of the traceback that is neither torch's nor ours."""
     frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/partitioner/" not in f.filename
-            and not f.filename.startswith("<")]
+    user = [f for f in frames
+            if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
     if not user:
         return None
     frame = user[-1]

@@ -1,0 +1,164 @@
+"""The one-process pipeline runtime: errors, determinism, pytrees, module behaviour."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from models import gpt2, mlp
+from torch import nn
+
+from partitioner import partition
+from partitioner.errors import StageExecutionError
+
+
+class _Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x.abs().sum() > -1, x @ torch.ones(3, 3), x)
+
+
+def test_exception_names_stage_microbatch_and_node_and_no_worker_hangs() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Boom(), nn.Linear(4, 4))
+    x = torch.randn(6, 4)
+    before = threading.active_count()
+    pm = partition(model, devices=["cpu"] * 3, balance=[1, 1, 2], chunks=3)
+    start = time.perf_counter()
+    with pytest.raises(StageExecutionError) as info:
+        pm(x)
+    assert time.perf_counter() - start < 30
+    error = info.value
+    assert (error.stage, error.microbatch) == (2, 0)
+    assert error.node is not None and "matmul" in error.node
+    assert "stage 2 (micro-batch 0, node matmul" in str(error)
+    assert isinstance(error.__cause__, RuntimeError)
+    pm.close()
+    assert threading.active_count() <= before + 0
+
+
+def test_dropout_replayed_exactly_under_checkpointing() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.3),
+                          nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    grads = {}
+    for mode in ("never", "always"):
+        copy_ = copy.deepcopy(model)
+        pm = partition(copy_, devices=["cpu"] * 2, example_inputs=(x,), chunks=4,
+                       checkpoint=mode)
+        torch.manual_seed(123)
+        out = pm(x)
+        out.pow(2).sum().backward()
+        grads[mode] = (out.detach(), [p.grad.clone() for p in copy_.parameters()])
+    torch.testing.assert_close(grads["never"][0], grads["always"][0])
+    for a, b in zip(grads["never"][1], grads["always"][1]):
+        torch.testing.assert_close(a, b)
+    # and dropout did drop something: output differs from eval mode
+    assert not torch.allclose(grads["never"][0], model.eval()(x))
+
+
+def test_same_seed_same_result_across_runs() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(6, 8)
+    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=3)
+    torch.manual_seed(7)
+    a = pm(x)
+    torch.manual_seed(7)
+    b = pm(x)
+    torch.testing.assert_close(a, b)
+
+
+def test_state_dict_has_original_keys_and_round_trips() -> None:
+    model = mlp()
+    pm = partition(model, devices=["cpu"] * 2, example_inputs=(torch.randn(4, 12),))
+    assert list(pm.state_dict()) == list(model.state_dict())
+    fresh = mlp()
+    fresh.load_state_dict(pm.state_dict())
+    other = {k: torch.zeros_like(v) for k, v in fresh.state_dict().items()}
+    pm.load_state_dict(other)
+    assert all(bool((p == 0).all()) for p in model.parameters())
+    assert pm.module is model
+
+
+def test_parameters_train_eval_and_optimizer_step() -> None:
+    model = mlp()
+    x, y = torch.randn(8, 12), torch.randn(8, 6)
+    reference = copy.deepcopy(model)
+    pm = partition(model, devices=["cpu"] * 3, example_inputs=(x,), chunks=2)
+    assert len(list(pm.parameters())) == len(list(model.parameters()))
+    pm.eval()
+    assert not model.training
+    pm.train()
+    assert model.training
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(pm(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+class _DictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, torch.Tensor], scale: float = 1.0,
+                mode: str = "sum") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = self.a(batch["x"]) * scale
+        out = self.b(h) + batch["y"]
+        return out, {"hidden": h}
+
+
+def test_pytree_inputs_outputs_and_non_tensor_arguments() -> None:
+    model = _DictModel()
+    batch = {"x": torch.randn(6, 4), "y": torch.randn(6, 4)}
+    pm = partition(model, devices=["cpu"] * 2, balance=[1, 1], chunks=3)
+    out, extra = pm(batch, 2.0)
+    ref_out, ref_extra = model(batch, 2.0)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(extra["hidden"], ref_extra["hidden"])
+
+
+def test_input_gradient_flows_back() -> None:
+    model = mlp()
+    x = torch.randn(6, 12, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=3)
+    pm(x).sum().backward()
+    model(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_uneven_last_chunk() -> None:
+    model = mlp()
+    x = torch.randn(7, 12)
+    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=3)
+    torch.testing.assert_close(pm(x), model(x))
+
+
+def test_output_object_of_transformers_is_rebuilt() -> None:
+    model = gpt2()
+    x = torch.randint(0, 64, (4, 8))
+    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=2)
+    out = pm(x)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert out.logits.shape == (4, 8, 64)
+
+
+def test_inplace_op_at_stage_start() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    ref = copy.deepcopy(model)
+    pm = partition(model, devices=["cpu"] * 2, balance=[1, 2], chunks=2)
+    pm(x).sum().backward()
+    ref(x).sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
