@@ -25,8 +25,15 @@ from torch import nn
 from partitioner.capture import Captured, capture, module_paths
 from partitioner.cost import LayerCost, boundary_bytes, build_problem, layer_costs
 from partitioner.devices import parse_devices, spec_for
-from partitioner.errors import (BalanceError, ChunksError, ExampleInputsError, MemoryLimitError,
-                                PartitionError, StageCountError, StrategyError)
+from partitioner.errors import (
+    BalanceError,
+    ChunksError,
+    ExampleInputsError,
+    MemoryLimitError,
+    PartitionError,
+    StageCountError,
+    StrategyError,
+)
 from partitioner.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.plan import Plan, Stage
 from partitioner.solver import InfeasibleError, PartitionSolution, evaluate, solve

@@ -109,7 +109,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     try:
         gm = fx.symbolic_trace(model)
         return Captured(gm, "fx", signature)
-    except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to export
+    except Exception as fx_error:
         if example_inputs is None:
             raise ExampleInputsError(
                 f"torch.fx.symbolic_trace cannot trace {type(model).__name__} "
@@ -117,7 +117,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
                 "needs example inputs: pass example_inputs=(x,) with one batch") from fx_error
         try:
             return _export(model, tuple(example_inputs), dict(example_kwargs or {}), signature)
-        except Exception as export_error:  # noqa: BLE001
+        except Exception as export_error:
             raise TraceError(_trace_message(model, fx_error, export_error)) from export_error
 
 
@@ -154,7 +154,7 @@ def _unlift(program: torch.export.ExportedProgram) -> fx.GraphModule:
                               **sig.inputs_to_lifted_tensor_constants}
     tensors: dict[str, Any] = {}
     state = program.state_dict
-    for name, fqn in lifted.items():
+    for fqn in lifted.values():
         tensors[fqn] = state[fqn] if fqn in state else program.constants[fqn]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

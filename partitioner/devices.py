@@ -54,7 +54,8 @@ class DeviceSpec:
             raise DeviceError(f"DeviceSpec.op_overhead={self.op_overhead!r}; it must be >= 0")
 
 
-def parse_devices(devices: int | str | torch.device | Sequence[str | torch.device]) -> list[torch.device]:
+def parse_devices(
+        devices: int | str | torch.device | Sequence[str | torch.device]) -> list[torch.device]:
     """Turn ``devices=`` into a list of ``torch.device``.
 
     Raises:
@@ -94,7 +95,7 @@ def parse_devices(devices: int | str | torch.device | Sequence[str | torch.devic
     return parsed
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_flops() -> float:
     size = 256
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -113,7 +114,7 @@ def _total_memory() -> float:
         return 16e9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def spec_for(device: torch.device) -> DeviceSpec:
     """The :class:`DeviceSpec` of a local device (CPU measured, CUDA from its properties)."""
     if device.type == "cuda":

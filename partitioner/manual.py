@@ -55,7 +55,8 @@ def _matches(point: str, layer: str) -> bool:
         or flat.startswith(point + "_")
 
 
-def boundaries_from_split_points(split_points: Sequence[str], layers: Sequence[str]) -> tuple[int, ...]:
+def boundaries_from_split_points(split_points: Sequence[str],
+                                 layers: Sequence[str]) -> tuple[int, ...]:
     """Stage boundaries where each named module's first layer begins a stage.
 
     Raises:

@@ -226,7 +226,7 @@ class PartitionSolution:
 
 
 def stage_time(problem: PartitionProblem, j: int, a: int, b: int) -> float:
-    """Time of stage ``j`` holding layers ``[a, b)``: their compute plus receiving layer ``a``'s input.
+    """Time of stage ``j`` holding layers ``[a, b)``: compute plus receiving layer ``a``'s input.
 
     Args:
         problem: The costs.

@@ -31,7 +31,7 @@ def eliminate_dead_code(gm: fx.GraphModule) -> PassResult:
     modified = gm.graph.eliminate_dead_code()
     try:
         gm.graph.lint()
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise PassError(f"eliminate_dead_code broke the graph: {error}") from error
     if modified:
         gm.recompile()

@@ -26,7 +26,8 @@ def transported(node: fx.Node) -> bool:
     return node.op in ("placeholder", "call_function", "call_method", "call_module")
 
 
-def live_values(gm: fx.GraphModule, unit_of: dict[fx.Node, int], n_units: int) -> list[list[fx.Node]]:
+def live_values(gm: fx.GraphModule, unit_of: dict[fx.Node, int],
+                n_units: int) -> list[list[fx.Node]]:
     """For each boundary ``u`` in ``1..n_units-1``, the values live across it, in graph order.
 
     Args:

@@ -53,7 +53,7 @@ def protect_inputs(gm: fx.GraphModule) -> PassResult:
             continue
         with gm.graph.inserting_after(node):
             copy = gm.graph.call_method("clone", (node,))
-        node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
         modified = True
     if modified:
         gm.graph.lint()

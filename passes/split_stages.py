@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -138,7 +139,7 @@ def _build_stage(gm: fx.GraphModule, stage_of: dict[fx.Node, int], j: int,
 
 
 def _check_interfaces(stages: list[StageGraph]) -> None:
-    for before, after in zip(stages, stages[1:]):
+    for before, after in itertools.pairwise(stages):
         if before.outputs != after.inputs:
             raise PassError(f"split_stages: a stage sends {before.outputs} but the next "
                             f"receives {after.inputs}")

@@ -85,7 +85,7 @@ class LocalPipeline:
     def run(self, values: list[Any]) -> Any:
         """Run one mini-batch; ``values`` has one entry per placeholder of stage 0."""
         micro = scatter(values, self.chunks)
-        leaves, spec = pytree.tree_flatten(values)
+        leaves = pytree.tree_leaves(values)
         grad = torch.is_grad_enabled() and (
             any(p.requires_grad for r in self.runners for p in r.graph_module.parameters())
             or any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves))
@@ -123,14 +123,14 @@ class LocalPipeline:
                         inputs = pytree.tree_unflatten(leaves, spec)
                     out = runner.forward(i, list(inputs), grad=grad, checkpoint=i < stop)
                     slots[j][i].set_result(send(out, runner.device))
-                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                except BaseException as error:
                     slots[j][i].set_exception(error)
 
         done = [w.submit(stage_loop, j, forward[j]) for j, w in enumerate(self.workers)]
         for future in done:
             future.result()
         last = slots[-1]
-        errors = [s.exception() for row in slots for s in row if s.exception() is not None]
+        errors = [e for row in slots for s in row if (e := s.exception()) is not None]
         if errors:
             raise _first_stage_error(errors)
         return [pytree.tree_unflatten(h.leaves, h.spec) for h in (f.result() for f in last)]
@@ -148,13 +148,13 @@ class LocalPipeline:
                     incoming = grads_last[i] if j == last else slots[j + 1][i].result()
                     incoming = move_leaves(incoming, runner.device, grad=False)
                     slots[j][i].set_result(runner.backward(i, incoming))
-                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                except BaseException as error:
                     slots[j][i].set_exception(error)
 
         done = [w.submit(stage_loop, j, backward[j]) for j, w in enumerate(self.workers)]
         for future in done:
             future.result()
-        errors = [s.exception() for row in slots for s in row if s.exception() is not None]
+        errors = [e for row in slots for s in row if (e := s.exception()) is not None]
         if errors:
             raise _first_stage_error(errors)
         return [f.result() for f in slots[0]]
@@ -211,7 +211,7 @@ class _PipelineFunction(torch.autograd.Function):
                 per_micro[i][k] = parts[i]
         input_grads = ctx.pipe._backward(n, per_micro)
         result: list[Any] = []
-        for k, split in enumerate(ctx.input_split):
+        for split in ctx.input_split:
             result.append(_join_input_grad([g[split[0]] for g in input_grads], split[1]))
         return (None, None, None, None, *result)
 

@@ -93,7 +93,7 @@ class PartitionedModule(nn.Module):
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass
 
 
@@ -102,10 +102,10 @@ def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     for key in list(state_dict):
         if key.startswith(prefix + _PREFIX):
             state_dict[prefix + key[len(prefix) + len(_PREFIX):]] = state_dict.pop(key)
-    for key in list(getattr(state_dict, "_metadata", {}) or {}):
+    metadata: dict[str, Any] = getattr(state_dict, "_metadata", None) or {}
+    for key in list(metadata):
         if key.startswith(prefix + "module"):
-            state_dict._metadata[prefix + key[len(prefix) + len("module"):].lstrip(".")] = \
-                state_dict._metadata.pop(key)  # type: ignore[attr-defined]
+            metadata[prefix + key[len(prefix) + len("module"):].lstrip(".")] = metadata.pop(key)
 
 
 def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

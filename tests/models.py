@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -10,13 +12,13 @@ __all__ = ["mlp", "nested_sequential", "ResidualCNN", "LongSkip", "gpt2"]
 
 def mlp(widths: tuple[int, ...] = (12, 32, 32, 16, 6)) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.Tanh()]
     return nn.Sequential(*layers[:-1])
 
 
 def nested_sequential() -> nn.Sequential:
-    block = lambda: nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10))  # noqa: E731
+    block = lambda: nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10))
     return nn.Sequential(nn.Sequential(block(), nn.Tanh()), block(),
                          nn.Sequential(nn.Sequential(nn.Linear(10, 4))))
 
@@ -28,8 +30,10 @@ class _Block(nn.Module):
         self.norm1 = nn.GroupNorm(2, cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.norm2 = nn.GroupNorm(2, cout)
-        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(2, cout))
-                     if stride != 1 or cin != cout else nn.Identity())
+        self.down: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                      nn.GroupNorm(2, cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.norm1(self.conv1(x)))

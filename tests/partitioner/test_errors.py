@@ -8,9 +8,17 @@ from models import mlp
 from torch import nn
 
 from partitioner import PartitionError, partition
-from partitioner.errors import (BalanceError, ChunksError, DeviceError, ExampleInputsError,
-                                MemoryLimitError, StageCountError, StageExecutionError,
-                                StrategyError, TraceError)
+from partitioner.errors import (
+    BalanceError,
+    ChunksError,
+    DeviceError,
+    ExampleInputsError,
+    MemoryLimitError,
+    StageCountError,
+    StageExecutionError,
+    StrategyError,
+    TraceError,
+)
 
 
 def _x() -> torch.Tensor:
