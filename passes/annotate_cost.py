@@ -15,7 +15,7 @@ Example:
     >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 8))
     >>> _ = propagate_shapes(gm, (torch.randn(2, 4),))
     >>> _ = annotate_cost(gm)
-    >>> [n.meta["cost"].forward_flops for n in gm.graph.nodes if n.op == "call_module"]
+    >>> [n.meta["cost"].forward_flops for n in gm.graph.nodes if n.op == "call_function"]
     [128]
 """
 
@@ -71,7 +71,9 @@ def _count_flops(gm: fx.GraphModule, node: fx.Node) -> int:
     args = fx.map_arg(node.args, _fake)
     kwargs = fx.map_arg(node.kwargs, _fake)
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    # Grad mode on: under no_grad a view module (nn.Flatten) returns a grad-requiring fake
+    # tensor with no grad_fn, and FlopCounterMode's module hooks assert on it.
+    with counter, torch.enable_grad():
         if node.op == "call_function":
             node.target(*args, **kwargs)  # type: ignore[operator]
         elif node.op == "call_method":

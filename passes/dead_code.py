@@ -18,8 +18,18 @@ from __future__ import annotations
 import torch.fx as fx
 
 from passes.base import PassError, PassResult
+from passes.protect_inputs import mutates_first_argument
 
-__all__ = ["eliminate_dead_code"]
+__all__ = ["eliminate_dead_code", "has_side_effect"]
+
+
+def has_side_effect(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` must stay even if nobody uses its value.
+
+    torch's own test misses in-place methods (``x.add_(1)``), ``inplace=True`` calls and
+    ``torch.relu_``, which symbolic tracing produces; their effect is the write.
+    """
+    return node.is_impure() or (node.op.startswith("call_") and mutates_first_argument(gm, node))
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> PassResult:
@@ -28,7 +38,7 @@ def eliminate_dead_code(gm: fx.GraphModule) -> PassResult:
     Raises:
         PassError: if the graph no longer lints afterwards.
     """
-    modified = gm.graph.eliminate_dead_code()
+    modified = gm.graph.eliminate_dead_code(lambda node: has_side_effect(gm, node))
     try:
         gm.graph.lint()
     except Exception as error:

@@ -68,7 +68,7 @@ def expanded_modules(root: nn.Module) -> set[str]:
     """Qualified names of the modules looked *through* (their children become layers).
 
     The root is always expanded; so is every container, and every module holding, at any
-    depth, a container of two or more children of one class (repeated blocks).
+    depth, a container of two or more composite children of one class (repeated blocks).
     """
     expanded = {""}
     for name, module in root.named_modules():
@@ -78,9 +78,14 @@ def expanded_modules(root: nn.Module) -> set[str]:
 
 
 def _holds_repeats(module: nn.Module) -> bool:
+    """Whether a container inside ``module`` holds two or more composite blocks of one class.
+
+    Only blocks with children of their own count: an MLP's ``Sequential(Linear, GELU,
+    Linear)`` repeats ``Linear`` but is a block's internals, not a stack of blocks.
+    """
     for sub in module.modules():
         if isinstance(sub, _CONTAINERS):
-            kinds = [type(c) for c in sub.children()]
+            kinds = [type(c) for c in sub.children() if next(c.children(), None) is not None]
             if len(kinds) >= 2 and len(set(kinds)) < len(kinds):
                 return True
     return False

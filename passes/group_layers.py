@@ -74,7 +74,9 @@ def group_layers(gm: fx.GraphModule) -> LayerGrouping:
     runs: list[tuple[str, list[fx.Node]]] = []
     for node in nodes:
         path = node.meta["layer_path"]
-        if runs and (path == "" or path == runs[-1][0]):
+        # A leaf unit's every call_module node is a call of its own (self.a(self.a(x))).
+        recalled = node.op == "call_module" and node.target == path
+        if runs and (path == "" or (path == runs[-1][0] and not recalled)):
             runs[-1][1].append(node)
         elif path == "" and not runs:
             runs.append(("", [node]))

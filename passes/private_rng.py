@@ -24,7 +24,6 @@ from runtime import rng
 
 __all__ = ["route_dropout"]
 
-_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _FUNCTIONS = {torch.nn.functional.dropout, torch.dropout}
 _ATEN = {torch.ops.aten.dropout.default}
 

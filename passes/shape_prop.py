@@ -9,7 +9,7 @@ Example:
     >>> import torch
     >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 5))
     >>> _ = propagate_shapes(gm, (torch.randn(2, 3),))
-    >>> [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "call_module"]
+    >>> [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "call_function"]
     [(2, 5)]
 """
 
@@ -46,6 +46,14 @@ def fake_mode_for(gm: fx.GraphModule) -> Iterator[FakeTensorMode | None]:
 
 
 class _ShapeInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode | None) -> None:
+        super().__init__(gm)
+        self.mode = mode
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # The model's own tensor must never reach a kernel (in-place ops would write it).
+        return _to_analysis(super().get_attr(target, args, kwargs), self.mode)
+
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)
@@ -96,7 +104,7 @@ def propagate_shapes(gm: fx.GraphModule, inputs: list[Any] | tuple[Any, ...]) ->
     with fake_mode_for(gm) as mode, _eval_mode(gm):
         fake_inputs = pytree.tree_map(lambda v: _to_analysis(v, mode), list(inputs))
         with torch.no_grad() if mode is None else nullcontext():
-            _ShapeInterpreter(gm).run(*fake_inputs)
+            _ShapeInterpreter(gm, mode).run(*fake_inputs)
     for node, value in zip(placeholders, fake_inputs):
         node.meta["val"] = value
     return PassResult(gm, modified=False)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from passes.base import PassError, PassResult
+from passes.dead_code import has_side_effect
 from passes.liveness import live_values
 
 __all__ = ["StageGraph", "StageSplit", "split_stages"]
@@ -131,7 +132,7 @@ def _build_stage(gm: fx.GraphModule, stage_of: dict[fx.Node, int], j: int,
     if sent is not None:
         graph.output(tuple(lookup(n) for n in sent))
     module = fx.GraphModule(gm, graph, class_name=f"Stage{j}")
-    module.graph.eliminate_dead_code()
+    module.graph.eliminate_dead_code(lambda node: has_side_effect(module, node))
     module.graph.lint()
     module.recompile()
     return StageGraph(module, tuple(n.name for n in received),

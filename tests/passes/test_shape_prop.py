@@ -131,8 +131,6 @@ def test_propagate_shapes_leaves_batch_norm_in_train_mode_alone() -> None:
     assert model.training and model[0].training
 
 
-@pytest.mark.xfail(strict=True, reason="shape_prop stores the real Parameter as meta['val'] of "
-                   "get_attr nodes instead of a fake tensor (_ShapeInterpreter has no get_attr)")
 def test_propagate_shapes_records_fake_values_for_attributes() -> None:
     gm = fx.symbolic_trace(ParamUser())
     propagate_shapes(gm, (torch.randn(2, 3),))
@@ -140,8 +138,6 @@ def test_propagate_shapes_records_fake_values_for_attributes() -> None:
     assert isinstance(attr.meta["val"], FakeTensor)
 
 
-@pytest.mark.xfail(strict=True, reason="shape_prop runs in-place ops on the real tensors that "
-                   "get_attr nodes fetch, so analysis modifies the model's weights")
 def test_propagate_shapes_does_not_modify_attributes_updated_in_place() -> None:
     model = ParamUser()
     gm = fx.symbolic_trace(model)
@@ -169,7 +165,5 @@ def test_tensor_bytes_counts_every_tensor_leaf() -> None:
     assert tensor_bytes(None) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the module docstring traces a bare nn.Linear, whose "
-                   "graph holds a call_function linear, not a call_module, so it prints []")
 def test_doctests() -> None:
     assert doctest.testmod(passes.shape_prop).failed == 0

@@ -1,0 +1,143 @@
+"""Tests of passes/private_rng.py: dropout draws its masks from the stage's own generator."""
+
+from __future__ import annotations
+
+import doctest
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import passes.private_rng
+from passes.private_rng import route_dropout
+from runtime import rng
+
+
+class Functional(nn.Module):
+    """Every functional spelling of dropout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(x, 0.25)
+        x = F.dropout(x, p=0.5, training=True)
+        x = F.dropout(x, 0.3, training=False)
+        return torch.dropout(x, 0.4, True)
+
+
+def routed(model: nn.Module) -> fx.GraphModule:
+    gm = fx.symbolic_trace(model)
+    assert route_dropout(gm).modified
+    return gm
+
+
+def with_seed(gm: fx.GraphModule, x: torch.Tensor, seed: int) -> torch.Tensor:
+    with rng.use_generator(torch.Generator().manual_seed(seed)):
+        return gm(x)
+
+
+def calls(gm: fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_module")]
+
+
+def test_dropout_modules_are_rewritten_to_read_their_module() -> None:
+    gm = routed(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)))
+    assert calls(gm) == ["0", rng.dropout_module]
+    node = next(n for n in gm.graph.nodes if n.target is rng.dropout_module)
+    x, module = node.args
+    assert x.name == "_0"
+    assert module.op == "get_attr" and module.target == "1"
+
+
+def test_functional_dropouts_are_rewritten_with_their_arguments() -> None:
+    gm = routed(Functional())
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in nodes] == [rng.dropout] * 4
+    assert [n.args[1:] for n in nodes] == [(0.25, True), (0.5, True), (0.3, False), (0.4, True)]
+    assert all(n.kwargs == {} for n in nodes)
+
+
+def test_aten_dropout_is_rewritten() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.dropout.default, (x, 0.5, True)))
+    gm = fx.GraphModule(nn.Module(), graph)
+    assert route_dropout(gm).modified
+    (node,) = graph.find_nodes(op="call_function", target=rng.dropout)
+    assert node.args == (x, 0.5, True)
+
+
+def test_the_same_generator_state_gives_the_same_masks() -> None:
+    gm = routed(nn.Sequential(nn.Dropout(0.5), nn.Linear(64, 64), nn.Dropout(0.5)))
+    x = torch.randn(8, 64)
+    generator = torch.Generator().manual_seed(7)
+    with rng.use_generator(rng.fork(generator)):
+        first = gm(x)
+    torch.manual_seed(123)  # the global generator plays no part
+    with rng.use_generator(rng.fork(generator)):
+        second = gm(x)
+    assert torch.equal(first, second)
+
+
+def test_the_masks_follow_the_installed_generator() -> None:
+    gm = routed(nn.Sequential(nn.Dropout(0.5)))
+    x = torch.ones(1000)
+    assert not torch.equal(with_seed(gm, x, 1), with_seed(gm, x, 2))
+    mask = torch.empty(1000).bernoulli_(0.5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(with_seed(gm, x, 1), x * mask / 0.5)
+
+
+def test_routed_dropout_leaves_the_global_generator_alone() -> None:
+    gm = routed(Functional())
+    x = torch.randn(100)
+    state = torch.get_rng_state()
+    with_seed(gm, x, 0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_routed_dropout_passes_through_in_eval_mode() -> None:
+    gm = routed(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9)))
+    gm.eval()
+    x = torch.randn(16, 4)
+    assert torch.equal(with_seed(gm, x, 0), gm.get_submodule("0")(x))
+
+
+def test_routed_dropout_with_p_zero_passes_through() -> None:
+    class Zero(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(x, 0.0) + torch.dropout(x, 0.0, True)
+
+    x = torch.randn(16)
+    assert torch.equal(with_seed(routed(Zero()), x, 0), x + x)
+    assert torch.equal(with_seed(routed(nn.Sequential(nn.Dropout(0.0))), x, 0), x)
+
+
+def test_routed_dropout_with_training_false_passes_through() -> None:
+    class Off(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(x, 0.9, training=False)
+
+    x = torch.randn(16)
+    assert torch.equal(with_seed(routed(Off()), x, 0), x)
+
+
+def test_channel_dropout_modules_are_left_alone() -> None:
+    model = nn.Sequential(nn.Dropout1d(0.5), nn.Dropout2d(0.5), nn.Dropout3d(0.5),
+                          nn.AlphaDropout(0.5))
+    gm = fx.symbolic_trace(model)
+    code = gm.code
+    result = route_dropout(gm)
+    assert not result.modified
+    assert calls(gm) == ["0", "1", "2", "3"]
+    assert gm.code == code
+
+
+def test_route_dropout_rewrites_in_place_and_keeps_other_nodes() -> None:
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Dropout2d(0.5)))
+    result = route_dropout(gm)
+    assert result.graph_module is gm
+    assert calls(gm) == ["0", rng.dropout_module, "2"]
+    assert "dropout_module" in gm.code  # recompiled
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(passes.private_rng).failed == 0
