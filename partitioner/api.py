@@ -48,7 +48,8 @@ from passes.split_stages import split_stages
 from runtime.local import CHECKPOINT_MODES
 from runtime.module import PartitionedModule
 
-__all__ = ["partition", "make_plan", "analyze", "Analysis", "STRATEGIES"]
+__all__ = ["partition", "make_plan", "analyze", "build_stage_graphs", "Analysis",
+           "STRATEGIES"]
 
 STRATEGIES = ("auto", "pipeline")
 
@@ -241,13 +242,13 @@ def _make_plan(analysis: Analysis, options: _Options, strategy: str, cuts: Seque
 def _build(model: nn.Module, analysis: Analysis, plan: Plan, options: _Options,
            example_inputs: tuple[Any, ...] | None,
            example_kwargs: dict[str, Any] | None) -> PartitionedModule:
-    cache: dict[bool, list[fx.GraphModule]] = {analysis.training: _stage_graphs(analysis, plan)}
+    cache = {analysis.training: build_stage_graphs(analysis, plan)}
     devices = list(options.devices)
 
     def stage_factory(training: bool) -> list[fx.GraphModule]:
         if training not in cache:
-            cache[training] = _stage_graphs(_recapture(model, analysis, training, example_inputs,
-                                                       example_kwargs), plan)
+            fresh = _recapture(model, analysis, training, example_inputs, example_kwargs)
+            cache[training] = build_stage_graphs(fresh, plan)
         return cache[training]
 
     captured = analysis.captured
@@ -274,7 +275,8 @@ def _recapture(model: nn.Module, analysis: Analysis, training: bool,
     return fresh
 
 
-def _stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
+def build_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
+    """One graph per stage of ``plan``, rewritten for the runtime and moved to its device."""
     layer_stage = {name: stage.index for stage in plan.stages for name in stage.layers}
     gm = analysis.captured.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -76,7 +77,16 @@ class LocalPipeline:
         self.checkpoint = checkpoint
         self.runners = [StageRunner(j, gm, d) for j, (gm, d) in enumerate(zip(stages, devices))]
         self.workers = [Worker(d) for d in self.devices]
+        #: (action, start, end) in seconds since the pipeline was made, for every action the
+        #: last forward and backward ran (what ``viz`` draws as a measured timeline).
+        self.timeline: list[tuple[Action, float, float]] = []
+        self._origin = time.perf_counter()
         self._lock = threading.Lock()
+
+    def _record(self, action: Action, start: float) -> None:
+        with self._lock:
+            self.timeline.append((action, start - self._origin,
+                                  time.perf_counter() - self._origin))
 
     def schedule(self, n_microbatches: int) -> tuple[Schedule, Schedule]:
         """The forward and backward action lists used for ``n_microbatches``."""
@@ -105,6 +115,7 @@ class LocalPipeline:
         n = len(micro)
         forward, _ = self.schedule(n)
         stop = checkpoint_stop(self.checkpoint, n)
+        self.timeline = []
         seed = int(torch.randint(0, 2**62, (1,)).item())
         for j, runner in enumerate(self.runners):
             runner.reset(seed + j)
@@ -114,6 +125,7 @@ class LocalPipeline:
             runner = self.runners[j]
             for action in actions:
                 i = action.microbatch
+                start = time.perf_counter()
                 try:
                     if j == 0:
                         inputs = pytree.tree_unflatten(
@@ -123,6 +135,7 @@ class LocalPipeline:
                         inputs = pytree.tree_unflatten(leaves, spec)
                     out = runner.forward(i, list(inputs), grad=grad, checkpoint=i < stop)
                     slots[j][i].set_result(send(out, runner.device))
+                    self._record(action, start)
                 except BaseException as error:
                     slots[j][i].set_exception(error)
 
@@ -144,10 +157,12 @@ class LocalPipeline:
             runner = self.runners[j]
             for action in actions:
                 i = action.microbatch
+                start = time.perf_counter()
                 try:
                     incoming = grads_last[i] if j == last else slots[j + 1][i].result()
                     incoming = move_leaves(incoming, runner.device, grad=False)
                     slots[j][i].set_result(runner.backward(i, incoming))
+                    self._record(action, start)
                 except BaseException as error:
                     slots[j][i].set_exception(error)
 
