@@ -150,7 +150,7 @@ class LocalPipeline:
 
     def _backward(self, n: int, grads_last: list[list[Any]]) -> list[list[Any]]:
         _, backward = self.schedule(n)
-        slots: list[list[Future[list[Any]]]] = [[Future() for _ in range(n)] for _ in self.runners]
+        slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
         last = len(self.runners) - 1
 
         def stage_loop(j: int, actions: tuple[Action, ...]) -> None:
@@ -159,9 +159,12 @@ class LocalPipeline:
                 i = action.microbatch
                 start = time.perf_counter()
                 try:
-                    incoming = grads_last[i] if j == last else slots[j + 1][i].result()
-                    incoming = move_leaves(incoming, runner.device, grad=False)
-                    slots[j][i].set_result(runner.backward(i, incoming))
+                    if j == last:
+                        incoming = move_leaves(grads_last[i], runner.device, grad=False)
+                    else:
+                        incoming, _ = receive(slots[j + 1][i].result(), runner.device,
+                                              grad=False)
+                    slots[j][i].set_result(send(runner.backward(i, incoming), runner.device))
                     self._record(action, start)
                 except BaseException as error:
                     slots[j][i].set_exception(error)
@@ -172,7 +175,7 @@ class LocalPipeline:
         errors = [e for row in slots for s in row if (e := s.exception()) is not None]
         if errors:
             raise _first_stage_error(errors)
-        return [f.result() for f in slots[0]]
+        return [f.result().leaves for f in slots[0]]
 
     def close(self) -> None:
         """Stop the workers."""

@@ -43,10 +43,18 @@ class Worker:
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn(*args)`` on this worker's thread, in its device and stream context."""
         def run() -> T:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            with self._context():
+            if self.stream is None:
                 return fn(*args)
+            torch.cuda.set_device(self.device)
+            default = torch.cuda.default_stream(self.device)
+            # Order against what the caller queued before, and make what we queue visible
+            # to whatever the caller queues after it has our result.
+            self.stream.wait_stream(default)
+            try:
+                with self._context():
+                    return fn(*args)
+            finally:
+                default.wait_stream(self.stream)
         return self._executor.submit(run)
 
     def close(self) -> None:
