@@ -3,23 +3,28 @@
 The model is ``nn.Sequential`` of 16 x (Linear(1024, 1024), ReLU): 32 modules, split
 [16, 16] by both tools, batch 64 in 8 micro-batches. One step is an SGD step: ``zero_grad``,
 forward, MSE loss against a fixed random target, backward, ``step``. For each checkpoint mode
-both tools run in the same process under the same thread settings, their steps interleaved
-(every round times each contender once, in a rotating order), so drift in the machine hits
-them alike. The unpartitioned model, with and without 8-way gradient accumulation, is the
-anchor.
+both tools run under the same thread settings, their steps interleaved (every round times each
+contender once, in a rotating order), so drift in the machine hits them alike. The
+unpartitioned model, with and without 8-way gradient accumulation, is the anchor.
+
+By default every contender lives in its own process and only the one being timed computes;
+the others block on a pipe. In one process the contenders disturb each other: each thread that
+has run a parallel op keeps an OpenMP team, and once a process has more OpenMP threads than
+cores every team's barriers sleep and wake instead of spinning, which slows *all* of them
+(``--same-process`` shows it).
 
 Run:
     python benchmarks/pipeline_vs_torchgpipe.py                 # defaults: 5 warm-up, 20 timed
     python benchmarks/pipeline_vs_torchgpipe.py --steps 40 --threads 1 --modes never
 
-Every contender starts from a copy of one model and sees the same batch, so their first
-losses must agree; the script checks that before timing.
+Every contender starts from the same seeded model and batch, so their first losses must
+agree; the script checks that before timing.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -28,8 +33,11 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 MODES = ("always", "except_last", "never")
+PLAIN, ACCUMULATED = "unpartitioned", "unpartitioned, accumulation"
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,8 +47,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated checkpoint modes (always,except_last,never)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads for every thread of the process "
+                        help="intra-op threads for every thread of every process "
                              "(default: torch's default, one per core)")
+    parser.add_argument("--same-process", action="store_true",
+                        help="run all contenders in this process instead of one each")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
@@ -54,9 +64,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-# torch.set_num_threads changes the calling thread and threads started after it, but not
-# threads already running. Setting OMP_NUM_THREADS before torch is imported gives every thread
-# (ours, torchgpipe's, autograd's) the same intra-op pool whenever it was started.
+# torch.set_num_threads changes the calling thread and the default of threads initialised
+# after it, not threads already running. Setting OMP_NUM_THREADS before torch is imported
+# gives every thread (ours, torchgpipe's, autograd's) the same intra-op pool whenever it was
+# started, and the contender processes inherit it.
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.threads is not None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(ARGS.threads)
@@ -65,41 +76,36 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+import partitioner  # noqa: E402
 from partitioner import partition  # noqa: E402
 
 
-def import_torchgpipe() -> tuple[type, list[str]]:
-    """torchgpipe's ``GPipe``, and the warnings its import raised.
+def import_torchgpipe() -> type:
+    """torchgpipe's ``GPipe``.
 
-    Shims for torch 2.13 (each applied only if needed, so a fixed torchgpipe runs untouched):
-
-    * none has been needed so far: torchgpipe 0.0.7 imports and trains on torch 2.13 CPU as
-      released (it touches ``torch.cuda`` only through ``torch.cuda.Stream``, which it never
-      builds for CPU devices, and its checkpoint is its own ``autograd.Function``).
+    Shims for torch 2.13: none is needed. torchgpipe 0.0.7 imports and trains on torch 2.13
+    CPU as released: it reaches ``torch.cuda`` only through streams, which it replaces by a
+    placeholder on CPU devices, and its checkpointing is its own ``autograd.Function``
+    (checked: all three modes run and agree with the unpartitioned loss). Should a later
+    torch break it, the shim goes here, with a comment saying what it patches and why.
     """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from torchgpipe import GPipe
-    return GPipe, [str(w.message) for w in caught]
+    from torchgpipe import GPipe
+    return GPipe
 
 
-def make_model(width: int, blocks: int, seed: int) -> nn.Sequential:
+def make_model(args: argparse.Namespace) -> nn.Sequential:
     """16 x (Linear, ReLU) as 32 separate modules, so balance counts modules for both tools."""
-    torch.manual_seed(seed)
+    torch.manual_seed(args.seed)
     layers: list[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+    for _ in range(args.blocks):
+        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
-@dataclass
-class Contender:
-    """A named training step, its own model copy, and the step times measured for it."""
-
-    name: str
-    step: Callable[[], float]
-    times: list[float] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+def make_batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, args.width, generator=generator)  # (B, width)
+    return x, torch.randn(args.batch, args.width, generator=generator)
 
 
 def sgd_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Callable[[], float]:
@@ -111,7 +117,7 @@ def sgd_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Callabl
         loss = F.mse_loss(model(x), target)
         loss.backward()
         optimizer.step()
-        return float(loss)
+        return loss.item()
     return step
 
 
@@ -128,46 +134,121 @@ def accumulated_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
             # Weighting by the chunk's share makes the sum equal the whole-batch mean loss.
             loss = F.mse_loss(model(xi), ti) * (xi.shape[0] / x.shape[0])
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         optimizer.step()
         return total
     return step
 
 
-def contenders(args: argparse.Namespace, gpipe_cls: type) -> list[Contender]:
-    base = make_model(args.width, args.blocks, args.seed)
-    x = torch.randn(args.batch, args.width)
-    target = torch.randn(args.batch, args.width)
-    n = len(base)
-    balance = [n // 2, n - n // 2]
-    out = [Contender("unpartitioned", sgd_step(copy.deepcopy(base), x, target)),
-           Contender(f"unpartitioned, {args.chunks}-way accumulation",
-                     accumulated_step(copy.deepcopy(base), x, target, args.chunks))]
-    for mode in args.modes:
-        ours = partition(copy.deepcopy(base), devices=["cpu", "cpu"], example_inputs=(x,),
-                         chunks=args.chunks, checkpoint=mode, balance=balance)
-        out.append(Contender(f"ours/{mode}", sgd_step(ours, x, target)))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            theirs = gpipe_cls(copy.deepcopy(base), balance=balance, devices=["cpu", "cpu"],
-                               chunks=args.chunks, checkpoint=mode)
-        c = Contender(f"torchgpipe/{mode}", sgd_step(theirs, x, target))
-        c.warnings = [str(w.message) for w in caught]
-        out.append(c)
-    return out
+def contender_names(args: argparse.Namespace) -> list[str]:
+    return [PLAIN, ACCUMULATED] + [f"{tool}/{mode}" for mode in args.modes
+                                   for tool in ("ours", "torchgpipe")]
+
+
+def build_step(name: str, args: argparse.Namespace) -> tuple[Callable[[], float], list[int]]:
+    """The named contender's step and the intra-op threads of the threads it computes on."""
+    model, (x, target) = make_model(args), make_batch(args)
+    balance = [len(model) // 2, len(model) - len(model) // 2]
+    if name == PLAIN:
+        return sgd_step(model, x, target), [torch.get_num_threads()]
+    if name == ACCUMULATED:
+        return accumulated_step(model, x, target, args.chunks), [torch.get_num_threads()]
+    tool, mode = name.split("/")
+    if tool == "ours":
+        pm = partition(model, devices=["cpu", "cpu"], example_inputs=(x,), chunks=args.chunks,
+                       checkpoint=mode, balance=balance)
+        return sgd_step(pm, x, target), worker_threads(pm)
+    gpipe = import_torchgpipe()(model, balance=balance, devices=["cpu", "cpu"],
+                                chunks=args.chunks, checkpoint=mode)
+    return sgd_step(gpipe, x, target), [new_thread_threads()]
+
+
+def worker_threads(pm: nn.Module) -> list[int]:
+    """Intra-op threads each of our stage workers runs with."""
+    workers = pm.pipeline(True).workers  # type: ignore[operator]
+    return [w.submit(torch.get_num_threads).result() for w in workers]
+
+
+def new_thread_threads() -> int:
+    """Intra-op threads of a thread started now (torchgpipe starts its workers per call)."""
+    probe: list[int] = []
+    t = threading.Thread(target=lambda: probe.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return probe[0]
+
+
+@dataclass
+class Contender:
+    """A named training step, timed where it runs; ``run()`` gives (seconds, loss)."""
+
+    name: str
+    run: Callable[[], tuple[float, float]]
+    threads: list[int]
+    warnings: list[str]
+    close: Callable[[], None] = lambda: None
+    pid: int | None = None
+    times: list[float] = field(default_factory=list)
+
+
+def timed(step: Callable[[], float]) -> Callable[[], tuple[float, float]]:
+    def run() -> tuple[float, float]:
+        start = time.perf_counter()
+        loss = step()
+        return time.perf_counter() - start, loss
+    return run
+
+
+def local_contender(name: str, args: argparse.Namespace) -> Contender:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, threads = build_step(name, args)
+        run = timed(step)
+        first = run()  # warnings of the first step too; its loss is checked by the caller
+    c = Contender(name, run, threads, sorted({str(w.message) for w in caught}))
+    c.run = _replay_first(first, run)
+    return c
+
+
+def _replay_first(first: tuple[float, float],
+                  run: Callable[[], tuple[float, float]]) -> Callable[[], tuple[float, float]]:
+    """``run`` whose first call returns the already-run first step (it counts as warm-up)."""
+    pending = [first]
+    return lambda: pending.pop() if pending else run()
+
+
+def serve(conn: Connection, name: str, args: argparse.Namespace) -> None:
+    """A contender process: build, run the first step, then one step per request."""
+    c = local_contender(name, args)
+    conn.send((c.threads, c.warnings))
+    while conn.recv() == "step":
+        conn.send(c.run())
+
+
+def remote_contender(name: str, args: argparse.Namespace) -> Contender:
+    parent, child = mp.get_context("spawn").Pipe()
+    process = mp.get_context("spawn").Process(target=serve, args=(child, name, args),
+                                              daemon=True)
+    process.start()
+
+    def run() -> tuple[float, float]:
+        parent.send("step")
+        return parent.recv()  # type: ignore[no-any-return]
+
+    def close() -> None:
+        parent.send("stop")
+        process.join(timeout=30)
+
+    c = Contender(name, run, [], [], close, process.pid)
+    c.threads, c.warnings = parent.recv()  # waits until the child has built its contender
+    return c
 
 
 def check_first_losses(runners: list[Contender]) -> float:
     """Run each contender's first step; they start from one model, so losses must agree."""
-    losses = {}
-    for c in runners:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            losses[c.name] = c.step()
-        c.warnings += [str(w.message) for w in caught]
-    first = next(iter(losses.values()))
-    spread = max(abs(v - first) for v in losses.values())
-    if spread > 1e-4 * max(1.0, abs(first)):
+    losses = {c.name: c.run()[1] for c in runners}
+    first = losses[PLAIN]
+    if max(abs(v - first) for v in losses.values()) > 1e-4 * max(1.0, abs(first)):
         raise SystemExit(f"first-step losses disagree: {losses}")
     return first
 
@@ -177,11 +258,45 @@ def measure(runners: list[Contender], warmup: int, steps: int) -> None:
     for r in range(warmup + steps):
         shift = r % len(runners)
         for c in runners[shift:] + runners[:shift]:
-            start = time.perf_counter()
-            c.step()
-            elapsed = time.perf_counter() - start
+            elapsed, _ = c.run()
             if r >= warmup:
                 c.times.append(elapsed)
+
+
+class MachineLoad:
+    """CPU time other processes took meanwhile, as a share of all cores.
+
+    With 2 intra-op threads on 2 cores, a core busy elsewhere stalls every OpenMP barrier,
+    so a loaded machine slows the most-threaded contenders most. Reported so a reader can
+    judge a run. ``pids`` are our contender processes: their time is not "other".
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        tick = os.sysconf("SC_CLK_TCK")
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+            children = 0
+            for pid in self.pids:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read().rpartition(")")[2].split()
+                children += int(stat[11]) + int(stat[12])  # utime, stime
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        own = os.times()
+        return busy / tick, own.user + own.system + children / tick, time.perf_counter()
+
+    def foreign_share(self) -> float | None:
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, end))
+        return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
 
 
 def summary(times: list[float]) -> tuple[float, float, float]:
@@ -190,23 +305,39 @@ def summary(times: list[float]) -> tuple[float, float, float]:
     return med * 1e3, q1 * 1e3, q3 * 1e3
 
 
-def thread_report() -> str:
-    probe: list[int] = []
-    t = threading.Thread(target=lambda: probe.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    return (f"intra-op threads: main {torch.get_num_threads()}, new threads {probe[0]}; "
-            f"inter-op threads {torch.get_num_interop_threads()}; "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+def print_header(args: argparse.Namespace) -> None:
+    import torchgpipe
+    print(f"torch {torch.__version__}, torchgpipe {torchgpipe.__version__}, "
+          f"python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()})")
+    print(f"partitioner from {Path(partitioner.__file__).parent.parent}")
+    print(f"intra-op threads {torch.get_num_threads()} (new threads {new_thread_threads()}), "
+          f"inter-op threads {torch.get_num_interop_threads()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; contenders "
+          f"{'share this process' if args.same_process else 'run in one process each'}")
+    print(f"model: {args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch "
+          f"{args.batch}, chunks {args.chunks}, balance [{args.blocks}, {args.blocks}], "
+          f"{args.warmup} warm-up + {args.steps} timed steps, interleaved")
+
+
+def print_setup(runners: list[Contender], loss: float) -> None:
+    print(f"first-step losses agree across all {len(runners)} contenders ({loss:.6f})")
+    ours = next((c.threads for c in runners if c.name.startswith("ours/")), None)
+    theirs = next((c.threads for c in runners if c.name.startswith("torchgpipe/")), None)
+    print(f"ours: a worker thread per stage, intra-op threads per worker {ours}; torchgpipe: a "
+          f"worker thread per distinct device (both 'cpu' stages share one, {theirs} threads), "
+          "backward on autograd's thread")
+    for w in sorted({w for c in runners for w in c.warnings}):
+        print(f"warning seen (once per kind): {w}")
 
 
 def print_results(args: argparse.Namespace, runners: list[Contender]) -> None:
     by_name = {c.name: c for c in runners}
-    plain = summary(by_name["unpartitioned"].times)[0]
-    print(f"\n{'contender':<38} {'median ms':>9} {'IQR ms':>15} {'/ unpart.':>9}")
+    plain = summary(by_name[PLAIN].times)[0]
+    print(f"\n{'contender':<32} {'median ms':>9} {'IQR ms':>15} {'/ unpart.':>9}")
     for c in runners:
         med, q1, q3 = summary(c.times)
-        print(f"{c.name:<38} {med:>9.1f} {q1:>7.1f}-{q3:<7.1f} {med / plain:>9.2f}")
+        label = f"{ACCUMULATED} x{args.chunks}" if c.name == ACCUMULATED else c.name
+        print(f"{label:<32} {med:>9.1f} {q1:>7.1f}-{q3:<7.1f} {med / plain:>9.2f}")
     print(f"\n{'mode':<12} {'ours ms':>8} {'torchgpipe ms':>13} {'ours/torchgpipe':>15} "
           f"{'goal <= 0.9':>11} {'ours/unpart.':>12}")
     for mode in args.modes:
@@ -219,22 +350,21 @@ def print_results(args: argparse.Namespace, runners: list[Contender]) -> None:
 
 def main() -> None:
     args = ARGS or parse_args()
-    gpipe_cls, import_warnings = import_torchgpipe()
-    import torchgpipe
-    print(f"torch {torch.__version__}, torchgpipe {torchgpipe.__version__}, "
-          f"python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()})")
-    print(thread_report())
-    print(f"model: {args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch "
-          f"{args.batch}, chunks {args.chunks}, balance [{args.blocks}, {args.blocks}], "
-          f"{args.warmup} warm-up + {args.steps} timed steps, interleaved")
-    runners = contenders(args, gpipe_cls)
-    loss = check_first_losses(runners)
-    print(f"first-step losses agree across all {len(runners)} contenders ({loss:.6f})")
-    notes = sorted({w for c in runners for w in c.warnings} | set(import_warnings))
-    for w in notes:
-        print(f"warning seen (once per kind): {w}")
-    measure(runners, args.warmup, args.steps)
+    print_header(args)
+    make = local_contender if args.same_process else remote_contender
+    runners = [make(name, args) for name in contender_names(args)]
+    try:
+        print_setup(runners, check_first_losses(runners))
+        load = MachineLoad([c.pid for c in runners if c.pid is not None])
+        measure(runners, args.warmup, args.steps)
+        share = load.foreign_share()
+    finally:
+        for c in runners:
+            c.close()
     print_results(args, runners)
+    if share is not None:
+        print(f"\nother processes used {share:.0%} of the machine's CPU time during the timed "
+              f"rounds (load average now {os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

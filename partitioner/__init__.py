@@ -14,13 +14,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from partitioner.api import make_plan, partition
+    from partitioner.apply import load_plan
     from partitioner.capture import TraceError
+    from partitioner.devices import Cluster, DeviceSpec
+    from partitioner.distributed import DistributedModel, partition_distributed
     from partitioner.errors import PartitionError
     from partitioner.plan import Plan, Stage
+    from partitioner.simulate import simulate
+    from partitioner.spec import Spec
+    from partitioner.tensor_parallel import parallelize
+    from partitioner.viz import visualize
     from passes.flatten_sequential import flatten_sequential
 
 __all__ = ["partition", "make_plan", "Plan", "Stage", "PartitionError", "TraceError",
-           "flatten_sequential"]
+           "flatten_sequential", "visualize", "load_plan", "Spec", "partition_distributed",
+           "DistributedModel", "parallelize", "simulate", "Cluster", "DeviceSpec"]
 
 _WHERE = {
     "partition": "partitioner.api",
@@ -30,6 +38,15 @@ _WHERE = {
     "PartitionError": "partitioner.errors",
     "TraceError": "partitioner.errors",
     "flatten_sequential": "passes.flatten_sequential",
+    "visualize": "partitioner.viz",
+    "load_plan": "partitioner.apply",
+    "Spec": "partitioner.spec",
+    "partition_distributed": "partitioner.distributed",
+    "DistributedModel": "partitioner.distributed",
+    "parallelize": "partitioner.tensor_parallel",
+    "simulate": "partitioner.simulate",
+    "Cluster": "partitioner.devices",
+    "DeviceSpec": "partitioner.devices",
 }
 
 

@@ -1,9 +1,12 @@
 """The plan: which layers run where, how, and what that is predicted to cost.
 
-A :class:`Plan` is a frozen, validated, printable value: the stages (their layers by module
-name, device and predicted cost), the micro-batch count, schedule and checkpoint mode. It is
-the only thing the partitioner hands the runtime besides the stage graphs, and it can be
-written to JSON and read back.
+A :class:`Plan` is a frozen, validated, printable value: the device mesh, the stages (their
+layers by module name, device and predicted cost), tensor-parallel shard specs, the
+micro-batch count, schedule and checkpoint mode, what the planner was asked and predicted,
+and a fingerprint of the model it was made for. It is the only thing the partitioner hands
+the runtime besides the stage graphs, and it can be written to JSON and read back: the file
+is meant to be read, diffed and edited by people (``docs/design/002-plan-files.md``), its
+JSON Schema ships as ``partitioner/plan_schema.json``, and loading it runs no code.
 
 Example:
     >>> stage = Stage(0, "cpu", ("0", "1"))
@@ -20,11 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import PartitionError
+from partitioner.fingerprint import Fingerprint
 
-__all__ = ["Stage", "Plan", "PlanFormatError", "FORMAT", "VERSION"]
+__all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
+           "VERSION", "SHARD_KINDS"]
 
 FORMAT = "partitioner.plan"
 VERSION = 1
+
+#: How a tensor-parallel parameter is split (Megatron's names): ``colwise`` splits a Linear's
+#: output features, ``rowwise`` its input features, ``vocab`` an embedding's rows.
+SHARD_KINDS = ("colwise", "rowwise", "vocab")
 
 
 class PlanFormatError(PartitionError, ValueError):
@@ -42,6 +51,8 @@ class Stage:
         predicted_time: seconds of forward + backward per micro-batch, if costed.
         predicted_memory: bytes it holds during a step, if costed.
         param_bytes: bytes of its parameters, if costed.
+        send_bytes: bytes it hands the next stage per micro-batch (activations forward; their
+            gradients come back the same size), if costed.
     """
 
     index: int
@@ -50,12 +61,69 @@ class Stage:
     predicted_time: float | None = None
     predicted_memory: int | None = None
     param_bytes: int | None = None
+    send_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise PlanFormatError(f"stage {self.index} has no layers; every stage needs one")
         if self.index < 0:
             raise PlanFormatError(f"stage index {self.index} is negative")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The device mesh: data-parallel replicas x pipeline stages x tensor-parallel shards."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={v!r}" for k, v in asdict(self).items()
+               if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise PlanFormatError(f"mesh {', '.join(bad)}; every mesh axis is an int >= 1")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the tensor-parallel axis.
+
+    Attributes:
+        dim: the tensor dimension that is split.
+        kind: one of :data:`SHARD_KINDS`.
+    """
+
+    dim: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise PlanFormatError(f"shard dim={self.dim!r}; pass a tensor dimension >= 0")
+        if self.kind not in SHARD_KINDS:
+            raise PlanFormatError(f"shard kind={self.kind!r}; use one of {SHARD_KINDS}")
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """What the planner was asked: kept so a plan says how it was made.
+
+    Attributes:
+        strategy: the strategy asked for (``"auto"``, ``"pipeline"``, ``"spec"``).
+        balance: ``balance=`` as given, if any.
+        split_points: ``split_points=`` as given, if any.
+        memory_limit: bytes per device the planner had to respect, if given.
+        example_inputs: the example batch the layers were costed on, as
+            ``"float32[64, 32]"`` per positional input.
+        spec: the hand-written spec the plan was compiled from, if any (as written).
+    """
+
+    strategy: str = "auto"
+    balance: tuple[int, ...] | None = None
+    split_points: tuple[str, ...] | None = None
+    memory_limit: tuple[float, ...] | None = None
+    example_inputs: tuple[str, ...] = ()
+    spec: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -73,6 +141,14 @@ class Plan:
         predicted_step_time: seconds per training step, if costed.
         predicted_bubble: idle fraction of the schedule, if costed.
         notes: the planner's remarks (why this plan), free text.
+        mesh: dp x pp x tp; defaults to ``Mesh(1, len(stages), 1)``.
+        shard_specs: tensor-parallel splits by parameter name (empty: no tensor parallelism).
+        planner: what the planner was asked, if recorded.
+        fingerprint: the structure of the model the plan was made for; ``None`` for plans
+            written by hand (then applying it checks the layer names only).
+        candidates: the planner's ranked candidates as plain JSON data, the chosen one
+            first with its stage costs (``partitioner.auto``; read by :meth:`explain` and
+            ``partitioner.simulate``).
     """
 
     strategy: str
@@ -85,9 +161,20 @@ class Plan:
     predicted_step_time: float | None = None
     predicted_bubble: float | None = None
     notes: tuple[str, ...] = field(default=())
+    mesh: Mesh | None = None
+    shard_specs: dict[str, ShardSpec] = field(default_factory=dict)
+    planner: PlannerInputs | None = None
+    fingerprint: Fingerprint | None = None
+    candidates: tuple[dict[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", Mesh(1, len(self.stages), 1))
+        # Sorted, so equal plans print and save alike whatever order the specs came in.
+        object.__setattr__(self, "shard_specs", dict(sorted(self.shard_specs.items())))
         problems = []
+        if self.mesh is not None and self.mesh.pp != len(self.stages):
+            problems.append(f"mesh pp={self.mesh.pp} but there are {len(self.stages)} stages")
         if len(self.devices) != len(self.stages):
             problems.append(f"{len(self.stages)} stages but {len(self.devices)} devices")
         if [s.index for s in self.stages] != list(range(len(self.stages))):
@@ -101,6 +188,14 @@ class Plan:
             problems.append("a layer appears in two stages")
         if problems:
             raise PlanFormatError("invalid plan: " + "; ".join(problems))
+
+    def __hash__(self) -> int:
+        return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint))
+
+    def explain(self) -> str:
+        """The planner's ranked candidates and why this one won (``partitioner.auto``)."""
+        from partitioner.auto import explain
+        return explain(self.candidates)
 
     @property
     def balance(self) -> tuple[int, ...]:
@@ -125,6 +220,10 @@ class Plan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         summary = (f"{self.strategy}: {len(self.stages)} stages, chunks={self.chunks}, "
                    f"checkpoint={self.checkpoint}, schedule={self.schedule}")
+        if self.mesh is not None and (self.mesh.dp, self.mesh.tp) != (1, 1):
+            summary += f", mesh dp={self.mesh.dp} pp={self.mesh.pp} tp={self.mesh.tp}"
+        if self.shard_specs:
+            summary += f", {len(self.shard_specs)} sharded parameters"
         if self.predicted_step_time is not None:
             summary += f", predicted step {_ms(self.predicted_step_time)}"
         if self.predicted_bubble is not None:
@@ -136,11 +235,18 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict, with the file format's name and version."""
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+        body = {k: v for k, v in asdict(self).items()
+                if k not in ("shard_specs", "planner", "fingerprint")}
+        body["shard_specs"] = {name: asdict(s) for name, s in self.shard_specs.items()}
+        body["planner"] = _planner_to_dict(self.planner)
+        body["fingerprint"] = self.fingerprint.to_dict() if self.fingerprint else None
+        return {"format": FORMAT, "version": VERSION, **body}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Rebuild a plan from :meth:`to_dict` output (validated, no code run)."""
+        if not isinstance(data, dict):
+            raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise PlanFormatError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
         if data.get("version") != VERSION:
@@ -149,23 +255,94 @@ class Plan:
         body = {k: v for k, v in data.items() if k not in ("format", "version")}
         try:
             stages = tuple(Stage(**{**s, "layers": tuple(s["layers"])}) for s in body.pop("stages"))
+            mesh = body.pop("mesh", None)
+            shards = body.pop("shard_specs", None) or {}
+            planner = body.pop("planner", None)
+            printed = body.pop("fingerprint", None)
             return cls(**{**body, "stages": stages, "devices": tuple(body["devices"]),
-                          "notes": tuple(body.get("notes", ()))})
-        except (TypeError, KeyError) as error:
-            raise PlanFormatError(f"malformed plan: {error}") from error
+                          "notes": tuple(body.get("notes", ())),
+                          "mesh": Mesh(**mesh) if mesh is not None else None,
+                          "shard_specs": {str(k): ShardSpec(**v) for k, v in shards.items()},
+                          "planner": _planner_from_dict(planner),
+                          "fingerprint": Fingerprint.from_dict(printed) if printed else None,
+                          "candidates": tuple(body.get("candidates", ()))})
+        except (TypeError, KeyError, AttributeError, ValueError) as error:
+            if isinstance(error, PlanFormatError):
+                raise
+            raise PlanFormatError(f"malformed plan: {type(error).__name__}: {error}") from error
+
+    def to_json(self) -> str:
+        """The plan file's text: indented JSON, short lists on one line, one name a line."""
+        return readable_json(self.to_dict()) + "\n"
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as indented JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the plan as indented JSON (see :meth:`to_json`)."""
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan written by :meth:`save`."""
         try:
             data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise PlanFormatError(f"{path} is not JSON: {error}") from error
+        except OSError as error:
+            raise PlanFormatError(f"cannot read plan file {path}: {error}") from error
         return cls.from_dict(data)
+
+
+def _planner_to_dict(planner: PlannerInputs | None) -> dict[str, Any] | None:
+    return None if planner is None else asdict(planner)
+
+
+def _planner_from_dict(data: dict[str, Any] | None) -> PlannerInputs | None:
+    if data is None:
+        return None
+    tuples = ("balance", "split_points", "memory_limit", "example_inputs")
+    fields: dict[str, Any] = {k: tuple(v) if k in tuples and v is not None else v
+                              for k, v in data.items()}
+    return PlannerInputs(**fields)
+
+
+def readable_json(value: Any, indent: int = 2, width: int = 88) -> str:
+    """JSON that diffs well: containers of scalars that fit in ``width`` on one line
+    (a shape, a device list), longer ones one item a line (a stage's layers).
+
+    Example:
+        >>> print(readable_json({"shape": [2, 3], "layers": ["a" * 50, "b" * 50]}))
+        {
+          "shape": [2, 3],
+          "layers": [
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+          ]
+        }
+    """
+    return _dump(value, 0, indent, width)
+
+
+def _dump(value: Any, depth: int, indent: int, width: int) -> str:
+    if not isinstance(value, (dict, list, tuple)) or not value:
+        return json.dumps(value)
+    flat = json.dumps(value, separators=(", ", ": "))
+    if len(flat) + depth * indent <= width and _shallow(value):
+        return flat
+    pad, inner = " " * (indent * depth), " " * (indent * (depth + 1))
+    if isinstance(value, dict):
+        items = [f"{inner}{json.dumps(str(k))}: {_dump(v, depth + 1, indent, width)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    items = [f"{inner}{_dump(v, depth + 1, indent, width)}" for v in value]
+    return "[\n" + ",\n".join(items) + f"\n{pad}]"
+
+
+def _shallow(value: dict[str, Any] | list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every member is a scalar or a list of scalars (a shape)."""
+    members = value.values() if isinstance(value, dict) else value
+    return all(not isinstance(v, (dict, list, tuple))
+               or (isinstance(v, (list, tuple)) and not any(isinstance(x, (dict, list, tuple))
+                                                            for x in v))
+               for v in members)
 
 
 def _ms(seconds: float | None) -> str:

@@ -1,0 +1,221 @@
+"""``partition(model, devices, plan=...)``: apply a saved plan exactly, or compile a spec.
+
+A full :class:`Plan` is applied as written: the same layers in the same stages on the same
+devices, with its chunks, checkpoint mode and schedule, after checking that the model is the
+one the plan was made for (its fingerprint) and refusing, with the differences listed, when
+it is not. A :class:`~partitioner.spec.Spec` is compiled: its globs resolved against the
+model's layers, the rest planned, and the result recorded like any other plan.
+
+Both paths, and plain planning, end in :func:`record`, which writes into the plan what the
+file format promises: the model's fingerprint, the planner's inputs and the bytes each stage
+sends per micro-batch.
+
+Example:
+    >>> import torch
+    >>> from partitioner import partition
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> first = partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(2, 4),))
+    >>> again = partition(model, ["cpu", "cpu"], plan=first.plan)
+    >>> again.plan == first.plan
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioner.api import Analysis, _Options, _plan, _validate, analyze
+from partitioner.errors import PartitionError
+from partitioner.fingerprint import differences, fingerprint
+from partitioner.plan import FORMAT, Mesh, Plan, PlannerInputs
+from partitioner.spec import Spec, SpecError, read_document, resolve_spec
+
+__all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "record"]
+
+PlanSource = str | Path | Plan | Spec | dict[str, Any]
+
+
+class PlanMismatchError(PartitionError, ValueError):
+    """A plan does not fit the model or the call it is applied with."""
+
+
+def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
+    """Read a plan file or a spec (a file path, or already-parsed data).
+
+    A document whose ``format`` is ``"partitioner.plan"`` is a full plan; anything else is
+    read as a hand-written spec.
+
+    Raises:
+        PlanFormatError: a malformed plan file.
+        SpecError: a malformed spec, or a file that cannot be read or parsed.
+    """
+    data = source if isinstance(source, dict) else read_document(source)
+    if isinstance(data, dict) and data.get("format") == FORMAT:
+        return Plan.from_dict(data)
+    return Spec.from_dict(data)
+
+
+def resolve_plan(model: nn.Module, source: PlanSource, devices: Any, *,
+                 example_inputs: tuple[Any, ...] | None,
+                 example_kwargs: dict[str, Any] | None,
+                 asked: dict[str, Any]) -> tuple[Analysis, Plan, _Options]:
+    """The analysis and plan ``partition`` builds from ``plan=``.
+
+    Args:
+        model: the model to partition.
+        source: a plan or spec, or a path to one, or a parsed spec dict.
+        devices: ``partition``'s devices (``None`` takes the plan's).
+        example_inputs: one batch, for costing and export capture.
+        example_kwargs: keyword inputs of that batch.
+        asked: ``partition``'s other keywords (strategy, chunks, checkpoint, balance,
+            split_points, memory_limit); ones that disagree with the plan are refused.
+
+    Raises:
+        PlanMismatchError: the plan was made for another model or disagrees with the call.
+        SpecError: a spec that is malformed or does not fit the model.
+    """
+    given = source if isinstance(source, (Plan, Spec)) else load_plan(source)
+    if isinstance(given, Spec):
+        return _compile(model, given, devices, example_inputs, example_kwargs, asked)
+    return _apply(model, given, devices, example_inputs, example_kwargs, asked)
+
+
+def record(plan: Plan, model: nn.Module, analysis: Analysis, options: _Options,
+           example_inputs: tuple[Any, ...] | None, asked_strategy: str,
+           spec: Spec | None = None) -> Plan:
+    """``plan`` with the fingerprint, planner inputs and per-stage send bytes filled in."""
+    stages = plan.stages
+    if analysis.boundaries is not None:
+        cut, sends = 0, []
+        for stage in stages:
+            cut += len(stage.layers)
+            sends.append(replace(stage, send_bytes=analysis.boundaries[cut] // plan.chunks))
+        stages = tuple(sends)
+    inputs = PlannerInputs(asked_strategy, options.balance, options.split_points,
+                           options.memory_limit, _describe(example_inputs),
+                           spec.source if spec is not None else None)
+    return replace(plan, stages=stages, planner=inputs, fingerprint=fingerprint(model))
+
+
+def _apply(model: nn.Module, plan: Plan, devices: Any, example_inputs: tuple[Any, ...] | None,
+           example_kwargs: dict[str, Any] | None,
+           asked: dict[str, Any]) -> tuple[Analysis, Plan, _Options]:
+    problems = _call_conflicts(plan, devices, asked)
+    if plan.fingerprint is not None:
+        found = differences(plan.fingerprint, fingerprint(model))
+        if found:
+            raise PlanMismatchError(
+                f"the plan was made for another model ({plan.fingerprint.model}, "
+                f"{plan.fingerprint.digest[:19]}...) than this {type(model).__name__}:\n"
+                + "\n".join(f"  - {line}" for line in found)
+                + "\nre-plan this model, or load the plan into the model it was made for")
+    if problems:
+        raise PlanMismatchError("the call disagrees with the plan it applies:\n"
+                                + "\n".join(f"  - {p}" for p in problems))
+    analysis = analyze(model, example_inputs, example_kwargs, need_costs=False)
+    names = [layer.name for layer in analysis.layers]
+    if names != list(plan.layers):
+        missing = [n for n in plan.layers if n not in names]
+        extra = [n for n in names if n not in plan.layers]
+        raise PlanMismatchError(
+            f"the plan's layers are not this model's: missing here {missing[:8]}, not in the "
+            f"plan {extra[:8]}{'' if missing or extra else ' (same names, other order)'}; "
+            "re-plan the model")
+    _check_executable(plan)
+    options = _validate(list(plan.devices), "auto", plan.chunks, plan.checkpoint,
+                        plan.balance, None, None)
+    return analysis, plan, options
+
+
+def _call_conflicts(plan: Plan, devices: Any, asked: dict[str, Any]) -> list[str]:
+    problems = []
+    if devices is not None:
+        from partitioner.devices import parse_devices
+        if parse_devices(devices) != parse_devices(list(plan.devices)):
+            problems.append(f"devices={devices!r} but the plan runs on {list(plan.devices)}; "
+                            "pass devices=None (or the plan's) to apply it as saved")
+    for key in ("balance", "split_points", "memory_limit"):
+        if asked.get(key) is not None:
+            problems.append(f"{key}= is given but the plan fixes the split; drop {key}=")
+    for key, default in (("chunks", 1), ("checkpoint", "except_last")):
+        value = asked.get(key, default)
+        if value != default and value != getattr(plan, key):
+            problems.append(f"{key}={value!r} but the plan says {getattr(plan, key)!r}; edit "
+                            f"the plan or drop {key}=")
+    return problems
+
+
+def _check_executable(plan: Plan) -> None:
+    mesh = plan.mesh or Mesh()
+    if (mesh.dp, mesh.tp) != (1, 1):
+        raise PlanMismatchError(f"the plan's mesh has dp={mesh.dp}, tp={mesh.tp}; this "
+                                "partitioner runs pipeline plans (dp = tp = 1) in one process; "
+                                "use make_plan to inspect it, or set dp and tp to 1")
+    if plan.schedule != "gpipe":
+        raise PlanMismatchError(f"schedule={plan.schedule!r}: the one-process runtime runs "
+                                "the 'gpipe' schedule; set schedule to 'gpipe'")
+
+
+def _compile(model: nn.Module, spec: Spec, devices: Any, example_inputs: tuple[Any, ...] | None,
+             example_kwargs: dict[str, Any] | None,
+             asked: dict[str, Any]) -> tuple[Analysis, Plan, _Options]:
+    chosen = _spec_devices(spec, devices)
+    chunks = _merge(spec.chunks, asked.get("chunks", 1), 1, "chunks")
+    checkpoint = _merge(spec.checkpoint, asked.get("checkpoint", "except_last"), "except_last",
+                        "checkpoint")
+    strategy = _merge(spec.strategy, asked.get("strategy", "auto"), "auto", "strategy")
+    memory = _merge(spec.memory_limit, asked.get("memory_limit"), None, "memory_limit")
+    for key in ("balance", "split_points"):
+        if asked.get(key) is not None:
+            raise SpecError(f"{key}= is given with a spec; write it into the spec instead")
+    analysis = analyze(model, example_inputs, example_kwargs, need_costs=not spec.fixes_split)
+    names = [layer.name for layer in analysis.layers]
+    cuts, notes, shards = resolve_spec(spec, names, model)
+    balance = spec.balance
+    if cuts is not None:
+        balance = tuple(b - a for a, b in itertools.pairwise(cuts))
+    options = _validate(chosen, strategy, chunks, checkpoint, balance, spec.split_points, memory)
+    made = _plan(analysis, options)
+    mesh = Mesh(spec.mesh.get("dp", 1), len(made.stages), spec.mesh.get("tp", 1))
+    made = replace(made, strategy="spec" if spec.fixes_split else made.strategy,
+                   schedule=spec.schedule or made.schedule, notes=(*made.notes, *notes),
+                   mesh=mesh, shard_specs=shards)
+    return analysis, record(made, model, analysis, options, example_inputs, "spec", spec), options
+
+
+def _spec_devices(spec: Spec, devices: Any) -> Any:
+    named = spec.stage_devices
+    if named is not None and devices is not None:
+        from partitioner.devices import parse_devices
+        if parse_devices(list(named)) != parse_devices(devices):
+            raise SpecError(f"devices: the spec names {list(named)} but devices={devices!r} was "
+                            "passed; drop one of them")
+    if named is not None:
+        return list(named)
+    if devices is None:
+        raise SpecError("devices: the spec names no devices; pass devices= or add 'devices' "
+                        "(or a device per stage) to the spec")
+    return devices
+
+
+def _merge(from_spec: Any, from_call: Any, default: Any, key: str) -> Any:
+    if from_spec is None:
+        return from_call
+    if from_call != default and from_call != from_spec:
+        raise SpecError(f"{key}: the spec says {from_spec!r} but {key}={from_call!r} was passed; "
+                        "drop one of them")
+    return from_spec
+
+
+def _describe(example_inputs: Sequence[Any] | None) -> tuple[str, ...]:
+    if example_inputs is None:
+        return ()
+    return tuple(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+                 if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs)

@@ -1,0 +1,340 @@
+"""Measuring this machine: the CPU's spec, and (``calibrate=True``) each distinct layer.
+
+:func:`measure_cpu` runs a short calibration (about a third of a second) once per process:
+products of one weight matrix with 8, 64 and 256 rows (the rate, and the per-call cost of
+repacking the weights that makes small micro-batches slow), a tiny product (the efficiency
+curve), an in-place add larger than the last-level cache (element-wise bandwidth), a chain of
+tiny ops with their backward (the fixed cost of one op), and several threads computing at once
+against one (``"cpu"`` devices share this machine's cores). Each timing is the best of a few
+repeats, and of the runs before it on this machine (a small cache file), so other load on the
+machine inflates it as little as possible.
+
+:func:`calibrate_layers` times forward + backward of every *distinct* layer once on the real
+device, with the example batch: layers with the same signature (the blocks of a transformer)
+are measured once, and no stage combination is ever timed. The ratio of measured to
+predicted time then scales that layer's cost at every micro-batch size, so the model keeps
+its shape (weight traffic, per-op costs) while its level comes from the machine.
+
+Example:
+    >>> spec = measure_cpu()
+    >>> spec.flops("fp32") > 1e9 and spec.shared_speedup[0] == 1.0
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from partitioner.cost import LayerCost, phase_times
+from partitioner.devices import DeviceSpec
+from partitioner.errors import PartitionError
+from passes.group_layers import Layer
+from passes.split_stages import split_stages
+
+__all__ = ["CalibrationError", "measure_cpu", "calibrate_layers", "Progress"]
+
+
+class CalibrationError(PartitionError, ValueError):
+    """Layers cannot be timed (e.g. the model has no real weights)."""
+
+
+def _best(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return min(times)
+
+
+def _warm_up(fn: Callable[[], Any], seconds: float = 0.1) -> None:
+    """Run ``fn`` for a while first: a cold thread pool and clock run far below speed."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
+
+
+def _op_overhead() -> float:
+    """Seconds per op of a chain of tiny ops, forward + backward, per op launch."""
+    w = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        x = w
+        for _ in range(16):
+            x = x * 1.0001
+        x.sum().backward()
+    # 16 forward + 16 backward launches (+ sum): the cost of one launch.
+    return _best(chain, repeats=7, inner=5) / 34
+
+
+def _together(work: Callable[[], None], n: int) -> Callable[[], None]:
+    def run() -> None:
+        pool = [threading.Thread(target=work) for _ in range(n)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    return run
+
+
+_TIMINGS = ("overhead", "few", "some", "many", "small", "add", "alone", "two", "three",
+            "four")
+
+
+@functools.cache
+def measure_cpu() -> DeviceSpec:
+    """This machine's CPU as a :class:`DeviceSpec`: measured once per process, kept per machine.
+
+    Other work on the machine only ever makes a timing longer, so every timing is the best of
+    this run's and those kept from earlier runs in the cache directory
+    (``$PARTITIONER_CACHE_DIR``, else ``~/.cache/partitioner``; one file per CPU model, core
+    count, torch version and thread count; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it),
+    and the spec is derived from those. Plans on one machine then agree from run to run.
+
+    Returns:
+        A spec from float32 products of a ``1024 x 1024`` weight with 8, 64 and 256 rows (the
+        asymptotic rate, ``peak_flops`` with ``matmul_efficiency`` 1, and the weight
+        repacking cost, ``pack_bandwidth``), a 48 x 48 product (``matmul_half_flops``), an
+        in-place add of 64 MiB tensors (``memory_bandwidth``, ``memory_efficiency`` 1), tiny
+        ops with autograd (``op_overhead``) and 2, 3 and 4 threads computing at once
+        (``shared_speedup``).
+    """
+    timings = _timings()
+    path = _cache_path()
+    if path is not None:
+        try:
+            kept = json.loads(path.read_text())
+            timings = {k: min(v, float(kept[k])) for k, v in timings.items()}
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(timings))
+        except OSError:
+            pass
+    return _spec(timings)
+
+
+def _cache_path() -> Path | None:
+    if os.environ.get("PARTITIONER_CALIBRATION_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("PARTITIONER_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "partitioner")
+    key = f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _peaks(rate: float) -> dict[str, float]:
+    # One matmul rate measured in float32; the CPU has no faster low-precision path we use.
+    return {"fp32": rate, "bf16": rate, "fp16": rate, "fp64": rate / 2}
+
+
+_WEIGHT, _SMALL, _COPY = 1024, 48, 16 * 2**20
+_ROWS = (8, 64, 256)
+
+
+def _timings() -> dict[str, float]:
+    """One calibration run's best timings, in seconds (about 0.3 s on an idle machine)."""
+    weight = torch.randn(_WEIGHT, _WEIGHT)
+    few, some, many = (torch.randn(n, _WEIGHT) for n in _ROWS)
+    _warm_up(lambda: torch.mm(many, weight))
+    c, d = torch.randn(_SMALL, _SMALL), torch.randn(_SMALL, _SMALL)
+    x = torch.ones(_COPY)  # touched: untouched pages read as the shared zero page
+    y = torch.zeros_like(x)
+    e, f = torch.randn(256, 256), torch.randn(256, 256)
+
+    def work() -> None:
+        for _ in range(16):
+            torch.mm(e, f)
+    found = {"overhead": _op_overhead(),
+             "few": _best(lambda: torch.mm(few, weight), repeats=7, inner=10),
+             "some": _best(lambda: torch.mm(some, weight), repeats=7, inner=5),
+             "many": _best(lambda: torch.mm(many, weight), repeats=7, inner=3),
+             "small": _best(lambda: torch.mm(c, d), repeats=7, inner=50),
+             "add": _best(lambda: y.add_(x), repeats=5)}
+    work()
+    alone = math.inf
+    counts = {"two": 2, "three": 3, "four": 4}
+    best = dict.fromkeys(counts, math.inf)
+    for _ in range(3):  # alone and together in alternation: a burst of load skews neither
+        alone = min(alone, _best(work, repeats=1))
+        for name, n in counts.items():
+            best[name] = min(best[name], _best(_together(work, n), repeats=1))
+    return {**found, "alone": alone, **best}
+
+
+def _spec(t: dict[str, float]) -> DeviceSpec:
+    """The spec of a set of timings (see :func:`measure_cpu`)."""
+    # t = overhead + weight / pack + f / rate: a least-squares line through the products of
+    # 8, 64 and 256 rows; its slope is the rate, its intercept the repacking.
+    flops = [2.0 * n * _WEIGHT**2 for n in _ROWS]
+    times = [t["few"], t["some"], t["many"]]
+    mean_f, mean_t = sum(flops) / 3, sum(times) / 3
+    slope = sum((f - mean_f) * (s - mean_t) for f, s in zip(flops, times)) / sum(
+        (f - mean_f) ** 2 for f in flops)
+    rate = 1 / slope if slope > 0 else flops[-1] / times[-1]
+    rate = min(max(rate, flops[-1] / times[-1]), 1.5 * flops[-1] / times[-1])
+    pack_time = max(mean_t - mean_f / rate - t["overhead"], t["few"] * 0.01)
+    pack = _WEIGHT * _WEIGHT * 4 / pack_time
+    f_small = 2.0 * _SMALL**3
+    # rate * f / (f + half) = f / t  =>  half = rate * t - f (the launch cost taken out)
+    half = max(rate * max(t["small"] - t["overhead"], 0.0) - f_small, f_small / 100)
+    bandwidth = 3 * _COPY * 4 / t["add"]  # an in-place add reads two tensors, writes one
+    # n teams of t intra-op threads on c cores cannot beat c / t teams' worth of work, but a
+    # lone team rarely keeps every core busy: allow a quarter more.
+    ceiling = max(1.0, (os.cpu_count() or 1) / torch.get_num_threads()) * 1.25
+    speedup = [1.0] + [min(max(n * t["alone"] / t[name], 1 / n), float(n), ceiling)
+                       for name, n in (("two", 2), ("three", 3), ("four", 4))]
+    return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
+                      1.0, t["overhead"], pack, tuple(speedup))
+
+
+def _total_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
+
+
+class Progress:
+    """A one-line progress bar on stderr (``label  3/7 ####.....``); silent if disabled."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = enabled and total > 0
+
+    def step(self, note: str = "") -> None:
+        """Mark one more item done."""
+        self.done += 1
+        if self.enabled:
+            filled = round(20 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} {self.done}/{self.total} "
+                             f"[{'#' * filled}{'.' * (20 - filled)}] {note[:40]:<40}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
+                     inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
+                     progress: bool = True, repeats: int = 3) -> list[LayerCost]:
+    """Time each distinct layer once on this machine; scale its cost to match.
+
+    Args:
+        gm: the captured graph, with real weights, after shape propagation.
+        layers: its layers.
+        costs: their predicted costs (:func:`partitioner.cost.layer_costs`).
+        inputs: one value per placeholder of ``gm`` (the example batch).
+        spec: the spec the prediction used.
+        batch: samples in the example batch.
+        progress: draw a progress bar on stderr.
+        repeats: timed runs per layer (the fastest counts), after one warm-up.
+
+    Returns:
+        The costs with ``time_scale`` set to measured / predicted for each layer.
+
+    Raises:
+        CalibrationError: the model's weights are on the meta device.
+    """
+    if any(p.is_meta for p in gm.parameters()):
+        raise CalibrationError("calibrate=True times the layers on this machine, but the "
+                               "model's weights are on the meta device; build it with real "
+                               "weights or pass calibrate=False")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of = {nodes[name]: k for k, layer in enumerate(layers) for name in layer.nodes}
+    graphs = [s.graph_module for s in split_stages(gm, stage_of, len(layers)).stages]
+    first: dict[str, int] = {}
+    for k, cost in enumerate(costs):
+        first.setdefault(cost.signature, k)
+    bar = Progress("calibrating layers", len(first), progress)
+    measured: dict[str, float] = {}
+    with _preserved(gm):
+        for signature, k in first.items():
+            args = list(inputs) if k == 0 else _inputs_like(graphs[k], nodes)
+            run = functools.partial(_forward_backward, graphs[k], args)
+            measured[signature] = _best(run, repeats)
+            bar.step(f"{layers[k].name}: {measured[signature] * 1e3:.2f} ms")
+    scaled = []
+    for cost in costs:
+        forward, backward = phase_times(replace(cost, time_scale=1.0), spec, batch)
+        scale = measured[cost.signature] / max(forward + backward, 1e-12)
+        scaled.append(replace(cost, time_scale=scale))
+    return scaled
+
+
+def _inputs_like(stage: fx.GraphModule, nodes: dict[str, fx.Node]) -> list[Any]:
+    values = []
+    for placeholder in (n for n in stage.graph.nodes if n.op == "placeholder"):
+        source = nodes.get(str(placeholder.target), nodes.get(placeholder.name))
+        fake = source.meta.get("val") if source is not None else None
+        values.append(pytree.tree_map(_real_like, fake))
+    return values
+
+
+def _real_like(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape, dtype = tuple(value.shape), value.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _forward_backward(stage: fx.GraphModule, args: list[Any]) -> None:
+    leaves, spec = pytree.tree_flatten(args)
+    leaves = [v.detach().requires_grad_() if isinstance(v, torch.Tensor)
+              and v.is_floating_point() else v for v in leaves]
+    out = stage(*pytree.tree_unflatten(leaves, spec))
+    tensors = [t for t in pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+class _preserved:
+    """Restore parameter gradients and buffers after timing (calibration leaves no trace)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+
+    def __enter__(self) -> None:
+        self.grads = {p: p.grad for p in self.gm.parameters()}
+        self.buffers = {b: b.detach().clone() for b in self.gm.buffers()}
+        for p in self.grads:
+            p.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        for p, g in self.grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in self.buffers.items():
+                b.copy_(saved)

@@ -1,0 +1,163 @@
+"""Memory per device: parameters, gradients, optimizer state and activations.
+
+For the layers a device holds (``tp``-way split where they can be):
+
+* parameters and their gradients, in the parameters' dtype;
+* optimizer state (:data:`OPTIMIZERS`): Adam keeps two moments, SGD with momentum one,
+  plain SGD none; with mixed precision the states are fp32 and an fp32 master copy of the
+  weights is added;
+* activations: one micro-batch's worth times the micro-batches *in flight* (forward run,
+  backward not yet): ``m`` on every stage for GPipe, ``min(p - j, m)`` on stage ``j`` of
+  ``p`` for 1F1B, and for Megatron's interleaved 1F1B with ``v`` chunks per device
+  ``min(2 (p - j - 1) + (v - 1) p + 1, m v)`` chunk-micro-batches;
+* checkpointing keeps only each in-flight micro-batch's stage *input* and replays the
+  forward, so the full activations of one micro-batch are alive at a time (``always``);
+  ``except_last`` keeps the last micro-batch's in full (torchgpipe's modes).
+
+Example:
+    >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("1f1b", 4, 8, stage=3)
+    (8, 4, 1)
+    >>> per_parameter_bytes("adam", 4, mixed_precision=False)  # weight, grad, 2 moments
+    16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partitioner.errors import PartitionError
+
+__all__ = ["MemoryModelError", "OPTIMIZERS", "CHECKPOINTS", "MemoryBreakdown", "in_flight",
+           "per_parameter_bytes", "optimizer_traffic", "activation_memory", "device_memory"]
+
+OPTIMIZERS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2,
+                               "fused_adam": 2}
+"""Optimizer state tensors kept per parameter (``"adam"`` is PyTorch's default
+implementation, one element-wise pass per operation; ``"fused_adam"`` one pass in all, as
+apex's FusedAdam or ``torch.optim.Adam(fused=True)``)."""
+
+CHECKPOINTS = ("never", "always", "except_last")
+
+
+class MemoryModelError(PartitionError, ValueError):
+    """A memory question with an unknown optimizer, schedule or checkpoint mode."""
+
+
+def _check(name: str, value: str, known: tuple[str, ...] | dict[str, int]) -> None:
+    if value not in known:
+        raise MemoryModelError(f"{name}={value!r} is unknown; use one of {sorted(known)}")
+
+
+def in_flight(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
+              virtual: int = 1) -> int:
+    """Peak micro-batches (chunk-micro-batches when interleaved) a stage holds activations of.
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        n_stages: ``p``, devices in the pipeline.
+        n_microbatches: ``m``.
+        stage: ``j``, the device's position.
+        virtual: ``v``, model chunks per device (interleaved only).
+
+    Raises:
+        MemoryModelError: for an unknown schedule.
+    """
+    _check("schedule", schedule, ("gpipe", "1f1b", "interleaved"))
+    p, m, j = n_stages, n_microbatches, stage
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b" or virtual == 1:
+        return min(p - j, m)
+    return min(2 * (p - j - 1) + (virtual - 1) * p + 1, m * virtual)
+
+
+def per_parameter_bytes(optimizer: str, element: int, mixed_precision: bool) -> int:
+    """Bytes per parameter of weights, gradients and optimizer state.
+
+    Example:
+        >>> per_parameter_bytes("adam", 2, mixed_precision=True)  # bf16 w, g; fp32 m, v, master
+        16
+    """
+    _check("optimizer", optimizer, OPTIMIZERS)
+    state = 4 if mixed_precision else element
+    master = 4 if mixed_precision else 0
+    return 2 * element + OPTIMIZERS[optimizer] * state + master
+
+
+def optimizer_traffic(optimizer: str, element: int, mixed_precision: bool) -> int:
+    """Bytes the optimizer step moves per parameter.
+
+    With ``e`` bytes per weight or gradient and ``s`` per state value: SGD reads the weight
+    and gradient and writes the weight (``3e``); with momentum its buffer is updated and
+    read again (``+5s``). PyTorch's Adam runs seven element-wise passes (``lerp_``, ``mul_``,
+    ``addcmul_``, ``sqrt``, a division, ``add_``, ``addcdiv_``: ``4e + 14s``) and touches two
+    fresh temporaries (``2s``); a fused Adam reads and writes each tensor once (``3e + 4s``).
+    Mixed precision adds reading and writing the fp32 master weights.
+
+    Example:
+        >>> optimizer_traffic("sgd", 4, False), optimizer_traffic("adam", 4, False)
+        (12, 80)
+        >>> optimizer_traffic("fused_adam", 4, False), optimizer_traffic("fused_adam", 2, True)
+        (28, 30)
+    """
+    _check("optimizer", optimizer, OPTIMIZERS)
+    e, s = element, (4 if mixed_precision else element)
+    master = 8 if mixed_precision else 0
+    traffic = {"sgd": 3 * e, "momentum": 3 * e + 5 * s, "adam": 4 * e + 16 * s,
+               "adamw": 4 * e + 16 * s + 2 * e, "fused_adam": 3 * e + 4 * s}
+    return traffic[optimizer] + master
+
+
+def activation_memory(checkpoint: str, held: int, full: float, stage_input: float) -> float:
+    """Activation bytes of a stage holding ``held`` micro-batches.
+
+    Args:
+        checkpoint: ``"never"``, ``"always"`` or ``"except_last"``.
+        held: micro-batches in flight (:func:`in_flight`).
+        full: bytes one micro-batch's forward keeps for the backward.
+        stage_input: bytes of one micro-batch's stage input (what a checkpoint keeps).
+
+    Example:
+        >>> activation_memory("never", 4, 100.0, 10.0), activation_memory("always", 4, 100.0, 10.0)
+        (400.0, 140.0)
+    """
+    _check("checkpoint", checkpoint, CHECKPOINTS)
+    if checkpoint == "never" or held == 0:
+        return held * full
+    if checkpoint == "always":
+        return held * stage_input + full
+    return (held - 1) * stage_input + full
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one device holds at its peak, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """All of it."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def device_memory(param_bytes: float, buffer_bytes: float, activations: float, *,
+                  optimizer: str, element: int, mixed_precision: bool) -> MemoryBreakdown:
+    """The breakdown for a device holding ``param_bytes`` of parameters (its TP share).
+
+    Example:
+        >>> device_memory(400.0, 0.0, 50.0, optimizer="sgd", element=4,
+        ...               mixed_precision=False).total
+        850.0
+    """
+    _check("optimizer", optimizer, OPTIMIZERS)
+    count = param_bytes / element
+    state = 4 if mixed_precision else element
+    master = 4 * count if mixed_precision else 0.0
+    return MemoryBreakdown(param_bytes, param_bytes,
+                           OPTIMIZERS[optimizer] * state * count + master, activations,
+                           buffer_bytes)

@@ -1,0 +1,230 @@
+"""The pipeline schedule as a timeline: one row per stage's device, time across, F/B boxes.
+
+A timeline is any list of ``(action, start, end)``: ``action`` has ``stage``, ``phase``
+(``Phase.FORWARD``/``"F"``, ``Phase.BACKWARD``/``"B"``) and ``microbatch``. Three sources
+give one:
+
+- a measured run: ``pm.pipeline().timeline``, recorded by the last forward and backward
+  (:func:`measured_timeline`);
+- a simulator returning such a list (``partitioner.simulate`` when it exists);
+- :func:`predicted_timeline`: the plan's schedule in ``runtime.schedule``'s clock-tick order,
+  each action lasting its stage's predicted time (a third forward, two thirds backward,
+  transfers free), or unit ticks when the plan has no predictions.
+
+:func:`timeline_dot` draws it with Graphviz's ``neato`` (boxes pinned at their times): idle
+stretches stay grey, so the bubble shows, and the title gives its share.
+
+Example:
+    >>> from runtime.schedule import Action
+    >>> t = Timeline.of([(Action.parse("0F0"), 0.0, 1.0), (Action.parse("1F0"), 1.0, 2.0)])
+    >>> t.makespan, t.bubble
+    (2.0, 0.5)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from partitioner.errors import PartitionError
+from partitioner.plan import Plan
+from partitioner.viz.dot import device_color, quote
+from runtime.schedule import Action, Phase, clock_ticks, make_schedule
+
+__all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "measured_timeline",
+           "timeline_dot"]
+
+
+class TimelineError(PartitionError, ValueError):
+    """A timeline that cannot be drawn: empty, or entries that are not actions in time."""
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One action on the timeline: ``phase`` is ``"F"`` or ``"B"`` (or a simulator's letter)."""
+
+    stage: int
+    phase: str
+    microbatch: int
+    start: float
+    end: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Bars with their time unit (``"s"`` or ``"tick"``) and where they came from."""
+
+    bars: tuple[Bar, ...]
+    unit: str = "s"
+    source: str = "measured"
+
+    @classmethod
+    def of(cls, events: Any, unit: str = "s", source: str = "measured") -> Timeline:
+        """Read a timeline from a list of ``(action, start, end)`` (or objects with
+        ``action``, ``start`` and ``end``, or a result with a ``timeline`` attribute).
+
+        Raises:
+            PartitionError: an entry without stage, phase and micro-batch.
+        """
+        if isinstance(events, Timeline):
+            return events
+        events = getattr(events, "timeline", events)
+        bars = []
+        for item in events:
+            action, start, end = (item if isinstance(item, (tuple, list)) else
+                                  (getattr(item, "action", item), item.start, item.end))
+            try:
+                phase = getattr(action.phase, "value", action.phase)
+                bars.append(Bar(int(action.stage), str(phase)[:1].upper(),
+                                int(action.microbatch), float(start), float(end)))
+            except (AttributeError, TypeError, ValueError) as error:
+                raise TimelineError(f"timeline entry {item!r} is not (action, start, end) "
+                                     f"with action.stage/.phase/.microbatch: {error}") from error
+        if not bars:
+            raise TimelineError("the timeline is empty; run a forward and backward first, or "
+                                 "draw predicted_timeline(plan)")
+        origin = min(b.start for b in bars)
+        shifted = tuple(Bar(b.stage, b.phase, b.microbatch, b.start - origin, b.end - origin)
+                        for b in sorted(bars, key=lambda b: (b.start, b.stage)))
+        return cls(shifted, unit, source)
+
+    @property
+    def makespan(self) -> float:
+        return max(b.end for b in self.bars)
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted({b.stage for b in self.bars})
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the rows over the makespan."""
+        busy = sum(b.end - b.start for b in self.bars)
+        return 1 - busy / (len(self.stages) * self.makespan) if self.makespan else 0.0
+
+
+def predicted_timeline(plan: Plan) -> Timeline:
+    """The plan's schedule laid out in time from its stages' predicted times.
+
+    The order of actions is ``runtime.schedule.clock_ticks``'s; each then starts as soon as
+    its stage is free and its inputs are done (``F(j, i)`` after ``F(j-1, i)``, ``B(j, i)``
+    after ``B(j+1, i)``), lasting a third (forward) or two thirds (backward) of its stage's
+    predicted time. Without predictions every stage takes unit ticks, F = 1 and B = 2.
+    """
+    n, m = len(plan.stages), plan.chunks
+    schedule = make_schedule(plan.schedule, n, m)
+    order = list(dict.fromkeys(a for tick in clock_ticks(schedule) for a in tick if a))
+    costed = all(s.predicted_time for s in plan.stages)
+    per_stage = [s.predicted_time if costed and s.predicted_time else 3.0 for s in plan.stages]
+    free, finish = [0.0] * n, dict[Action, float]()
+    events = []
+    for a in order:
+        forward = a.phase is Phase.FORWARD
+        needs = ([Action(a.stage - 1, a.phase, a.microbatch)] if forward and a.stage else
+                 [Action(a.stage + 1, a.phase, a.microbatch)] if not forward
+                 and a.stage + 1 < n else [])
+        start = max([free[a.stage], *(finish[d] for d in needs)])
+        finish[a] = free[a.stage] = start + per_stage[a.stage] * (1 if forward else 2) / 3
+        events.append((a, start, finish[a]))
+    return Timeline.of(events, "s" if costed else "tick", "predicted")
+
+
+def measured_timeline(pm: Any) -> Timeline:
+    """What the last forward and backward of a partitioned module actually did.
+
+    Raises:
+        PartitionError: when the module has not run yet.
+    """
+    pipeline = pm.pipeline()
+    if not pipeline.timeline:
+        raise TimelineError("the partitioned module has not run yet; call pm(x) (and "
+                             "loss.backward()) before drawing its measured timeline")
+    return Timeline.of(list(pipeline.timeline), "s", "measured")
+
+
+def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = None,
+                 width: float = 760.0) -> str:
+    """DOT text (for ``neato -n2``) drawing the timeline: rows per stage, boxes per action.
+
+    Args:
+        timeline: a :class:`Timeline` or anything :meth:`Timeline.of` reads.
+        plan: names each row's device when given.
+        title: the heading; by default the source, schedule and bubble share.
+        width: points of drawing for the whole makespan.
+    """
+    t = Timeline.of(timeline)
+    scale = width / t.makespan
+    rows = t.stages
+    row_y = {j: 40 + 34 * (len(rows) - 1 - k) for k, j in enumerate(rows)}
+    heading = title or (f"{t.source} timeline: {len(rows)} stages, "
+                        f"{len({b.microbatch for b in t.bars})} micro-batches, "
+                        f"{_span(t.makespan, t.unit)}; bubble (grey) {t.bubble:.0%}")
+    lines = ["digraph timeline {",
+             f"  graph [label={quote(heading)}, labelloc=t, fontname=Helvetica, fontsize=13, "
+             "pad=0.25, splines=false, bgcolor=white];",
+             "  node [shape=box, style=filled, fixedsize=true, fontname=Helvetica, fontsize=9, "
+             "penwidth=0.6, margin=0, label=\"\"];"]
+    for j in rows:
+        device = plan.devices[j] if plan is not None and j < len(plan.devices) else None
+        name = f"stage {j}" + (f" - {device}" if device else "")
+        lines.append(f"  row{j} [pos=\"{-62},{row_y[j]}!\", label={quote(name)}, "
+                     "shape=plaintext, style=\"\", width=1.6, height=0.3, fontsize=10];")
+        lines.append(f"  idle{j} [pos=\"{width / 2:.1f},{row_y[j]}!\", width={width / 72:.3f}, "
+                     "height=0.36, fillcolor=\"#e5e7eb\", color=\"#d1d5db\"];")
+    for k, b in enumerate(t.bars):
+        x0, x1 = b.start * scale, b.end * scale
+        inches = max((x1 - x0) / 72, 0.01)
+        fill = device_color(b.stage, strong=True)
+        if b.phase != "F":
+            fill = _darker(fill)
+        text = b.label if x1 - x0 >= 16 else ""
+        tip = f"{b.stage}{b.label}: {_span(b.start, t.unit)} .. {_span(b.end, t.unit)}"
+        lines.append(f"  bar{k} [pos=\"{(x0 + x1) / 2:.2f},{row_y[b.stage]}!\", "
+                     f"width={inches:.4f}, height=0.36, fillcolor={quote(fill)}, "
+                     f"color=white, fontcolor=white, label={quote(text)}, "
+                     f"tooltip={quote(tip)}];")
+    lines += _axis(t, scale, width)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _axis(t: Timeline, scale: float, width: float) -> list[str]:
+    step = _nice_step(t.makespan)
+    lines = ["  axis0 [pos=\"0,14!\", shape=point, width=0.01, style=invis];",
+             f"  axis1 [pos=\"{width:.1f},14!\", shape=point, width=0.01, style=invis];",
+             "  axis0 -> axis1 [arrowhead=none, color=\"#6b7280\"];"]
+    k, value = 0, 0.0
+    while value <= t.makespan * 1.0001:
+        lines.append(f"  tick{k} [pos=\"{value * scale:.1f},4!\", shape=plaintext, style=\"\", "
+                     f"width=0.8, height=0.2, fontsize=8, label={quote(_span(value, t.unit))}];")
+        k, value = k + 1, (k + 1) * step
+    return lines
+
+
+def _nice_step(span: float) -> float:
+    raw = span / 8
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    return next(f * power for f in (1, 2, 5, 10) if f * power >= raw)
+
+
+def _span(value: float, unit: str) -> str:
+    if value == 0:
+        return "0"
+    if unit == "tick":
+        return f"{value:g} ticks" if value != 1 else "1 tick"
+    if value >= 1:
+        return f"{value:.3g} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} us"
+
+
+def _darker(color: str) -> str:
+    r, g, b = (int(color[k:k + 2], 16) for k in (1, 3, 5))
+    return "#{:02x}{:02x}{:02x}".format(*(int(c * 0.62) for c in (r, g, b)))
+

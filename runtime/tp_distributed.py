@@ -1,0 +1,181 @@
+"""One tensor-parallel rank per process: the rank's graph, collectives on a process group.
+
+Each process of a tensor-parallel group holds :class:`DistributedTensorParallel`: its
+rank's graph (from the tensor-parallel pass) with its slice of every split weight and a
+copy of every other parameter. Collectives run on the group through ``torch.distributed``
+(gloo on CPU, NCCL on GPUs) as autograd functions, so ``loss.backward()`` is plain autograd:
+no extra thread, no extra step.
+
+``state_dict()`` is a collective: every rank must call it, and every rank gets the whole,
+unsplit tensors under the original model's keys. ``load_state_dict`` takes such a state dict
+on every rank and keeps the rank's slices.
+
+Dropout on replicated values draws from a generator seeded alike on every rank (the seed is
+agreed once, at construction, from rank 0's global generator), dropout on split values from
+a generator of the rank's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from runtime import rng
+from runtime import tensor_parallel as tpops
+from runtime.collectives import ProcessGroupCommunicator
+from runtime.sharding import Sharding, shard_tensor, unshard
+
+__all__ = ["DistributedTensorParallel", "agree_seed"]
+
+_COMM_ATTR = "_tp_comm"
+
+
+def agree_seed(comm: ProcessGroupCommunicator) -> int:
+    """A seed drawn on the group's rank 0 (torch's global generator) and sent to all ranks."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    if comm.size > 1:
+        group = comm.group if comm.group is not None else dist.group.WORLD
+        dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=comm.group)  # type: ignore[arg-type]
+    return int(seed.item())
+
+
+class DistributedTensorParallel(nn.Module):
+    """This process's rank of a tensor-parallel model.
+
+    Args:
+        graph_factory: given the training flag, the rank's graph (built once per mode; both
+            modes' graphs share the rank's tensors).
+        comm: the rank's communicator on the tensor-parallel process group.
+        shardings: by original state-dict key; keys not named are replicated.
+        sources: by original state-dict key, the rank-graph attribute holding it.
+        unused: original entries no graph uses (kept whole).
+        bind: maps a call's ``(args, kwargs)`` to the graph's placeholder values.
+        restructure: maps the graph's output to what the model returns.
+        plan: what was decided (kept as ``.plan``), if any.
+    """
+
+    def __init__(self, graph_factory: Callable[[bool], fx.GraphModule],
+                 comm: ProcessGroupCommunicator, shardings: dict[str, Sharding],
+                 sources: dict[str, str], unused: dict[str, torch.Tensor],
+                 bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]],
+                 restructure: Callable[[Any], Any] = lambda out: out,
+                 plan: Any = None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.comm = comm
+        self.shardings = dict(shardings)
+        self._factory = graph_factory
+        self._sources = dict(sources)
+        self._bind = bind
+        self._restructure = restructure
+        self.graphs = nn.ModuleDict()
+        self.unused = nn.Module()
+        self._unused_keys: dict[str, str] = {}
+        for k, (key, tensor) in enumerate(unused.items()):
+            if isinstance(tensor, nn.Parameter):
+                self.unused.register_parameter(f"t{k}", nn.Parameter(tensor.detach().clone(),
+                                                                      tensor.requires_grad))
+            else:
+                self.unused.register_buffer(f"t{k}", tensor.detach().clone())
+            self._unused_keys[key] = f"t{k}"
+        seed = agree_seed(comm)
+        device = next(iter(self._graph(self.training).parameters()),
+                      torch.empty(0)).device
+        self._replicated = torch.Generator(device).manual_seed(seed)
+        self._private = torch.Generator(device).manual_seed(seed + 1 + comm.rank)
+        self.register_state_dict_post_hook(_gather_state)
+        self.register_load_state_dict_pre_hook(_split_state)
+
+    @property
+    def rank(self) -> int:
+        """This process's tensor-parallel rank."""
+        return self.comm.rank
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree."""
+        return self.comm.size
+
+    def _graph(self, training: bool) -> fx.GraphModule:
+        mode = "train_mode" if training else "eval_mode"
+        if mode not in self.graphs:
+            gm = self._factory(training)
+            setattr(gm, _COMM_ATTR, self.comm)
+            self.graphs[mode] = gm
+        return self.graphs[mode]  # type: ignore[return-value]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        gm = self._graph(self.training)
+        with rng.use_generator(self._replicated), tpops.use_shard_generator(self._private):
+            out = gm(*self._bind(args, kwargs))
+        return self._restructure(out)
+
+    def local_tensor(self, key: str) -> torch.Tensor:
+        """This rank's slice (or copy) of the original entry ``key``."""
+        if key in self._unused_keys:
+            return getattr(self.unused, self._unused_keys[key])  # type: ignore[no-any-return]
+        obj: Any = self._graph(self.training)
+        for part in self._sources[key].split("."):
+            obj = getattr(obj, part)
+        return obj  # type: ignore[no-any-return]
+
+    def full_tensor(self, key: str, grad: bool = False) -> torch.Tensor | None:
+        """The original entry ``key`` (or, with ``grad``, its gradient), whole: a collective,
+        every rank must call it. ``None`` for a gradient not computed yet (on every rank)."""
+        local = self.local_tensor(key)
+        if grad:
+            if local.grad is None:
+                return None
+            local = local.grad
+        local = local.detach()
+        sharding = self.shardings.get(key)
+        if sharding is None or not sharding.is_split or key in self._unused_keys:
+            return local.clone()
+        return unshard(self.comm.all_gather(local, "state_dict"), sharding)
+
+    def original_keys(self) -> list[str]:
+        """The original model's state-dict keys, in its order."""
+        return list(self._sources) + [k for k in self._unused_keys if k not in self._sources]
+
+
+def _gather_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                  local_metadata: Any) -> None:
+    assert isinstance(module, DistributedTensorParallel)
+    inner = (f"{prefix}graphs.", f"{prefix}unused.")
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        del state_dict[key]
+    for key in module.original_keys():
+        state_dict[prefix + key] = module.full_tensor(key)
+
+
+def _split_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                 local_metadata: Any, strict: bool, missing_keys: list[str],
+                 unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    assert isinstance(module, DistributedTensorParallel)
+    places: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for mode, gm in module.graphs.items():
+        for name, tensor in [*gm.named_parameters(remove_duplicate=False),
+                             *gm.named_buffers(remove_duplicate=False)]:
+            places.setdefault(id(tensor), []).append((f"{prefix}graphs.{mode}.{name}", tensor))
+    for attr in module._unused_keys.values():
+        tensor = getattr(module.unused, attr)
+        places.setdefault(id(tensor), []).append((f"{prefix}unused.{attr}", tensor))
+    for key in module.original_keys():
+        targets = places.get(id(module.local_tensor(key)), [])
+        if prefix + key not in state_dict:
+            missing_keys.append(prefix + key)
+            continue
+        value = state_dict.pop(prefix + key)
+        sharding = module.shardings.get(key)
+        if sharding is not None and sharding.is_split and key not in module._unused_keys:
+            value = shard_tensor(value, sharding, module.rank)
+        for name, _ in targets:
+            state_dict[name] = value
+    for entries in places.values():  # entries of no original key keep their values
+        for name, tensor in entries:
+            state_dict.setdefault(name, tensor.detach())

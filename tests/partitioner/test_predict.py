@@ -1,0 +1,84 @@
+"""Tests of partitioner/predict.py: one configuration's split, step time and memory."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import partitioner.predict
+from partitioner.devices import Cluster
+from partitioner.predict import Config, ConfigError, predict, replayed
+from partitioner.solver import BalanceError
+from partitioner.transformer_model import GPTShape, gpt_workload
+
+CLUSTER = Cluster.preset("A100-80GB", nodes=2)
+WORKLOAD = gpt_workload(GPTShape(16, 2048, 16, 1024, 50304), batch=64)
+
+
+def test_config_validation_collects_problems() -> None:
+    with pytest.raises(ConfigError, match="dp=0.*schedule='zigzag'.*checkpoint='maybe'"):
+        Config(dp=0, schedule="zigzag", checkpoint="maybe")
+    with pytest.raises(ConfigError, match="interleaved needs virtual >= 2"):
+        Config(pp=2, schedule="interleaved")
+    with pytest.raises(ConfigError, match="optimizer='lion'") as info:
+        Config(optimizer="lion")
+    assert isinstance(info.value, ValueError)
+    assert Config(dp=2, tp=4, pp=2, chunks=8).label() == "dp=2 tp=4 pp=2 m=8 gpipe ckpt=never"
+
+
+def test_configurations_must_fit_cluster_and_workload() -> None:
+    with pytest.raises(ConfigError, match="dp\\*tp\\*pp = 8 but the cluster has 16"):
+        predict(WORKLOAD, CLUSTER, Config(dp=8))
+    with pytest.raises(ConfigError, match="tp=16 exceeds the 8 devices of a node"):
+        predict(WORKLOAD, CLUSTER, Config(tp=16))
+    with pytest.raises(ConfigError, match="batch 8 does not split over dp=16"):
+        predict(gpt_workload(GPTShape(2, 64, 4, 16, 100), batch=8), CLUSTER, Config(dp=16))
+
+
+def test_replayed_micro_batches_follow_torchgpipe() -> None:
+    assert (replayed("always", 4), replayed("except_last", 4), replayed("never", 4)) == (4, 3, 0)
+
+
+def test_checkpointing_trades_time_for_memory() -> None:
+    base = Config(dp=2, tp=2, pp=4, chunks=8, schedule="gpipe")
+    never = predict(WORKLOAD, CLUSTER, base)
+    always = predict(WORKLOAD, CLUSTER, Config(**{**base.__dict__, "checkpoint": "always"}))
+    assert always.step_time > never.step_time
+    assert always.peak_memory < never.peak_memory
+
+
+def test_more_micro_batches_shrink_the_bubble() -> None:
+    few = predict(WORKLOAD, CLUSTER, Config(dp=2, tp=2, pp=4, chunks=2))
+    many = predict(WORKLOAD, CLUSTER, Config(dp=2, tp=2, pp=4, chunks=16))
+    assert many.bubble < few.bubble
+
+
+def test_one_f_one_b_holds_less_than_gpipe() -> None:
+    gpipe = predict(WORKLOAD, CLUSTER, Config(dp=1, tp=2, pp=8, chunks=32))
+    onef = predict(WORKLOAD, CLUSTER, Config(dp=1, tp=2, pp=8, chunks=32, schedule="1f1b"))
+    assert onef.step_time == pytest.approx(gpipe.step_time, rel=1e-9)
+    assert all(o.activations <= g.activations for o, g in zip(onef.memory, gpipe.memory))
+    assert sum(m.activations for m in onef.memory) < sum(m.activations for m in gpipe.memory)
+
+
+def test_interleaved_split_balances_the_devices() -> None:
+    config = Config(dp=1, tp=4, pp=4, chunks=16, schedule="interleaved", virtual=2)
+    prediction = predict(WORKLOAD, CLUSTER, config)
+    loads = [sum(s.forward + s.backward for s in prediction.stages[j::4]) for j in range(4)]
+    assert max(loads) / min(loads) < 1.6  # the head's chunk is the one unavoidable lump
+    assert len(prediction.boundaries) == 9
+
+
+def test_given_boundaries_are_checked() -> None:
+    with pytest.raises(BalanceError, match="do not describe 2 non-empty stages"):
+        predict(WORKLOAD, CLUSTER, Config(dp=4, tp=2, pp=2), boundaries=(0, 0, 18))
+
+
+def test_too_little_memory_gives_a_reason() -> None:
+    prediction = predict(WORKLOAD, CLUSTER, Config(dp=16, chunks=1), capacity=1e9)
+    assert not prediction.fits and "fits" in prediction.reason
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(partitioner.predict).failed == 0

@@ -1,0 +1,83 @@
+"""The HTML report, rendered in headless Chromium: the graph and the timeline must show."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from models import ResidualCNN
+
+from partitioner import partition, visualize
+from partitioner.viz import predicted_timeline
+
+CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser",
+                                                         "google-chrome")) if p), None)
+needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None,
+                                    reason="Graphviz is not installed (apt-get install graphviz)")
+
+
+def _report(tmp_path: Path) -> Path:
+    x = torch.randn(6, 3, 8, 8)
+    pm = partition(ResidualCNN(), ["cpu"] * 3, example_inputs=(x,), chunks=3)
+    pm(x).sum().backward()
+    path = visualize(pm, tmp_path / "report.html")
+    pm.close()
+    return path
+
+
+@needs_graphviz
+def test_report_is_self_contained(tmp_path: Path) -> None:
+    text = _report(tmp_path).read_text()
+    assert text.count("<svg") == 2
+    assert 'id="plan-table"' in text and 'id="graph"' in text and 'id="timeline"' in text
+    assert "measured timeline" in text
+    # nothing to fetch: no scripts, no remote images, links or style sheets
+    for remote in ("<script", 'src="http', 'href="http', "@import", "<link"):
+        assert remote not in text
+
+
+@needs_graphviz
+def test_report_of_a_bare_plan_uses_the_predicted_timeline(tmp_path: Path) -> None:
+    from models import mlp
+
+    from partitioner import make_plan
+    plan = make_plan(mlp(), ["cpu"] * 2, example_inputs=(torch.randn(4, 12),), chunks=2)
+    text = visualize(plan, tmp_path / "plan.html").read_text()
+    assert "predicted timeline" in text
+    assert predicted_timeline(plan).bubble > 0
+
+
+def _chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--window-size=1280,2200", "--hide-scrollbars"]
+    return subprocess.run([CHROMIUM, *flags, *extra, url], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@needs_graphviz
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed "
+                                             "(apt-get install chromium)")
+def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    report = _report(tmp_path)
+    dom = _chromium(tmp_path, report.as_uri(), "--dump-dom").stdout
+    graph = dom[dom.index('id="graph"'):dom.index('id="timeline"')]
+    timeline = dom[dom.index('id="timeline"'):]
+    assert "<svg" in graph and graph.count('class="node"') >= 10
+    assert "cluster_stage2" in graph
+    assert "<svg" in timeline and timeline.count("<title>bar") == 2 * 3 * 3
+
+    shot, blank_shot = tmp_path / "report.png", tmp_path / "blank.png"
+    blank = tmp_path / "blank.html"
+    blank.write_text("<!DOCTYPE html><html><body></body></html>")
+    _chromium(tmp_path, report.as_uri(), f"--screenshot={shot}")
+    _chromium(tmp_path, blank.as_uri(), f"--screenshot={blank_shot}")
+    assert shot.read_bytes().startswith(b"\x89PNG")
+    # A blank page compresses to almost nothing; the drawn report does not.
+    assert shot.stat().st_size > 5 * blank_shot.stat().st_size
+    assert shot.stat().st_size > 30_000
