@@ -1,11 +1,12 @@
 """Measuring this machine: the CPU's spec, and (``calibrate=True``) each distinct layer.
 
-:func:`measure_cpu` runs a short calibration (about a third of a second) once per process:
-products of one weight matrix with 8, 64 and 256 rows (the rate, and the per-call cost of
-repacking the weights that makes small micro-batches slow), a tiny product (the efficiency
-curve), an in-place add larger than the last-level cache (element-wise bandwidth), a chain of
-tiny ops with their backward (the fixed cost of one op), and several threads computing at once
-against one (``"cpu"`` devices share this machine's cores). Each timing is the best of a few
+:func:`measure_cpu` runs a short calibration (about half a second) once per process: products
+of 1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
+as a model's are (the rate, and the per-call cost of repacking the weights that makes small
+micro-batches slow), a tiny product (the efficiency curve), an Adam step over 16 M parameters
+(the bandwidth of element-wise kernels), a chain of tiny ops with their backward (the fixed
+cost of one op), and several threads computing at once against one (``"cpu"`` devices share
+this machine's cores). Each timing is the best of a few
 repeats, and of the runs before it on this machine (a small cache file), so other load on the
 machine inflates it as little as possible.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -44,6 +46,7 @@ import torch.utils._pytree as pytree
 from partitioner.cost import LayerCost, phase_times
 from partitioner.devices import DeviceSpec
 from partitioner.errors import PartitionError
+from partitioner.memory import optimizer_traffic
 from passes.group_layers import Layer
 from passes.split_stages import split_stages
 
@@ -95,7 +98,7 @@ def _together(work: Callable[[], None], n: int) -> Callable[[], None]:
     return run
 
 
-_TIMINGS = ("overhead", "few", "some", "many", "small", "add", "alone", "two", "three",
+_TIMINGS = ("overhead", "few", "some", "many", "small", "adam", "alone", "two", "three",
             "four")
 
 
@@ -113,7 +116,7 @@ def measure_cpu() -> DeviceSpec:
         A spec from float32 products of a ``1024 x 1024`` weight with 8, 64 and 256 rows (the
         asymptotic rate, ``peak_flops`` with ``matmul_efficiency`` 1, and the weight
         repacking cost, ``pack_bandwidth``), a 48 x 48 product (``matmul_half_flops``), an
-        in-place add of 64 MiB tensors (``memory_bandwidth``, ``memory_efficiency`` 1), tiny
+        Adam step over 16 M parameters (``memory_bandwidth``, ``memory_efficiency`` 1), tiny
         ops with autograd (``op_overhead``) and 2, 3 and 4 threads computing at once
         (``shared_speedup``).
     """
@@ -164,23 +167,28 @@ _ROWS = (8, 64, 256)
 
 def _timings() -> dict[str, float]:
     """One calibration run's best timings, in seconds (about 0.3 s on an idle machine)."""
-    weight = torch.randn(_WEIGHT, _WEIGHT)
+    # Weights from memory, not cache: a model's layers together outgrow the last-level cache,
+    # so each product here takes the next of 96 MiB of weights.
+    weights = [torch.randn(_WEIGHT, _WEIGHT) for _ in range(24)]
+    turn = itertools.cycle(weights)
     few, some, many = (torch.randn(n, _WEIGHT) for n in _ROWS)
-    _warm_up(lambda: torch.mm(many, weight))
+    _warm_up(lambda: torch.mm(many, next(turn)))
     c, d = torch.randn(_SMALL, _SMALL), torch.randn(_SMALL, _SMALL)
-    x = torch.ones(_COPY)  # touched: untouched pages read as the shared zero page
-    y = torch.zeros_like(x)
+    params = [torch.nn.Parameter(torch.randn(_COPY // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.Adam(params, lr=1e-6)
     e, f = torch.randn(256, 256), torch.randn(256, 256)
 
     def work() -> None:
         for _ in range(16):
             torch.mm(e, f)
     found = {"overhead": _op_overhead(),
-             "few": _best(lambda: torch.mm(few, weight), repeats=7, inner=10),
-             "some": _best(lambda: torch.mm(some, weight), repeats=7, inner=5),
-             "many": _best(lambda: torch.mm(many, weight), repeats=7, inner=3),
+             "few": _best(lambda: torch.mm(few, next(turn)), repeats=7, inner=24),
+             "some": _best(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
+             "many": _best(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
              "small": _best(lambda: torch.mm(c, d), repeats=7, inner=50),
-             "add": _best(lambda: y.add_(x), repeats=5)}
+             "adam": _best(adam.step, repeats=3)}
     work()
     alone = math.inf
     counts = {"two": 2, "three": 3, "four": 4}
@@ -208,7 +216,9 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     f_small = 2.0 * _SMALL**3
     # rate * f / (f + half) = f / t  =>  half = rate * t - f (the launch cost taken out)
     half = max(rate * max(t["small"] - t["overhead"], 0.0) - f_small, f_small / 100)
-    bandwidth = 3 * _COPY * 4 / t["add"]  # an in-place add reads two tensors, writes one
+    # PyTorch's Adam: seven element-wise passes, 80 bytes per float32 parameter
+    # (partitioner.memory.optimizer_traffic): the bandwidth of the kernels a step runs.
+    bandwidth = optimizer_traffic("adam", 4, False) * _COPY / t["adam"]
     # n teams of t intra-op threads on c cores cannot beat c / t teams' worth of work, but a
     # lone team rarely keeps every core busy: allow a quarter more.
     ceiling = max(1.0, (os.cpu_count() or 1) / torch.get_num_threads()) * 1.25
