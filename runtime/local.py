@@ -125,7 +125,6 @@ class LocalPipeline:
             runner = self.runners[j]
             for action in actions:
                 i = action.microbatch
-                start = time.perf_counter()
                 try:
                     if j == 0:
                         inputs = pytree.tree_unflatten(
@@ -133,6 +132,7 @@ class LocalPipeline:
                     else:
                         leaves, spec = receive(slots[j - 1][i].result(), runner.device, grad=grad)
                         inputs = pytree.tree_unflatten(leaves, spec)
+                    start = time.perf_counter()  # after the inputs arrived: busy time only
                     out = runner.forward(i, list(inputs), grad=grad, checkpoint=i < stop)
                     slots[j][i].set_result(send(out, runner.device))
                     self._record(action, start)
@@ -157,13 +157,13 @@ class LocalPipeline:
             runner = self.runners[j]
             for action in actions:
                 i = action.microbatch
-                start = time.perf_counter()
                 try:
                     if j == last:
                         incoming = move_leaves(grads_last[i], runner.device, grad=False)
                     else:
                         incoming, _ = receive(slots[j + 1][i].result(), runner.device,
                                               grad=False)
+                    start = time.perf_counter()
                     slots[j][i].set_result(send(runner.backward(i, incoming), runner.device))
                     self._record(action, start)
                 except BaseException as error:

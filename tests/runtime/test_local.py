@@ -162,3 +162,17 @@ def test_inplace_op_at_stage_start() -> None:
     ref(x).sum().backward()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_timeline_records_busy_time_after_inputs_arrive() -> None:
+    # Regression: actions were stamped before waiting for their inputs, so every stage's
+    # first forward appeared to start at once.
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(16, 64)
+    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=4)
+    pm(x).sum().backward()
+    spans = {str(action): (start, end) for action, start, end in pm.pipeline().timeline}
+    assert len(spans) == 2 * 2 * 4
+    for i in range(4):
+        assert spans[f"1F{i}"][0] >= spans[f"0F{i}"][1]
+        assert spans[f"0B{i}"][0] >= spans[f"1B{i}"][1]
