@@ -39,6 +39,7 @@ from partitioner.errors import MemoryLimitError, PartitionError
 from partitioner.memory import device_memory, in_flight
 from partitioner.predict import Config, Prediction, layer_profile, predict, replayed
 from partitioner.records import to_record
+from partitioner.simulate import refine
 
 __all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "executable", "SearchResult", "search",
            "configurations", "explain", "CHECKPOINT_ORDER"]
@@ -255,6 +256,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
     local_only = cluster.is_local if executable_only is None else executable_only
     cap = capacity if capacity is not None else cluster.spec(0).memory_bytes
     bounds = _Bounds(workload, cluster, cap)
+    # Devices sharing this machine's cores: the simulation decides (see simulate.refine).
+    shared = cluster.is_local and bool(cluster.spec(0).shared_speedup)
     configs = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
                                   schedules=schedules, optimizer=optimizer,
                                   overlap_grad_reduce=overlap_grad_reduce,
@@ -283,6 +286,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
             continue
         evaluated += 1
         prediction = predict(workload, cluster, c, capacity=cap)
+        if shared:
+            prediction = refine(prediction, cluster)
         if not prediction.fits:
             not_fitting += 1
             excluded.append((c.label(), "does not fit memory", bound))

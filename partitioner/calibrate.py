@@ -3,10 +3,10 @@
 :func:`measure_cpu` runs a short calibration (about half a second) once per process: products
 of 1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
 as a model's are (the rate, and the per-call cost of repacking the weights that makes small
-micro-batches slow), a tiny product (the efficiency curve), an Adam step over 16 M parameters
-(the bandwidth of element-wise kernels), a chain of tiny ops with their backward (the fixed
-cost of one op), and several threads computing at once against one (``"cpu"`` devices share
-this machine's cores). Each timing is the best of a few
+micro-batches slow), a tiny product (the efficiency curve), an in-place add larger than the
+last-level cache (element-wise bandwidth), an Adam step (the optimizer's), a chain of tiny
+ops with their backward (the fixed cost of one op), and several threads computing at once
+against one (``"cpu"`` devices share this machine's cores). Each timing is the best of a few
 repeats, and of the runs before it on this machine (a small cache file), so other load on the
 machine inflates it as little as possible.
 
@@ -98,8 +98,8 @@ def _together(work: Callable[[], None], n: int) -> Callable[[], None]:
     return run
 
 
-_TIMINGS = ("overhead", "few", "some", "many", "small", "adam", "alone", "two", "three",
-            "four")
+_TIMINGS = ("overhead", "few", "some", "many", "small", "add", "adam", "alone", "two",
+            "three", "four")
 
 
 @functools.cache
@@ -116,8 +116,9 @@ def measure_cpu() -> DeviceSpec:
         A spec from float32 products of a ``1024 x 1024`` weight with 8, 64 and 256 rows (the
         asymptotic rate, ``peak_flops`` with ``matmul_efficiency`` 1, and the weight
         repacking cost, ``pack_bandwidth``), a 48 x 48 product (``matmul_half_flops``), an
-        Adam step over 16 M parameters (``memory_bandwidth``, ``memory_efficiency`` 1), tiny
-        ops with autograd (``op_overhead``) and 2, 3 and 4 threads computing at once
+        in-place add of 64 MiB tensors (``memory_bandwidth``, ``memory_efficiency`` 1), an
+        Adam step over sixteen 1024 x 1024 weights (``optimizer_bandwidth``), tiny ops with
+        autograd (``op_overhead``) and 2, 3 and 4 threads computing at once
         (``shared_speedup``).
     """
     timings = _timings()
@@ -174,7 +175,10 @@ def _timings() -> dict[str, float]:
     few, some, many = (torch.randn(n, _WEIGHT) for n in _ROWS)
     _warm_up(lambda: torch.mm(many, next(turn)))
     c, d = torch.randn(_SMALL, _SMALL), torch.randn(_SMALL, _SMALL)
-    params = [torch.nn.Parameter(torch.randn(_COPY // 4)) for _ in range(4)]
+    x = torch.ones(_COPY)  # touched: untouched pages read as the shared zero page
+    y = torch.zeros_like(x)
+    # An Adam step over 16 layers' worth of 1024 x 1024 weights.
+    params = [torch.nn.Parameter(torch.randn(_WEIGHT, _WEIGHT)) for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
     adam = torch.optim.Adam(params, lr=1e-6)
@@ -188,6 +192,7 @@ def _timings() -> dict[str, float]:
              "some": _best(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
              "many": _best(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
              "small": _best(lambda: torch.mm(c, d), repeats=7, inner=50),
+             "add": _best(lambda: y.add_(x), repeats=5),
              "adam": _best(adam.step, repeats=3)}
     work()
     alone = math.inf
@@ -216,16 +221,17 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     f_small = 2.0 * _SMALL**3
     # rate * f / (f + half) = f / t  =>  half = rate * t - f (the launch cost taken out)
     half = max(rate * max(t["small"] - t["overhead"], 0.0) - f_small, f_small / 100)
-    # PyTorch's Adam: seven element-wise passes, 80 bytes per float32 parameter
-    # (partitioner.memory.optimizer_traffic): the bandwidth of the kernels a step runs.
-    bandwidth = optimizer_traffic("adam", 4, False) * _COPY / t["adam"]
+    bandwidth = 3 * _COPY * 4 / t["add"]  # an in-place add reads two tensors, writes one
+    # PyTorch's Adam: seven element-wise passes and two temporaries, 80 bytes per float32
+    # parameter (partitioner.memory.optimizer_traffic), at the rate its kernels reach.
+    optimizer = optimizer_traffic("adam", 4, False) * 16 * _WEIGHT**2 / t["adam"]
     # n teams of t intra-op threads on c cores cannot beat c / t teams' worth of work, but a
     # lone team rarely keeps every core busy: allow a quarter more.
     ceiling = max(1.0, (os.cpu_count() or 1) / torch.get_num_threads()) * 1.25
     speedup = [1.0] + [min(max(n * t["alone"] / t[name], 1 / n), float(n), ceiling)
                        for name, n in (("two", 2), ("three", 3), ("four", 4))]
     return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
-                      1.0, t["overhead"], pack, tuple(speedup))
+                      1.0, t["overhead"], pack, optimizer, tuple(speedup))
 
 
 def _total_memory() -> float:

@@ -237,7 +237,9 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
         product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
         pack = weights / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
         forward = max(product, (traffic + weights) / bandwidth) + pack + overhead
-        backward = 2 * (max(product, (traffic + weights) / bandwidth) + pack + overhead) \
+        # Two products: the input gradient (which repacks the weights again) and the weight
+        # gradient (whose output is weight-sized: the gradient traffic below).
+        backward = 2 * (max(product, (traffic + weights) / bandwidth) + overhead) + pack \
             + grads / bandwidth
     else:
         forward = (traffic + weights) / bandwidth + overhead

@@ -73,6 +73,8 @@ class DeviceSpec:
         memory_efficiency: fraction of ``memory_bandwidth`` element-wise kernels reach.
         op_overhead: seconds of fixed cost per operation.
         pack_bandwidth: bytes per second at which a matrix product repacks its weights.
+        optimizer_bandwidth: bytes per second the optimizer step's element-wise passes
+            reach (0: the achievable memory bandwidth).
         shared_speedup: for devices sharing one host's cores (several ``"cpu"`` devices):
             ``shared_speedup[n - 1]`` is how much faster ``n`` of them computing at once get
             through work than one alone (1.0 first). Empty for devices with their own compute.
@@ -90,6 +92,7 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     op_overhead: float = 5e-6
     pack_bandwidth: float = 0.0
+    optimizer_bandwidth: float = 0.0
     shared_speedup: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -108,7 +111,7 @@ class DeviceSpec:
         for name in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
-        for name in ("op_overhead", "pack_bandwidth"):
+        for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0
@@ -132,6 +135,11 @@ class DeviceSpec:
     def achievable_bandwidth(self) -> float:
         """Bytes per second element-wise kernels reach."""
         return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def optimizer_rate(self) -> float:
+        """Bytes per second of the optimizer step's passes."""
+        return self.optimizer_bandwidth or self.achievable_bandwidth
 
     def speedup(self, n: float) -> float:
         """How much faster ``n`` devices sharing this host get through work than one.

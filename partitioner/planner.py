@@ -29,6 +29,7 @@ from partitioner.errors import MemoryLimitError
 from partitioner.plan import Mesh, Plan, Stage
 from partitioner.predict import Config, Prediction, predict, replayed
 from partitioner.records import to_record
+from partitioner.simulate import refine
 
 __all__ = ["pipeline_plan", "auto_plan", "plan_from"]
 
@@ -83,6 +84,8 @@ def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     prediction = predict(workload, cluster, config, boundaries, capacity)
     if prediction.reason:
         raise MemoryLimitError(prediction.reason)
+    if cluster.is_local and cluster.spec(0).shared_speedup:
+        prediction = refine(prediction, cluster)
     return plan_from(prediction, names, cluster, strategy=strategy, capture=capture,
                      notes=workload.notes)
 

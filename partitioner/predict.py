@@ -447,7 +447,7 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         reduce = all_reduce_time(sum(s.grad_bytes for s in mine), config.dp,
                                  cluster.group_link(ranks)) if config.dp > 1 else 0.0
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce else 0
-        optimizer = params / element * traffic / cluster.spec(j).achievable_bandwidth
+        optimizer = params / element * traffic / cluster.spec(j).optimizer_rate
         ends.append(pipeline - drained + max(reduce - window, 0.0) + optimizer)
         drained += stages[j].backward + share * stages[j].replay
         dp_times.append(reduce)

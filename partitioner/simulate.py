@@ -37,7 +37,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.devices import Cluster
@@ -45,7 +45,8 @@ from partitioner.errors import PartitionError
 from partitioner.predict import Prediction, StageProfile, replayed
 from runtime.schedule import Action, Phase, Schedule, gpipe, one_f_one_b
 
-__all__ = ["SimulationError", "SimulationResult", "simulate", "interleaved", "device_actions"]
+__all__ = ["SimulationError", "SimulationResult", "simulate", "interleaved", "device_actions",
+           "refine"]
 
 
 class SimulationError(PartitionError, ValueError):
@@ -379,3 +380,30 @@ def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:
     if cluster is None:
         raise SimulationError("pass the cluster to simulate a Prediction on")
     return _Simulation(prediction, cluster).run()
+
+
+def refine(prediction: Prediction, cluster: Cluster, max_actions: int = 20_000) -> Prediction:
+    """``prediction`` with its step time, pipeline time and bubble from the simulation.
+
+    Used where the closed forms are weakest: devices sharing one host's cores, whose
+    contention depends on which stages happen to overlap. Plans with more than
+    ``max_actions`` forward and backward actions are returned unchanged.
+
+    Example:
+        >>> from partitioner.devices import Cluster
+        >>> from partitioner.predict import Config, predict
+        >>> from partitioner.transformer_model import GPTShape, gpt_workload
+        >>> cluster = Cluster.preset("A100-80GB")
+        >>> p = predict(gpt_workload(GPTShape(4, 256, 4, 128, 1000), 16), cluster,
+        ...             Config(dp=4, pp=2, chunks=4))
+        >>> refine(p, cluster).step_time == simulate(p, cluster).step_time
+        True
+    """
+    c = prediction.config
+    if 2 * c.stages * c.chunks > max_actions:
+        return prediction
+    result = _Simulation(prediction, cluster).run()
+    return replace(prediction, step_time=result.step_time,
+                   pipeline_time=result.pipeline_time, bubble=result.bubble,
+                   samples_per_second=prediction.samples_per_second
+                   * prediction.step_time / result.step_time)
