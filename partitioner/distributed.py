@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -37,17 +37,22 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partitioner.api import analyze, build_stage_graphs, make_plan
+from partitioner.api import Analysis, analyze, build_stage_graphs, make_plan
 from partitioner.errors import StrategyError
 from partitioner.plan import Mesh as PlanMesh
 from partitioner.plan import Plan
+from partitioner.tensor_parallel import plan_tensor_parallel, shard_stage, stage_shardings
+from partitioner.tp_rules import ShardPlan
 from passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
+from passes.tp_rewrite import COMM_ATTR
 from runtime.checkpoint_io import load_checkpoint, save_checkpoint
+from runtime.collectives import ProcessGroupCommunicator
 from runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer, TiedGradients
 from runtime.distributed import DistributedPipeline, StageInterface
 from runtime.failure import FailurePolicy, Watchdog, check_same_plan, start_watchdog
 from runtime.mesh import Coords, Mesh, MeshShape, init_distributed
 from runtime.p2p import Boundary, BoundaryMismatchError, PipeLinks
+from runtime.shard_state import ShardState
 from runtime.stage import StageRunner
 
 __all__ = ["partition_distributed", "DistributedModel", "BoundaryPredictor", "find_ties"]
@@ -56,7 +61,8 @@ __all__ = ["partition_distributed", "DistributedModel", "BoundaryPredictor", "fi
 def partition_distributed(
         model: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         example_kwargs: dict[str, Any] | None = None, pp: int | None = None,
-        dp: int | None = None, tp: int = 1, chunks: int | None = None,
+        dp: int | None = None, tp: int | None = None,
+        tensor_parallel: Mapping[str, str] | None = None, chunks: int | None = None,
         schedule: str | None = None, checkpoint: str | None = None,
         balance: Sequence[int] | None = None, split_points: Sequence[str] | None = None,
         plan: Plan | str | Path | None = None, memory_limit: float | None = None,
@@ -75,7 +81,11 @@ def partition_distributed(
         example_kwargs: keyword inputs of that batch.
         pp: pipeline stages; default: what the world leaves after ``dp`` and ``tp``.
         dp: data-parallel replicas of each stage; default: what the world leaves after ``pp``.
-        tp: tensor-parallel shards; only 1 is supported here.
+        tp: tensor-parallel shards of each stage (Megatron-style column/row splits found by
+            the tensor-parallel pass, ``partitioner.tensor_parallel``); default: the plan's,
+            else 1. Each stage's ranks form a ``tp`` process group.
+        tensor_parallel: rules overriding the automatic splits, glob patterns over module
+            names (``{"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}``).
         chunks: micro-batches per step (default: the plan's, else 1).
         schedule: ``"1f1b"`` or ``"gpipe"`` (default: the plan's, else 1f1b).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"`` (default: the plan's, else
@@ -105,22 +115,34 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
-    if tp != 1:
-        raise StrategyError(f"tp={tp}: partition_distributed runs pipeline and data "
-                            "parallelism; pass tp=1")
-    info = init_distributed(backend)
-    watchdog = start_watchdog(failure)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     if given is not None:
         # A plan fixes the stages; a replica count it names (> 1) is kept unless overridden.
         pp = len(given.stages) if pp is None else pp
         if dp is None and given.mesh is not None and given.mesh.dp > 1:
             dp = given.mesh.dp
+        if tp is None and given.mesh is not None:
+            tp = given.mesh.tp
+    tp = 1 if tp is None else tp
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise StrategyError(f"tp={tp!r}; pass a whole number of tensor-parallel shards >= 1")
+    if tensor_parallel is not None and tp == 1:
+        raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
+                            "stage, but tp=1; pass tp=2 (or more) with them")
+    info = init_distributed(backend)
+    watchdog = start_watchdog(failure)
     shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
     settings = {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint}
-    made = _agree_on_plan(model, given, shape, info.device.type, settings, example_inputs,
-                          example_kwargs, balance, split_points, memory_limit)
-    analysis = analyze(model, example_inputs, example_kwargs, need_costs=False)
+    shard_plan: ShardPlan | None = None
+    if shape.tp > 1:
+        made, analysis, shard_plan = _agree_on_split_plan(
+            model, given, shape, info.device.type, settings, example_inputs, example_kwargs,
+            balance, split_points, memory_limit, tensor_parallel)
+    else:
+        made = _agree_on_plan(model, given, shape, info.device.type, settings,
+                              example_inputs, example_kwargs, balance, split_points,
+                              memory_limit)
+        analysis = analyze(model, example_inputs, example_kwargs, need_costs=False)
     names = [layer.name for layer in analysis.layers]
     if names != list(made.layers):
         missing = [n for n in made.layers if n not in names]
@@ -134,7 +156,15 @@ def partition_distributed(
     digest, summary = _digest(made, graphs, shape, loss_reduction, bucket_bytes, seed)
     check_same_plan(digest, summary)
     j = mesh.stage
-    stage = graphs[j].to(info.device)
+    shards: ShardState | None = None
+    if shard_plan is not None:
+        # This rank's slice of its stage; collectives on the stage replica's tp group.
+        comm = ProcessGroupCommunicator(mesh.group("tp"))
+        stage = shard_stage(graphs[j], model, shard_plan, mesh.shard, info.device)
+        setattr(stage, COMM_ATTR, comm)
+        shards = ShardState(stage_shardings(graphs[j], model, shard_plan), mesh.shard, comm)
+    else:
+        stage = graphs[j].to(info.device)
     if fuse_weight_grads:
         fuse_linear_grads(stage)
     devices = [info.device if k == j else home for k in range(len(graphs))]
@@ -145,7 +175,8 @@ def partition_distributed(
                            predivided=True) if shape.dp > 1 else None)
     tied = _tie_groups(find_ties(graphs), mesh, stage)
     pipeline = DistributedPipeline(
-        StageRunner(j, stage, info.device), n_stages=shape.pp, links=links,
+        StageRunner(j, stage, info.device, shard=mesh.shard if shards is not None else None),
+        n_stages=shape.pp, links=links,
         interfaces=BoundaryPredictor(graphs, j, devices), schedule=made.schedule,
         chunks=made.chunks, checkpoint=made.checkpoint,
         restructure=analysis.captured.restructure, reducer=reducer, tied=tied, dp_size=shape.dp,
@@ -153,7 +184,7 @@ def partition_distributed(
         grad_scale=1.0 / shape.dp)
     return DistributedModel(model, made, mesh, pipeline, stage,
                             bind=analysis.captured.placeholder_values, seed=seed,
-                            watchdog=watchdog)
+                            watchdog=watchdog, shards=shards)
 
 
 def _agree_on_plan(model: nn.Module, given: Plan | None, shape: MeshShape, kind: str,
@@ -185,6 +216,55 @@ def _agree_on_plan(model: nn.Module, given: Plan | None, shape: MeshShape, kind:
         dist.broadcast_object_list(box, src=0)
         made = Plan.from_dict(box[0])
     return replace(made, schedule=schedule, mesh=mesh)
+
+
+def _agree_on_split_plan(model: nn.Module, given: Plan | None, shape: MeshShape, kind: str,
+                         settings: dict[str, Any], example_inputs: tuple[Any, ...] | None,
+                         example_kwargs: dict[str, Any] | None,
+                         balance: Sequence[int] | None, split_points: Sequence[str] | None,
+                         memory_limit: float | None, rules: Mapping[str, str] | None
+                         ) -> tuple[Plan, Analysis, ShardPlan]:
+    """The plan every rank runs when stages are split over ``tp`` ranks, with the capture
+    (layers merged so that no stage boundary cuts a column/row pair) and the shard plan.
+
+    The tensor-parallel pass decides the splits from the model alone, so every rank finds
+    the same; the stage split follows :func:`_agree_on_plan`'s rules. A given plan must
+    name the same layers and shard specs as the model and rules give here.
+    """
+    chunks = settings["chunks"] or (given.chunks if given else 1)
+    schedule = settings["schedule"] or (given.schedule if given else "1f1b")
+    checkpoint = settings["checkpoint"] or (given.checkpoint if given else "never")
+    if given is not None:
+        if balance is not None or split_points is not None:
+            raise StrategyError("plan= fixes the split; drop balance= and split_points=")
+        _check_fingerprint(model, given)
+        balance = given.balance
+    groups = [[kind] * shape.tp for _ in range(shape.pp)]
+    setup = plan_tensor_parallel(model, groups, dict(rules) if rules else shape.tp,
+                                 strategy="pipeline", example_inputs=example_inputs,
+                                 example_kwargs=example_kwargs, chunks=chunks,
+                                 checkpoint=checkpoint, balance=balance,
+                                 split_points=split_points, memory_limit=memory_limit)
+    made = setup.plan
+    if given is not None:
+        if list(given.layers) != list(made.layers):
+            raise StrategyError(
+                f"the plan's layers {list(given.layers)[:6]} are not the tensor-parallel "
+                f"layers of this model {list(made.layers)[:6]}; re-plan the model with tp="
+                f"{shape.tp}")
+        if dict(given.shard_specs) != dict(made.shard_specs):
+            differ = sorted(set(given.shard_specs.items()) ^ set(made.shard_specs.items()))
+            raise StrategyError(
+                f"the plan splits parameters otherwise than tp={shape.tp} with these rules "
+                f"does (first differences: {differ[:4]}); pass the tensor_parallel= rules "
+                "the plan was made with")
+        made = replace(given, chunks=chunks, checkpoint=checkpoint)
+    elif balance is None and split_points is None:
+        box: list[Any] = [made.to_dict()]
+        dist.broadcast_object_list(box, src=0)
+        made = Plan.from_dict(box[0])
+    mesh = PlanMesh(shape.dp, shape.pp, shape.tp)
+    return replace(made, schedule=schedule, mesh=mesh), setup.analysis, setup.shard_plan
 
 
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
@@ -244,6 +324,7 @@ def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: MeshShape, redu
         "layers": [list(s.layers) for s in plan.stages], "chunks": plan.chunks,
         "checkpoint": plan.checkpoint, "schedule": plan.schedule,
         "mesh": [shape.pp, shape.dp, shape.tp], "loss_reduction": reduction,
+        "shard_specs": sorted((k, repr(v)) for k, v in plan.shard_specs.items()),
         "bucket_bytes": bucket_bytes, "seed": seed,
         "stages": [{"code": gm.code,
                     "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in
@@ -331,9 +412,12 @@ class DistributedModel(nn.Module):
     """This rank's stage of a model partitioned over processes.
 
     ``parameters()`` are this rank's stage's (give them to any optimizer); ``state_dict()``
-    is this stage's part with the original model's keys; ``train()``/``eval()`` work as
-    usual. Calling it is not supported: a pipeline stage alone has no meaningful output,
-    so training goes through :meth:`step` and evaluation through :meth:`evaluate`.
+    is this stage's part with the original model's keys, whole tensors even when the stage
+    is split over ``tp`` ranks (then it is a collective: every rank of the stage replica's
+    tp group calls it, and ``load_state_dict`` keeps each rank's slice); ``train()``/
+    ``eval()`` work as usual. Calling it is not supported: a pipeline stage alone has no
+    meaningful output, so training goes through :meth:`step` and evaluation through
+    :meth:`evaluate`.
 
     Attributes:
         plan: the plan every rank runs.
@@ -347,7 +431,7 @@ class DistributedModel(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, mesh: Mesh, pipeline: DistributedPipeline,
                  stage: fx.GraphModule, *,
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]], seed: int,
-                 watchdog: Watchdog) -> None:
+                 watchdog: Watchdog, shards: ShardState | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.plan = plan
@@ -358,7 +442,10 @@ class DistributedModel(nn.Module):
         self._bind = bind
         self._seed = seed
         self._watchdog = watchdog
+        self._shards = shards
         self.register_state_dict_post_hook(_strip_stage_prefix)
+        self.register_state_dict_post_hook(_gather_shards)
+        self.register_load_state_dict_pre_hook(_split_shards)
         self.register_load_state_dict_pre_hook(_add_stage_prefix)
 
     @property
@@ -429,11 +516,12 @@ class DistributedModel(nn.Module):
             save_checkpoint(path, self.stage, contributes=contributes,
                             group=self.mesh.group("pp"), base_state=base, optimizer=optimizer,
                             extra={"steps": self.steps, "plan": self.plan.to_dict()},
-                            aliases=[keys for keys in same.values() if len(keys) > 1])
+                            aliases=[keys for keys in same.values() if len(keys) > 1],
+                            shards=self._shards)
 
     def load(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume from a checkpoint written by :meth:`save` (each rank reads its part)."""
-        extra = load_checkpoint(path, self.stage, optimizer=optimizer)
+        extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards)
         self.steps = int(extra.get("steps", 0))
 
     def close(self) -> None:
@@ -447,6 +535,26 @@ def _strip_stage_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: s
     for key in list(state_dict):
         if key.startswith(prefix + "stage."):
             state_dict[prefix + key[len(prefix) + len("stage."):]] = state_dict.pop(key)
+
+
+def _gather_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                   local_metadata: Any) -> None:
+    shards: ShardState | None = module._shards  # type: ignore[assignment]
+    if shards is None:
+        return
+    local = {k: state_dict[prefix + k] for k in shards.shardings if prefix + k in state_dict}
+    for key, whole in shards.gather(local).items():
+        state_dict[prefix + key] = whole
+
+
+def _split_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                  *args: Any) -> None:
+    shards: ShardState | None = module._shards  # type: ignore[assignment]
+    if shards is None:
+        return
+    whole = {k: state_dict[prefix + k] for k in shards.shardings if prefix + k in state_dict}
+    for key, mine in shards.split(whole).items():
+        state_dict[prefix + key] = mine
 
 
 def _add_stage_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,

@@ -54,7 +54,7 @@ from runtime.tp_module import ShardStore, Source, TensorParallelModule
 from runtime.tp_stage import TensorParallelStage
 
 __all__ = ["partition_tensor_parallel", "plan_tensor_parallel", "TensorParallelSetup",
-           "parallelize", "shard_stage", "device_groups"]
+           "parallelize", "shard_stage", "stage_shardings", "device_groups"]
 
 TensorParallelOption = int | Mapping[str, str]
 
@@ -406,3 +406,10 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
     shardings = _attr_shardings(stage, ids, shard_plan.shardings)
     return shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module
+
+
+def stage_shardings(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan
+                    ) -> dict[str, Sharding]:
+    """How each split tensor of an (unsplit) stage graph is split, by the stage's own
+    state-dict keys: what a rank running :func:`shard_stage`'s graph holds a slice of."""
+    return _attr_shardings(stage, _first_names(model), shard_plan.shardings)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.errors import PartitionError
+from runtime.shard_state import ShardState
 
 __all__ = ["CheckpointError", "atomic_save", "named_optimizer_state",
            "load_named_optimizer_state", "merge_optimizer_states", "save_checkpoint",
@@ -154,7 +155,8 @@ def _to_cpu(value: Any) -> Any:
 def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contributes: bool,
                     group: Any, base_state: dict[str, Any], optimizer: torch.optim.Optimizer
                     | None = None, extra: dict[str, Any] | None = None,
-                    aliases: Sequence[Sequence[str]] = ()) -> None:
+                    aliases: Sequence[Sequence[str]] = (), shards: ShardState | None = None
+                    ) -> None:
     """Gather every stage's state on rank 0 and write one checkpoint (collective, all ranks).
 
     Args:
@@ -168,10 +170,20 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
         extra: more picklable values to store (the same on every rank).
         aliases: groups of keys naming one tensor in the model (tied weights); a stage may
             name it by any of them, and every key of the group gets the stage's value.
+        shards: when ``stage`` is one tensor-parallel rank's slice, which entries are split;
+            every rank of the group then gathers the whole tensors (also of the optimizer
+            state) before its shard 0 contributes them.
     """
+    model_state: dict[str, Any] = stage.state_dict()
+    optim_state = named_optimizer_state(optimizer, stage) if optimizer else None
+    if shards is not None:
+        model_state = shards.gather(model_state)
+        if optim_state is not None:
+            params = dict(stage.named_parameters(remove_duplicate=False))
+            optim_state = shards.gather_optimizer(optim_state, params)
     if contributes:
-        part = {"model": {k: _to_cpu(v) for k, v in stage.state_dict().items()},
-                "optimizer": named_optimizer_state(optimizer, stage) if optimizer else None}
+        part = {"model": {k: _to_cpu(v) for k, v in model_state.items()},
+                "optimizer": _to_cpu(optim_state)}
         rank = dist.get_rank()
         gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(part, gathered, dst=0, group=group)
@@ -210,10 +222,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+                    optimizer: torch.optim.Optimizer | None = None,
+                    shards: ShardState | None = None) -> dict[str, Any]:
     """Load this rank's part of a checkpoint into ``stage`` (and ``optimizer``).
 
-    Every rank reads the file (a filesystem all ranks see).
+    Every rank reads the file (a filesystem all ranks see). With ``shards`` (``stage`` is one
+    tensor-parallel rank's slice) each rank keeps its slice of every split entry.
 
     Returns:
         The checkpoint's ``extra`` values.
@@ -228,12 +242,17 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} keys of this stage "
                               f"(first: {missing[:3]}); it was saved from another model")
+    whole = {k: data["model"][k] for k in own}
+    mine = shards.split(whole) if shards is not None else whole
     with torch.no_grad():
         for key, value in own.items():
-            value.copy_(data["model"][key])
+            value.copy_(mine[key])
     if optimizer is not None:
         if data.get("optimizer") is None:
             raise CheckpointError(f"{path} holds no optimizer state; save it with "
                                   "optimizer=, or load without one")
-        load_named_optimizer_state(optimizer, stage, data["optimizer"])
+        named = data["optimizer"]
+        if shards is not None:
+            named = shards.split_optimizer(named, whole)
+        load_named_optimizer_state(optimizer, stage, named)
     return dict(data.get("extra") or {})

@@ -16,9 +16,16 @@ backward, ``except_last`` all but the last micro-batch, ``never`` none.
 
 Example:
     >>> import torch
-    >>> stages = [torch.fx.symbolic_trace(torch.nn.Linear(2, 2)) for _ in range(2)]
+    >>> class Stage(torch.nn.Module):  # a stage returns the next stage's inputs, as a tuple
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.linear = torch.nn.Linear(2, 2)
+    ...     def forward(self, x):
+    ...         return (self.linear(x),)
+    >>> stages = [torch.fx.symbolic_trace(Stage()) for _ in range(2)]
     >>> pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=2)
-    >>> pipe.run([torch.randn(4, 2)]).shape
+    >>> (y,) = pipe.run([torch.randn(4, 2)])
+    >>> y.shape
     torch.Size([4, 2])
     >>> pipe.close()
 """
@@ -40,7 +47,7 @@ from runtime.microbatch import gather, scatter
 from runtime.schedule import Action, Schedule, gpipe, split_phases
 from runtime.stage import StageRunner
 from runtime.transfer import Handoff, move_leaves, receive, send
-from runtime.worker import Worker
+from runtime.worker import Worker, shared_threads
 
 __all__ = ["LocalPipeline", "CHECKPOINT_MODES", "checkpoint_stop"]
 
@@ -63,10 +70,13 @@ class LocalPipeline:
         devices: one device per stage (repeats allowed: each entry gets its own worker).
         chunks: micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        threads: intra-op threads of each CPU worker; by default the caller's threads are
+            shared among the CPU workers (``runtime.worker.shared_threads``).
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
-                 chunks: int = 1, checkpoint: str = "never") -> None:
+                 chunks: int = 1, checkpoint: str = "never", threads: int | None = None
+                 ) -> None:
         if len(stages) != len(devices):
             raise ValueError(f"{len(stages)} stages for {len(devices)} devices")
         checkpoint_stop(checkpoint, max(chunks, 1))
@@ -76,7 +86,9 @@ class LocalPipeline:
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.runners = [StageRunner(j, gm, d) for j, (gm, d) in enumerate(zip(stages, devices))]
-        self.workers = [Worker(d) for d in self.devices]
+        if threads is None:
+            threads = shared_threads(self.devices)
+        self.workers = [Worker(d, threads if d.type == "cpu" else None) for d in self.devices]
         #: (action, start, end) in seconds since the pipeline was made, for every action the
         #: last forward and backward ran (what ``viz`` draws as a measured timeline).
         self.timeline: list[tuple[Action, float, float]] = []

@@ -13,6 +13,7 @@ stage, the micro-batch and the graph node that failed.
 from __future__ import annotations
 
 import traceback
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import StageExecutionError
 from runtime.rng import fork, use_generator
+from runtime.tensor_parallel import use_shard_generator
 
 __all__ = ["StageRunner", "locate_node"]
 
@@ -31,6 +33,7 @@ class _Stash:
     inputs: list[Any]
     outputs: Any | None
     generator_state: torch.Generator | None
+    shard_state: torch.Generator | None = None
 
 
 def locate_node(gm: fx.GraphModule, error: BaseException) -> str | None:
@@ -54,19 +57,37 @@ class StageRunner:
         index: the stage number ``j``.
         graph_module: the stage's graph (already on ``device``).
         device: where it runs.
+        shard: this process's tensor-parallel rank when the graph is one rank's slice of a
+            split stage: dropout on split values then draws from a generator of the rank's
+            own (replicated values keep the stage's generator, seeded alike on every rank).
     """
 
-    def __init__(self, index: int, graph_module: fx.GraphModule, device: torch.device) -> None:
+    def __init__(self, index: int, graph_module: fx.GraphModule, device: torch.device,
+                 shard: int | None = None) -> None:
         self.index = index
         self.graph_module = graph_module
         self.device = device
+        self.shard = shard
         self.generator = torch.Generator(device=device)
+        self.shard_generator = (torch.Generator(device=device) if shard is not None
+                                else None)
         self._stash: dict[int, _Stash] = {}
 
     def reset(self, seed: int) -> None:
-        """Forget stashed micro-batches and reseed the stage's generator."""
+        """Forget stashed micro-batches and reseed the stage's generator(s)."""
         self._stash.clear()
         self.generator.manual_seed(seed)
+        if self.shard_generator is not None:
+            self.shard_generator.manual_seed((seed + 1 + int(self.shard or 0)) % 2**63)
+
+    def _generators(self, replicated: torch.Generator | None,
+                    shard: torch.Generator | None) -> Any:
+        if self.shard_generator is None:
+            return use_generator(replicated)
+        stack = ExitStack()
+        stack.enter_context(use_generator(replicated))
+        stack.enter_context(use_shard_generator(shard))
+        return stack
 
     def _call(self, i: int, inputs: list[Any]) -> Any:
         try:
@@ -80,8 +101,11 @@ class StageRunner:
 
     def forward(self, i: int, inputs: list[Any], *, grad: bool, checkpoint: bool) -> Any:
         """Run micro-batch ``i``; keep what backward needs when ``grad``."""
-        state = fork(self.generator) if grad and checkpoint else None
-        with use_generator(self.generator):
+        replay = grad and checkpoint
+        state = fork(self.generator) if replay else None
+        shard_state = (fork(self.shard_generator)
+                       if replay and self.shard_generator is not None else None)
+        with self._generators(self.generator, self.shard_generator):
             if grad and not checkpoint:
                 with torch.enable_grad():
                     outputs = self._call(i, inputs)
@@ -90,7 +114,7 @@ class StageRunner:
             with torch.no_grad():
                 outputs = self._call(i, inputs)
         if grad:
-            self._stash[i] = _Stash(inputs, None, state)
+            self._stash[i] = _Stash(inputs, None, state, shard_state)
         return outputs
 
     def backward(self, i: int, grad_leaves: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -102,7 +126,8 @@ class StageRunner:
         stash = self._stash.pop(i)
         outputs = stash.outputs
         if outputs is None:
-            with torch.enable_grad(), use_generator(stash.generator_state):
+            with torch.enable_grad(), self._generators(stash.generator_state,
+                                                       stash.shard_state):
                 outputs = self._call(i, stash.inputs)
         tensors, grads = [], []
         for out, g in zip(pytree.tree_leaves(outputs), grad_leaves):

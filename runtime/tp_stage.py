@@ -73,6 +73,9 @@ class TensorParallelStage(nn.Module):
         for gm, member in zip(ranks, self.group.members):
             setattr(gm, _COMM_ATTR, member)
         self._workers: list[Worker] | None = None
+        #: intra-op threads of the rank workers (set by whoever knows how many threads share
+        #: the cores, e.g. ``TensorParallelModule.pipeline``); ``None``: torch's default.
+        self.threads: int | None = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -87,7 +90,8 @@ class TensorParallelStage(nn.Module):
     def workers(self) -> list[Worker]:
         """The threads of ranks 1.. (started on first use)."""
         if self._workers is None:
-            self._workers = [Worker(d) for d in self.devices[1:]]
+            self._workers = [Worker(d, self.threads if d.type == "cpu" else None)
+                             for d in self.devices[1:]]
         return self._workers
 
     def forward(self, *inputs: Any) -> Any:

@@ -15,25 +15,82 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "shared_threads"]
 
 T = TypeVar("T")
 
 
-class Worker:
-    """A single thread bound to one device (and, on CUDA, one stream)."""
+def shared_threads(devices: Sequence[torch.device]) -> int:
+    """Intra-op threads per CPU worker so that the CPU workers share the caller's threads.
 
-    def __init__(self, device: torch.device) -> None:
+    Each worker thread keeps its own OpenMP team. With the default (one intra-op thread per
+    core in every thread), k CPU workers would run k teams on the same cores, and a team
+    whose barrier waits on a descheduled thread stalls: on 2 cores two stages with 2 threads
+    each ran the pipeline benchmark 20-30% slower than with 1 thread each. So the caller's
+    ``torch.get_num_threads()`` is divided among the CPU workers (at least 1 each).
+    """
+    n_cpu = sum(1 for d in devices if d.type == "cpu")
+    return max(1, torch.get_num_threads() // max(n_cpu, 1))
+
+
+_THREADS = threading.Lock()
+
+
+def _in_fresh_thread(fn: Callable[[], T]) -> T:
+    result: list[T] = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _set_here(threads: int) -> None:
+    # torch initialises a thread's count from the stored default on its first parallel op
+    # (or get_num_threads); initialise first, or that would undo the count set here once
+    # the default is put back.
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+def _set_thread_count(executor: ThreadPoolExecutor, threads: int) -> None:
+    """``torch.set_num_threads(threads)`` on ``executor``'s thread, and only there.
+
+    torch also stores the count as the default of every thread that starts computing later
+    (user threads, autograd's device threads); a throwaway thread puts the previous default
+    back, so making a pipeline does not change the threads of anything else.
+    """
+    with _THREADS:
+        default = _in_fresh_thread(torch.get_num_threads)
+        executor.submit(_set_here, threads).result()
+        _in_fresh_thread(lambda: torch.set_num_threads(default))
+
+
+class Worker:
+    """A single thread bound to one device (and, on CUDA, one stream).
+
+    Args:
+        device: the device its work runs on.
+        threads: intra-op threads of the worker's thread (``torch.set_num_threads`` there);
+            ``None`` leaves torch's default.
+    """
+
+    def __init__(self, device: torch.device, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads}; pass a positive count or None")
         self.device = device
+        self.threads = threads
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"partitioner-{device}")
+        if threads is not None:
+            _set_thread_count(self._executor, threads)
 
     def _context(self) -> Any:
         if self.stream is None:

@@ -390,7 +390,11 @@ def scenario_errors(args: dict[str, Any]) -> None:
         else:
             report(case=name, type=None, message="", partition_error=False)
 
-    attempt("tp", lambda: partition_distributed(build("mlp"), (x,), tp=2, failure=POLICY))
+    attempt("tp", lambda: partition_distributed(build("mlp"), (x,), tp=0, failure=POLICY))
+    attempt("tp_rules", lambda: partition_distributed(
+        build("mlp"), (x,), tensor_parallel={"*": "colwise"}, failure=POLICY))
+    attempt("tp_world", lambda: partition_distributed(build("mlp"), (x,), tp=2,
+                                                      failure=POLICY))
     attempt("dp", lambda: partition_distributed(build("mlp"), (x,), dp=3, failure=POLICY))
 
     # A world of one runs one stage; a plan of two stages cannot fit it.

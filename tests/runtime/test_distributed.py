@@ -105,7 +105,9 @@ def mistakes() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(("case", "kind", "phrase"), [
-    ("tp", "StrategyError", "pass tp=1"),
+    ("tp", "StrategyError", "pass a whole number of tensor-parallel shards >= 1"),
+    ("tp_rules", "StrategyError", "pass tp=2 (or more) with them"),
+    ("tp_world", "MeshError", "tp=2"),
     ("dp", "MeshError", "pick sizes whose product is 1"),
     ("mesh", "MeshError", "pp=2"),
     ("wrong_model", "StrategyError", "the plan was made for another model"),

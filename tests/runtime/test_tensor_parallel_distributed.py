@@ -7,7 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from distributed_harness import launch, results
+from tp_models import TinyGPT
+
+from partitioner.tensor_parallel import plan_tensor_parallel
 
 WORKER = Path(__file__).resolve().parent / "tp_dist_worker.py"
 MODELS = ["mlp", "block", "gpt2"]
@@ -47,19 +51,38 @@ def test_a_block_forward_runs_two_all_reduces_across_processes(world: Any) -> No
      "checkpoint": "never"},
     {"pp": 2, "dp": 2, "tp": 2, "batch": 4, "chunks": 2, "schedule": "gpipe",
      "checkpoint": "except_last"},
-], ids=["pp2xtp2", "dp2xpp2xtp2"])
-def test_tensor_parallel_stages_in_the_distributed_pipeline(cfg: dict[str, Any]) -> None:
-    """The multi-process pipeline (P2P between stages, bucketed gradient all-reduce between
-    replicas) runs tensor-parallel stage graphs: after 3 steps every weight, gathered over
-    its tensor-parallel group, equals single-process full-batch training, and so do the
-    losses."""
+    {"pp": 2, "dp": 1, "tp": 2, "batch": 4, "chunks": 2, "schedule": "1f1b",
+     "checkpoint": "always", "plan": [3, 4]},
+], ids=["pp2xtp2", "dp2xpp2xtp2", "plan-file"])
+def test_partition_distributed_with_tensor_parallel_stages(cfg: dict[str, Any],
+                                                           tmp_path: Path) -> None:
+    """``partition_distributed(..., tp=2)``: the multi-process pipeline (P2P between stages,
+    bucketed gradient all-reduce between replicas) runs tensor-parallel stage graphs. After
+    3 steps every weight, gathered whole by ``state_dict()``, equals single-process
+    full-batch training, and so do the losses; the checkpoint holds the whole model, and a
+    run resumed from it (weights and split momentum buffers) takes a 4th step that still
+    matches."""
     world = cfg["pp"] * cfg["dp"] * cfg["tp"]
-    per_rank = results(launch(WORKER, world, ["mesh", json.dumps(cfg)], timeout=300))
+    balance = cfg.get("plan")
+    if balance:  # a tensor-parallel plan made in this process, run from its file
+        torch.manual_seed(0)
+        setup = plan_tensor_parallel(TinyGPT(n_layer=2), [["cpu"] * cfg["tp"]] * cfg["pp"],
+                                     cfg["tp"], example_inputs=(torch.zeros(4, 8).long(),),
+                                     balance=balance)
+        setup.plan.save(tmp_path / "tp.plan.json")
+        cfg = {**cfg, "plan": str(tmp_path / "tp.plan.json")}
+    args = ["mesh", json.dumps({**cfg, "dir": str(tmp_path)})]
+    per_rank = results(launch(WORKER, world, args, timeout=300))
     records = [rank[0] for rank in per_rank]
+    if balance:
+        assert all(r["balance"] == balance for r in records)  # the file's split ran
     stages = {tuple(r["checked"]) for r in records}
     assert len(stages) == cfg["pp"]  # each stage checked its own, different weights
     for r in records:
         assert r["mesh"] == [cfg["pp"], cfg["tp"]]
-        assert r["worst"] < 1e-5
+        assert r["shard_specs"] > 0
+        assert r["worst"] < 1e-5 and r["resumed"] < 1e-5
+        assert r["local_numel"] < r["whole_numel"]  # a rank holds slices, not its whole stage
+        assert len(r["losses"]) == 4
         for got, expected in zip(r["losses"], r["expected_losses"]):
             assert abs(got - expected) < 1e-5

@@ -92,83 +92,80 @@ def scenario_transparency(names: list[str]) -> None:
 
 
 def scenario_mesh(cfg: dict[str, Any]) -> None:
-    """dp x pp x tp: the distributed pipeline runtime (P2P between stages, gradient
-    all-reduce between replicas) running tensor-parallel stage graphs; after 3 steps every
-    weight, gathered over its tensor-parallel group, equals full-batch training."""
+    """dp x pp x tp through ``partition_distributed(..., tp=)``: P2P between stages, the
+    gradient all-reduce between replicas, tensor-parallel stage graphs. After 3 SGD steps
+    (with momentum) the stage's ``state_dict()`` (gathered whole over its tp group) equals
+    full-batch training; a consolidated checkpoint holds the whole model; loading it back
+    (weights and the split momentum buffers) and taking a 4th step still matches."""
     import torch.nn.functional as F
 
-    from partitioner.api import build_stage_graphs
-    from partitioner.distributed import BoundaryPredictor
-    from partitioner.tensor_parallel import plan_tensor_parallel, shard_stage
-    from runtime.collectives import ProcessGroupCommunicator
-    from runtime.data_parallel import GradReducer
-    from runtime.distributed import DistributedPipeline
-    from runtime.mesh import Mesh, MeshShape, init_distributed
-    from runtime.p2p import PipeLinks
-    from runtime.sharding import unshard
-    from runtime.stage import StageRunner
+    from partitioner import partition_distributed
 
     pp, dp, tp, local = cfg["pp"], cfg["dp"], cfg["tp"], cfg["batch"]
-    info = init_distributed("gloo")
-    mesh = Mesh(MeshShape(pp=pp, dp=dp, tp=tp))
     torch.manual_seed(0)
     model = TinyGPT(n_layer=2)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 64, (dp * local, 8), generator=g),
-             torch.randint(0, 64, (dp * local, 8), generator=g)) for _ in range(3)]
+             torch.randint(0, 64, (dp * local, 8), generator=g)) for _ in range(4)]
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    setup = plan_tensor_parallel(model, ["cpu"] * (pp * tp), tp,
-                                 example_inputs=(data[0][0][:local],), chunks=cfg["chunks"])
-    graphs = build_stage_graphs(setup.analysis, setup.plan)
-    j = mesh.stage
-    stage = shard_stage(graphs[j], model, setup.shard_plan, mesh.shard)
-    comm = ProcessGroupCommunicator(mesh.group("tp"))
-    stage._tp_comm = comm
-    links = PipeLinks(mesh.group("pp"), mesh.neighbour("pp", -1), mesh.neighbour("pp", 1),
-                      info.device)
-    reducer = GradReducer(list(stage.parameters()), mesh.group("dp")) if dp > 1 else None
-    pipeline = DistributedPipeline(
-        StageRunner(j, stage, info.device), n_stages=pp, links=links,
-        interfaces=BoundaryPredictor(graphs, j, [info.device] * pp), schedule=cfg["schedule"],
-        chunks=cfg["chunks"], checkpoint=cfg["checkpoint"],
-        restructure=setup.analysis.captured.restructure, reducer=reducer, dp_size=dp,
-        loss_rank=j == pp - 1 and mesh.shard == 0)
-    ours = torch.optim.SGD(stage.parameters(), lr=0.5)
-    theirs = torch.optim.SGD(reference.parameters(), lr=0.5)
+    # With a plan file, its mesh gives pp and tp (and the split and shard specs).
+    sizes = {"plan": cfg["plan"]} if cfg.get("plan") else {"pp": pp, "dp": dp, "tp": tp}
+    dpm = partition_distributed(model, (data[0][0][:local],), **sizes, chunks=cfg["chunks"],
+                                schedule=cfg["schedule"], checkpoint=cfg["checkpoint"],
+                                backend="gloo")
+    mesh = dpm.mesh
+    ours = torch.optim.SGD(dpm.parameters(), lr=0.5, momentum=0.9)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     rows = slice(mesh.replica * local, (mesh.replica + 1) * local)
     losses, expected_losses = [], []
-    for step, (x, y) in enumerate(data):
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
         ours.zero_grad()
-        losses.append(pipeline.step(setup.analysis.captured.placeholder_values((x[rows],), {}),
-                                    y[rows], loss_fn, seed=step))
+        losses.append(dpm.step(x[rows], y[rows], loss_fn))
         ours.step()
         theirs.zero_grad()
         loss = loss_fn(reference(x), y)
         loss.backward()
         theirs.step()
         expected_losses.append(loss.item())
-    names = {id(t): n for n, t in model.named_parameters()}
-    graph_names = {path: names[id(t)] for path, t in graphs[j].named_parameters()}
-    worst, checked = 0.0, []
-    for path, tensor in stage.named_parameters():
-        key = graph_names[path]
-        sharding = setup.shard_plan.shardings[key]
-        whole = (unshard(comm.all_gather(tensor.detach(), "check"), sharding)
-                 if sharding.is_split else tensor.detach())
-        expected = reference.get_parameter(key).detach()
-        torch.testing.assert_close(whole, expected, msg=lambda m, k=key: f"{k}: {m}")
-        worst = max(worst, float((whole - expected).abs().max()))
-        checked.append(key)
-    report(rank=info.rank, coords=[mesh.stage, mesh.replica, mesh.shard], worst=worst,
-           losses=losses, expected_losses=expected_losses, checked=sorted(checked),
-           mesh=[setup.plan.mesh.pp, setup.plan.mesh.tp], layers=list(setup.plan.layers))
+
+    def worst_difference() -> tuple[float, list[str]]:
+        state, expected = dpm.state_dict(), reference.state_dict()  # collective over tp
+        worst = 0.0
+        for key, whole in state.items():
+            torch.testing.assert_close(whole, expected[key], msg=lambda m, k=key: f"{k}: {m}")
+            worst = max(worst, float((whole - expected[key]).abs().max()))
+        return worst, sorted(state)
+
+    for x, y in data[:3]:
+        train(x, y)
+    worst, checked = worst_difference()
+    local_numel = sum(p.numel() for p in dpm.parameters())
+    whole_numel = sum(reference.get_parameter(k).numel() for k in checked
+                      if k in dict(reference.named_parameters()))
+    path = Path(cfg["dir"]) / "ckpt.pt"
+    dpm.save(path, ours)
+    saved = torch.load(path, weights_only=True)
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(saved["model"][key], tensor, msg=lambda m, k=key: f"{k}: {m}")
+    with torch.no_grad():  # spoil this rank's slices, then resume from the file
+        for p in dpm.parameters():
+            p.add_(1.0)
+    for state in ours.state.values():
+        state["momentum_buffer"].zero_()
+    dpm.load(path, ours)
+    train(*data[3])
+    resumed, _ = worst_difference()
+    report(rank=dist.get_rank(), coords=[mesh.stage, mesh.replica, mesh.shard], worst=worst,
+           resumed=resumed, losses=losses, expected_losses=expected_losses, checked=checked,
+           mesh=[dpm.plan.mesh.pp, dpm.plan.mesh.tp], shard_specs=len(dpm.plan.shard_specs),
+           local_numel=local_numel, whole_numel=whole_numel, balance=list(dpm.plan.balance))
     dist.barrier()
-    if reducer is not None:
-        reducer.close()
+    dpm.close()
     dist.destroy_process_group()
 
 
