@@ -173,7 +173,10 @@ def partition_distributed(
     # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
     reducer = (GradReducer(list(stage.parameters()), mesh.group("dp"), bucket_bytes,
                            predivided=True) if shape.dp > 1 else None)
-    tied = _tie_groups(find_ties(graphs), mesh, stage)
+    ties = find_ties(graphs)
+    tied = _tie_groups(ties, mesh, stage)
+    # A weight tied across stages is counted by its first stage only in gradient norms.
+    not_first = frozenset(name for tie in ties for k, name in tie[1:] if k == j)
     pipeline = DistributedPipeline(
         StageRunner(j, stage, info.device, shard=mesh.shard if shards is not None else None),
         n_stages=shape.pp, links=links,
@@ -184,7 +187,7 @@ def partition_distributed(
         grad_scale=1.0 / shape.dp)
     return DistributedModel(model, made, mesh, pipeline, stage,
                             bind=analysis.captured.placeholder_values, seed=seed,
-                            watchdog=watchdog, shards=shards)
+                            watchdog=watchdog, shards=shards, norm_skip=not_first)
 
 
 def _agree_on_plan(model: nn.Module, given: Plan | None, shape: MeshShape, kind: str,
@@ -431,7 +434,8 @@ class DistributedModel(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, mesh: Mesh, pipeline: DistributedPipeline,
                  stage: fx.GraphModule, *,
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]], seed: int,
-                 watchdog: Watchdog, shards: ShardState | None = None) -> None:
+                 watchdog: Watchdog, shards: ShardState | None = None,
+                 norm_skip: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.stage = stage
         self.plan = plan
@@ -443,6 +447,7 @@ class DistributedModel(nn.Module):
         self._seed = seed
         self._watchdog = watchdog
         self._shards = shards
+        self._norm_skip = norm_skip
         self.register_state_dict_post_hook(_strip_stage_prefix)
         self.register_state_dict_post_hook(_gather_shards)
         self.register_load_state_dict_pre_hook(_split_shards)
@@ -523,6 +528,48 @@ class DistributedModel(nn.Module):
         """Resume from a checkpoint written by :meth:`save` (each rank reads its part)."""
         extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards)
         self.steps = int(extra.get("steps", 0))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients (collective).
+
+        Call it on every rank after :meth:`step` and before ``optimizer.step()``. The norm
+        is the unpartitioned model's: each gradient counts once although ranks hold copies
+        (replicas hold the same averaged gradients; a replicated parameter of a split stage
+        counts on tp rank 0, a split one by all its slices; a weight tied across stages on
+        its first stage). Every rank scales its own gradients by the same factor.
+
+        Returns:
+            The total norm of the gradients (before clipping), the same on every rank.
+
+        Raises:
+            RuntimeError: with ``error_if_nonfinite``, if the norm is nan or infinite.
+        """
+        norm_type = float(norm_type)
+        split = self._shards.shardings if self._shards is not None else {}
+        grads = {name: p.grad.detach() for name, p in self.stage.named_parameters()
+                 if p.grad is not None}
+        counted = [g for name, g in grads.items() if name not in self._norm_skip
+                   and (name in split or self.mesh.shard == 0)]
+        device = self.pipeline.runner.device
+        if norm_type == float("inf"):
+            total = torch.stack([g.abs().max().double() for g in counted]).max().to(device) \
+                if counted else torch.zeros((), dtype=torch.float64, device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for g in counted:
+                total += g.double().norm(norm_type).to(device) ** norm_type
+            dist.all_reduce(total)  # every replica added the same sum
+            total = (total / self.mesh.shape.dp) ** (1.0 / norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                               f"{float(total)}; pass error_if_nonfinite=False to scale anyway")
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads.values():
+            g.mul_(factor.to(g.device, g.dtype))
+        dtype = next(iter(grads.values())).dtype if grads else torch.float32
+        return total.to(dtype)  # as torch's: in the gradients' dtype
 
     def close(self) -> None:
         """Remove the data-parallel hooks (the process group stays up)."""

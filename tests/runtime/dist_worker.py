@@ -78,8 +78,10 @@ def loss_for(model: str) -> Any:
 
 
 def reference_run(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
-                  loss_fn: Any = F.mse_loss) -> tuple[nn.Module, list[float]]:
-    """Single-process, full-batch training: what every distributed run must reproduce."""
+                  loss_fn: Any = F.mse_loss, clip: float | None = None,
+                  norms: list[float] | None = None) -> tuple[nn.Module, list[float]]:
+    """Single-process, full-batch training: what every distributed run must reproduce
+    (with ``clip``, gradients clipped to that norm; the norms go to ``norms``)."""
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     losses = []
@@ -87,6 +89,10 @@ def reference_run(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]
         optimizer.zero_grad()
         loss = loss_fn(reference(x), y)
         loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
         losses.append(loss.item())
     return reference, losses
@@ -98,7 +104,8 @@ def scenario_train(configs: list[dict[str, Any]]) -> None:
         model, loss_fn = build(name), loss_for(name)
         local = cfg.get("batch", 10)
         data = batches(cfg["dp"], local, model=name)
-        reference, ref_losses = reference_run(model, data, loss_fn)
+        ref_norms: list[float] = []
+        reference, ref_losses = reference_run(model, data, loss_fn, cfg.get("clip"), ref_norms)
         dpm = partition_distributed(
             model, example_inputs=(data[0][0][:local],), pp=cfg["pp"], dp=cfg["dp"],
             chunks=cfg["chunks"], schedule=cfg["schedule"], checkpoint=cfg["checkpoint"],
@@ -108,11 +115,13 @@ def scenario_train(configs: list[dict[str, Any]]) -> None:
         params = list(dpm.parameters())
         optimizer = torch.optim.SGD(params or [torch.zeros(0)], lr=0.05, momentum=0.9)
         rows = slice(dpm.mesh.replica * local, (dpm.mesh.replica + 1) * local)
-        losses, peaks = [], []
+        losses, peaks, norms = [], [], []
         for x, y in data:
             optimizer.zero_grad()
             losses.append(dpm.step(x[rows], y[rows], loss_fn))
             peaks.append(dpm.pipeline.peak_in_flight)
+            if cfg.get("clip") is not None:
+                norms.append(float(dpm.clip_grad_norm_(cfg["clip"])))
             optimizer.step()
         expected = reference.state_dict()
         # Tied weights are one tensor under several keys; a stage may hold it by any of them.
@@ -135,7 +144,8 @@ def scenario_train(configs: list[dict[str, Any]]) -> None:
                replica=dpm.mesh.replica, losses=losses, ref_losses=ref_losses,
                max_diff=max(diffs.values()), keys=sorted(k for k in diffs if k),
                all_keys=sorted(expected), aliases=[k for k in same.values() if len(k) > 1],
-               peak_in_flight=max(peaks), plan_balance=list(dpm.plan.balance))
+               peak_in_flight=max(peaks), plan_balance=list(dpm.plan.balance),
+               norms=norms, ref_norms=ref_norms)
         dpm.close()
 
 

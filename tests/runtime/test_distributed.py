@@ -40,7 +40,7 @@ TWO = [
     dict(pp=2, dp=1, schedule="1f1b", checkpoint="always", chunks=5, model="mlp"),
     dict(pp=1, dp=2, schedule="gpipe", checkpoint="never", chunks=2),
     dict(pp=1, dp=2, schedule="1f1b", checkpoint="except_last", chunks=1, bucket_mb=0.0003),
-    dict(pp=2, dp=1, schedule="1f1b", checkpoint="never", chunks=4, fuse=False),
+    dict(pp=2, dp=1, schedule="1f1b", checkpoint="never", chunks=4, fuse=False, clip=0.05),
     dict(pp=2, dp=1, schedule="1f1b", checkpoint="except_last", chunks=4, model="gpt2", batch=4),
 ]
 FOUR = [
@@ -49,13 +49,15 @@ FOUR = [
     dict(pp=4, dp=1, schedule="1f1b", checkpoint="always", chunks=3, model="mlp"),
     dict(pp=2, dp=2, schedule="gpipe", checkpoint="never", chunks=3),
     dict(pp=2, dp=2, schedule="1f1b", checkpoint="always", chunks=4, bucket_mb=0.0003),
-    dict(pp=2, dp=2, schedule="gpipe", checkpoint="except_last", chunks=2, model="tied"),
+    dict(pp=2, dp=2, schedule="gpipe", checkpoint="except_last", chunks=2, model="tied",
+         clip=0.05),
 ]
 
 
 def _name(cfg: dict[str, Any]) -> str:
     return (f"{cfg.get('model', 'longskip')}-pp{cfg['pp']}-dp{cfg['dp']}-{cfg['schedule']}-"
-            f"{cfg['checkpoint']}-m{cfg['chunks']}{'' if cfg.get('fuse', True) else '-unfused'}")
+            f"{cfg['checkpoint']}-m{cfg['chunks']}{'' if cfg.get('fuse', True) else '-unfused'}"
+            f"{'-clip' if 'clip' in cfg else ''}")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,10 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int) -> None:
     assert covered == set(records[0]["all_keys"])       # every weight was checked
     assert len({tuple(r["plan_balance"]) for r in records}) == 1
     assert records[0]["checkpoint_diff"] < TOLERANCE     # rank 0's consolidated file
+    if "clip" in cfg:  # the whole model's gradient norm, on every rank, and it clipped
+        for r in records:
+            assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-9)
+        assert max(records[0]["ref_norms"]) > cfg["clip"]
 
 
 @pytest.mark.parametrize("index", range(len(TWO)), ids=[_name(c) for c in TWO])

@@ -50,7 +50,7 @@ def test_a_block_forward_runs_two_all_reduces_across_processes(world: Any) -> No
     {"pp": 2, "dp": 1, "tp": 2, "batch": 4, "chunks": 2, "schedule": "1f1b",
      "checkpoint": "never"},
     {"pp": 2, "dp": 2, "tp": 2, "batch": 4, "chunks": 2, "schedule": "gpipe",
-     "checkpoint": "except_last"},
+     "checkpoint": "except_last", "clip": 0.5},
     {"pp": 2, "dp": 1, "tp": 2, "batch": 4, "chunks": 2, "schedule": "1f1b",
      "checkpoint": "always", "plan": [3, 4]},
 ], ids=["pp2xtp2", "dp2xpp2xtp2", "plan-file"])
@@ -59,9 +59,9 @@ def test_partition_distributed_with_tensor_parallel_stages(cfg: dict[str, Any],
     """``partition_distributed(..., tp=2)``: the multi-process pipeline (P2P between stages,
     bucketed gradient all-reduce between replicas) runs tensor-parallel stage graphs. After
     3 steps every weight, gathered whole by ``state_dict()``, equals single-process
-    full-batch training, and so do the losses; the checkpoint holds the whole model, and a
-    run resumed from it (weights and split momentum buffers) takes a 4th step that still
-    matches."""
+    full-batch training, and so do the losses (and, with ``clip``, the gradient norms); the
+    checkpoint holds the whole model, and a run resumed from it (weights and split momentum
+    buffers) takes a 4th step that still matches."""
     world = cfg["pp"] * cfg["dp"] * cfg["tp"]
     balance = cfg.get("plan")
     if balance:  # a tensor-parallel plan made in this process, run from its file
@@ -86,3 +86,7 @@ def test_partition_distributed_with_tensor_parallel_stages(cfg: dict[str, Any],
         assert len(r["losses"]) == 4
         for got, expected in zip(r["losses"], r["expected_losses"]):
             assert abs(got - expected) < 1e-5
+        # clip_grad_norm_ sees the unsplit model's norm: slices once, copies once
+        assert r["norms"] == pytest.approx(r["expected_norms"], rel=1e-5)
+    if "clip" in cfg:
+        assert len(records[0]["norms"]) == 4 and max(records[0]["expected_norms"]) > cfg["clip"]

@@ -121,15 +121,21 @@ def scenario_mesh(cfg: dict[str, Any]) -> None:
     ours = torch.optim.SGD(dpm.parameters(), lr=0.5, momentum=0.9)
     theirs = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     rows = slice(mesh.replica * local, (mesh.replica + 1) * local)
-    losses, expected_losses = [], []
+    losses, expected_losses, norms, expected_norms = [], [], [], []
+    clip = cfg.get("clip")
 
     def train(x: torch.Tensor, y: torch.Tensor) -> None:
         ours.zero_grad()
         losses.append(dpm.step(x[rows], y[rows], loss_fn))
+        if clip is not None:
+            norms.append(float(dpm.clip_grad_norm_(clip)))
         ours.step()
         theirs.zero_grad()
         loss = loss_fn(reference(x), y)
         loss.backward()
+        if clip is not None:
+            expected_norms.append(float(torch.nn.utils.clip_grad_norm_(
+                reference.parameters(), clip)))
         theirs.step()
         expected_losses.append(loss.item())
 
@@ -163,7 +169,8 @@ def scenario_mesh(cfg: dict[str, Any]) -> None:
     report(rank=dist.get_rank(), coords=[mesh.stage, mesh.replica, mesh.shard], worst=worst,
            resumed=resumed, losses=losses, expected_losses=expected_losses, checked=checked,
            mesh=[dpm.plan.mesh.pp, dpm.plan.mesh.tp], shard_specs=len(dpm.plan.shard_specs),
-           local_numel=local_numel, whole_numel=whole_numel, balance=list(dpm.plan.balance))
+           local_numel=local_numel, whole_numel=whole_numel, balance=list(dpm.plan.balance),
+           norms=norms, expected_norms=expected_norms)
     dist.barrier()
     dpm.close()
     dist.destroy_process_group()
