@@ -10,6 +10,8 @@ Example:
     torch.Size([3, 16, 64])
     >>> mlp([8, 16, 2])(torch.randn(5, 8)).shape
     torch.Size([5, 2])
+    >>> classifier(features=8, width=16, depth=2, classes=3)(torch.randn(5, 8)).shape
+    torch.Size([5, 3])
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["mlp", "ResNetish", "GPT", "gpt"]
+__all__ = ["mlp", "classifier", "ResNetish", "GPT", "gpt"]
 
 
 def mlp(widths: Sequence[int]) -> nn.Sequential:
@@ -34,6 +36,29 @@ def mlp(widths: Sequence[int]) -> nn.Sequential:
     for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
+
+
+class _ResidualMLP(nn.Module):
+    """x + MLP(LayerNorm(x)): a pre-norm residual block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def classifier(features: int, width: int, depth: int, classes: int) -> nn.Sequential:
+    """Input layer, ``depth`` pre-norm residual MLP blocks, final norm, linear head.
+
+    The model both training examples (``train_pipeline.py``, ``train_distributed.py``) split.
+    """
+    return nn.Sequential(nn.Linear(features, width),
+                         nn.Sequential(*[_ResidualMLP(width) for _ in range(depth)]),
+                         nn.LayerNorm(width), nn.Linear(width, classes))
 
 
 class _ResidualBlock(nn.Module):

@@ -14,7 +14,9 @@ ordinary, unpartitioned copy of the model to measure its accuracy on held-out da
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,25 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from partitioner.distributed import partition_distributed
 from runtime.sampler import ReplicaSampler
 
-
-class Residual(nn.Module):
-    """x + MLP(LayerNorm(x)): a pre-norm residual block."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-def classifier(features: int, width: int, depth: int, classes: int) -> nn.Sequential:
-    """A plain model: embedding layer, ``depth`` residual blocks, head."""
-    return nn.Sequential(nn.Linear(features, width),
-                         nn.Sequential(*[Residual(width) for _ in range(depth)]),
-                         nn.LayerNorm(width), nn.Linear(width, classes))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root, for examples.models
+from examples.models import classifier
 
 
 def synthetic(samples: int, features: int, classes: int, seed: int) -> TensorDataset:

@@ -11,6 +11,7 @@ Run: ``python examples/train_pipeline.py`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -19,25 +20,8 @@ from torch import nn
 
 from partitioner import partition
 
-
-class Residual(nn.Module):
-    """x + MLP(LayerNorm(x)): a pre-norm residual block."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-def classifier(features: int, width: int, depth: int, classes: int) -> nn.Sequential:
-    """A plain model: embedding layer, ``depth`` residual blocks, head."""
-    return nn.Sequential(nn.Linear(features, width),
-                         nn.Sequential(*[Residual(width) for _ in range(depth)]),
-                         nn.LayerNorm(width), nn.Linear(width, classes))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root, for examples.models
+from examples.models import classifier
 
 
 def synthetic_batch(teacher: nn.Module, batch: int, features: int,

@@ -7,6 +7,10 @@ call :func:`dropout` here, which draws from the generator the running worker ins
 :func:`use_generator`. A checkpointed recomputation installs a copy of the state saved before
 the original forward, so it draws the very same mask.
 
+A tensor-parallel rank installs a second generator, its own, with :func:`use_shard_generator`:
+dropout on a split tensor draws from it (``runtime.tensor_parallel.sharded_dropout``), while
+dropout on replicated tensors keeps drawing alike on every rank.
+
 Example:
     >>> import torch
     >>> g = torch.Generator().manual_seed(0)
@@ -20,30 +24,55 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["use_generator", "current_generator", "dropout", "dropout_module", "fork"]
+__all__ = ["use_generator", "current_generator", "use_shard_generator",
+           "current_shard_generator", "dropout", "dropout_module", "fork"]
 
 _local = threading.local()
 
 
 @contextmanager
-def use_generator(generator: torch.Generator | None) -> Iterator[None]:
-    """Make ``generator`` the one :func:`dropout` draws from on this thread."""
-    previous = getattr(_local, "generator", None)
-    _local.generator = generator
+def _install(slot: str, generator: torch.Generator | None) -> Iterator[None]:
+    """Set this thread's ``slot`` to ``generator`` for the block, then restore it."""
+    previous = getattr(_local, slot, None)
+    setattr(_local, slot, generator)
     try:
         yield
     finally:
-        _local.generator = previous
+        setattr(_local, slot, previous)
+
+
+def use_generator(generator: torch.Generator | None) -> AbstractContextManager[None]:
+    """Make ``generator`` the one :func:`dropout` draws from on this thread."""
+    return _install("generator", generator)
 
 
 def current_generator() -> torch.Generator | None:
     """The generator installed on this thread, if any."""
     return getattr(_local, "generator", None)
+
+
+def use_shard_generator(generator: torch.Generator | None) -> AbstractContextManager[None]:
+    """Make ``generator`` the one dropout on a split tensor draws from on this thread.
+
+    Example:
+        >>> g = torch.Generator()
+        >>> with use_shard_generator(g):
+        ...     current_shard_generator() is g
+        True
+        >>> current_shard_generator() is None
+        True
+    """
+    return _install("shard_generator", generator)
+
+
+def current_shard_generator() -> torch.Generator | None:
+    """The tensor-parallel rank's own generator installed on this thread, if any."""
+    return getattr(_local, "shard_generator", None)
 
 
 def fork(generator: torch.Generator) -> torch.Generator:

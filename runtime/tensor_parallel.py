@@ -11,7 +11,9 @@ no longer fits a rank's slice, it calls one of these instead:
   (transformers' ``Conv1D``);
 - :func:`sharded_dropout`: dropout on a split tensor, drawing from a generator of this rank's
   own (Megatron's "model-parallel" RNG), while dropout on replicated tensors keeps drawing
-  from the generator all ranks share, so replicated activations stay identical.
+  from the generator all ranks share, so replicated activations stay identical. Both
+  generators are installed through ``runtime.rng`` (:func:`use_shard_generator` is
+  ``runtime.rng.use_shard_generator``, kept here too for the runtimes that import it here).
 
 Example:
     >>> import torch
@@ -22,20 +24,17 @@ Example:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime import rng
+from runtime.rng import use_shard_generator
 
 __all__ = ["vocab_embedding", "global_shape", "global_size", "global_numel", "in_out_linear",
            "sharded_dropout", "sharded_dropout_module", "use_shard_generator", "divide_entry"]
-
-_local = threading.local()
 
 
 def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int,
@@ -81,20 +80,10 @@ def in_out_linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight.t(), bias)
 
 
-@contextmanager
-def use_shard_generator(generator: torch.Generator | None) -> Iterator[None]:
-    """Make ``generator`` the one :func:`sharded_dropout` draws from on this thread."""
-    previous = getattr(_local, "generator", None)
-    _local.generator = generator
-    try:
-        yield
-    finally:
-        _local.generator = previous
-
-
 def sharded_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout on a split tensor, with a mask from this rank's own generator."""
-    with rng.use_generator(getattr(_local, "generator", None) or rng.current_generator()):
+    """Dropout on a split tensor, with a mask from this rank's own generator (installed
+    with :func:`use_shard_generator`; without one, the thread's shared generator)."""
+    with rng.use_generator(rng.current_shard_generator() or rng.current_generator()):
         return rng.dropout(x, p, training)
 
 

@@ -8,7 +8,7 @@ no extra thread, no extra step.
 
 ``state_dict()`` is a collective: every rank must call it, and every rank gets the whole,
 unsplit tensors under the original model's keys. ``load_state_dict`` takes such a state dict
-on every rank and keeps the rank's slices.
+on every rank and keeps the rank's slices (the hooks of :mod:`runtime.tp_state`).
 
 Dropout on replicated values draws from a generator seeded alike on every rank (the seed is
 agreed once, at construction, from rank 0's global generator), dropout on split values from
@@ -26,9 +26,9 @@ import torch.fx as fx
 from torch import nn
 
 from runtime import rng
-from runtime import tensor_parallel as tpops
 from runtime.collectives import ProcessGroupCommunicator
-from runtime.sharding import Sharding, shard_tensor, unshard
+from runtime.sharding import Sharding, unshard
+from runtime.tp_state import TensorParallelState
 
 __all__ = ["DistributedTensorParallel", "agree_seed"]
 
@@ -44,7 +44,7 @@ def agree_seed(comm: ProcessGroupCommunicator) -> int:
     return int(seed.item())
 
 
-class DistributedTensorParallel(nn.Module):
+class DistributedTensorParallel(TensorParallelState):
     """This process's rank of a tensor-parallel model.
 
     Args:
@@ -65,31 +65,19 @@ class DistributedTensorParallel(nn.Module):
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]],
                  restructure: Callable[[Any], Any] = lambda out: out,
                  plan: Any = None) -> None:
-        super().__init__()
+        super().__init__(shardings, sources)
         self.plan = plan
         self.comm = comm
-        self.shardings = dict(shardings)
         self._factory = graph_factory
-        self._sources = dict(sources)
         self._bind = bind
         self._restructure = restructure
         self.graphs = nn.ModuleDict()
-        self.unused = nn.Module()
-        self._unused_keys: dict[str, str] = {}
-        for k, (key, tensor) in enumerate(unused.items()):
-            if isinstance(tensor, nn.Parameter):
-                self.unused.register_parameter(f"t{k}", nn.Parameter(tensor.detach().clone(),
-                                                                      tensor.requires_grad))
-            else:
-                self.unused.register_buffer(f"t{k}", tensor.detach().clone())
-            self._unused_keys[key] = f"t{k}"
+        self._keep_unused(unused)
         seed = agree_seed(comm)
         device = next(iter(self._graph(self.training).parameters()),
                       torch.empty(0)).device
         self._replicated = torch.Generator(device).manual_seed(seed)
         self._private = torch.Generator(device).manual_seed(seed + 1 + comm.rank)
-        self.register_state_dict_post_hook(_gather_state)
-        self.register_load_state_dict_pre_hook(_split_state)
 
     @property
     def rank(self) -> int:
@@ -111,14 +99,15 @@ class DistributedTensorParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         gm = self._graph(self.training)
-        with rng.use_generator(self._replicated), tpops.use_shard_generator(self._private):
+        with rng.use_generator(self._replicated), rng.use_shard_generator(self._private):
             out = gm(*self._bind(args, kwargs))
         return self._restructure(out)
 
     def local_tensor(self, key: str) -> torch.Tensor:
         """This rank's slice (or copy) of the original entry ``key``."""
-        if key in self._unused_keys:
-            return getattr(self.unused, self._unused_keys[key])  # type: ignore[no-any-return]
+        kept = self._unused_tensor(key)
+        if kept is not None:
+            return kept
         obj: Any = self._graph(self.training)
         for part in self._sources[key].split("."):
             obj = getattr(obj, part)
@@ -133,49 +122,14 @@ class DistributedTensorParallel(nn.Module):
                 return None
             local = local.grad
         local = local.detach()
-        sharding = self.shardings.get(key)
-        if sharding is None or not sharding.is_split or key in self._unused_keys:
+        sharding = self._split_sharding(key)
+        if sharding is None:
             return local.clone()
         return unshard(self.comm.all_gather(local, "state_dict"), sharding)
 
-    def original_keys(self) -> list[str]:
-        """The original model's state-dict keys, in its order."""
-        return list(self._sources) + [k for k in self._unused_keys if k not in self._sources]
+    def _rank_tensors(self, key: str) -> list[tuple[int, torch.Tensor]]:
+        return [(self.rank, self.local_tensor(key))]
 
-
-def _gather_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                  local_metadata: Any) -> None:
-    assert isinstance(module, DistributedTensorParallel)
-    inner = (f"{prefix}graphs.", f"{prefix}unused.")
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        del state_dict[key]
-    for key in module.original_keys():
-        state_dict[prefix + key] = module.full_tensor(key)
-
-
-def _split_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                 local_metadata: Any, strict: bool, missing_keys: list[str],
-                 unexpected_keys: list[str], error_msgs: list[str]) -> None:
-    assert isinstance(module, DistributedTensorParallel)
-    places: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for mode, gm in module.graphs.items():
-        for name, tensor in [*gm.named_parameters(remove_duplicate=False),
-                             *gm.named_buffers(remove_duplicate=False)]:
-            places.setdefault(id(tensor), []).append((f"{prefix}graphs.{mode}.{name}", tensor))
-    for attr in module._unused_keys.values():
-        tensor = getattr(module.unused, attr)
-        places.setdefault(id(tensor), []).append((f"{prefix}unused.{attr}", tensor))
-    for key in module.original_keys():
-        targets = places.get(id(module.local_tensor(key)), [])
-        if prefix + key not in state_dict:
-            missing_keys.append(prefix + key)
-            continue
-        value = state_dict.pop(prefix + key)
-        sharding = module.shardings.get(key)
-        if sharding is not None and sharding.is_split and key not in module._unused_keys:
-            value = shard_tensor(value, sharding, module.rank)
-        for name, _ in targets:
-            state_dict[name] = value
-    for entries in places.values():  # entries of no original key keep their values
-        for name, tensor in entries:
-            state_dict.setdefault(name, tensor.detach())
+    def _peer_values(self, x: torch.Tensor) -> list[torch.Tensor]:
+        device = self.local_tensor(self.original_keys()[0]).device if self._sources else x.device
+        return [v.cpu() for v in self.comm.all_gather(x.to(device), "grad_norm")]

@@ -5,7 +5,8 @@ TensorParallelStage` of ``tp`` rank graphs, through the one-process pipeline
 (``runtime.local``), so ``chunks`` and checkpoint modes work as for any plan. Its parameters
 are the ranks' slices (what an optimizer steps); its ``state_dict()`` has the original
 model's keys and full, unsplit tensors, gathered from the slices, and ``load_state_dict``
-takes such a state dict and splits it. Both work when the module is nested in another.
+takes such a state dict and splits it (the hooks of :mod:`runtime.tp_state`, shared with the
+multi-process runtime). Both work when the module is nested in another.
 
 :class:`ShardStore` makes each rank's tensors once, so the graphs built for train and eval
 mode (``torch.export`` captures each mode on its own) share the same parameters.
@@ -31,6 +32,8 @@ from torch import nn
 from runtime.local import LocalPipeline
 from runtime.sharding import Sharding, TensorParallelError, shard_tensor, unshard
 from runtime.tp_stage import TensorParallelStage
+from runtime.tp_state import TensorParallelState
+from runtime.worker import shared_threads
 
 __all__ = ["TensorParallelModule", "ShardStore", "Source"]
 
@@ -87,7 +90,7 @@ class ShardStore:
         return make
 
 
-class TensorParallelModule(nn.Module):
+class TensorParallelModule(TensorParallelState):
     """A model split into pipeline stages of tensor-parallel ranks, in one process.
 
     Args:
@@ -110,31 +113,18 @@ class TensorParallelModule(nn.Module):
                  unused: dict[str, torch.Tensor], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] | None = None,
                  restructure: Callable[[Any], Any] = lambda out: out) -> None:
-        super().__init__()
+        super().__init__(shardings, sources)
         self.plan = plan
-        self.shardings = dict(shardings)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self._factory = stage_factory
-        self._sources = dict(sources)
         self._bind = bind or (lambda args, kwargs: list(args))
         self._restructure = restructure
         self._pipelines: dict[bool, LocalPipeline] = {}
         self.stages = nn.ModuleDict()
-        self.unused = nn.Module()
-        self._unused_keys: dict[str, str] = {}
-        for k, (key, tensor) in enumerate(unused.items()):
-            attr = f"t{k}"
-            if isinstance(tensor, nn.Parameter):
-                self.unused.register_parameter(attr, nn.Parameter(tensor.detach().clone(),
-                                                                  tensor.requires_grad))
-            else:
-                self.unused.register_buffer(attr, tensor.detach().clone())
-            self._unused_keys[key] = attr
+        self._keep_unused(unused)
         self.stages["train_mode" if training else "eval_mode"] = nn.ModuleList(stages)
         self.train(training)
-        self.register_state_dict_post_hook(_gather_state)
-        self.register_load_state_dict_pre_hook(_split_state)
 
     def _build(self, training: bool) -> list[TensorParallelStage]:
         mode = "train_mode" if training else "eval_mode"
@@ -162,8 +152,12 @@ class TensorParallelModule(nn.Module):
         if mode not in self._pipelines:
             stages = self._build(mode)
             graphs: list[fx.GraphModule] = stages  # type: ignore[assignment]
+            # Every rank of every stage computes on its own thread: they share the cores.
+            threads = shared_threads([d for s in stages for d in s.devices])
+            for stage in stages:
+                stage.threads = threads
             self._pipelines[mode] = LocalPipeline(graphs, [s.devices[0] for s in stages],
-                                                  self.chunks, self.checkpoint)
+                                                  self.chunks, self.checkpoint, threads)
         return self._pipelines[mode]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -171,8 +165,9 @@ class TensorParallelModule(nn.Module):
 
     def local_tensors(self, key: str) -> list[torch.Tensor]:
         """Every rank's slice (or copy) of the original entry ``key``, in rank order."""
-        if key in self._unused_keys:
-            return [getattr(self.unused, self._unused_keys[key])]
+        kept = self._unused_tensor(key)
+        if kept is not None:
+            return [kept]
         j, attr = self._sources[key]
         stage = self._build(self.training)[j]
         return [_get(rank, attr) for rank in stage.ranks]
@@ -186,14 +181,13 @@ class TensorParallelModule(nn.Module):
             if any(g is None for g in grads):
                 return None
             parts = grads  # type: ignore[assignment]
-        sharding = self.shardings.get(key)
-        if sharding is None or not sharding.is_split or key in self._unused_keys:
+        sharding = self._split_sharding(key)
+        if sharding is None:
             return parts[0].detach().clone()
         return unshard([p.detach().to(parts[0].device) for p in parts], sharding)
 
-    def original_keys(self) -> list[str]:
-        """The original model's state-dict keys, in its order."""
-        return list(self._sources) + [k for k in self._unused_keys if k not in self._sources]
+    def _rank_tensors(self, key: str) -> list[tuple[int, torch.Tensor]]:
+        return list(enumerate(self.local_tensors(key)))
 
     def close(self) -> None:
         """Stop the worker threads (they also stop when the module is collected)."""
@@ -216,56 +210,3 @@ def _get(module: nn.Module, path: str) -> torch.Tensor:
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj  # type: ignore[no-any-return]
-
-
-def _gather_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                  local_metadata: Any) -> None:
-    """Replace the ranks' entries by the original keys with whole tensors."""
-    assert isinstance(module, TensorParallelModule)
-    inner = (f"{prefix}stages.", f"{prefix}unused.")
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        del state_dict[key]
-    for key in module.original_keys():
-        state_dict[prefix + key] = module.full_tensor(key)
-
-
-def _split_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                 local_metadata: Any, strict: bool, missing_keys: list[str],
-                 unexpected_keys: list[str], error_msgs: list[str]) -> None:
-    """Turn whole tensors under the original keys into each rank's entries."""
-    assert isinstance(module, TensorParallelModule)
-    targets: dict[int, list[tuple[str, torch.Tensor, int]]] = {}
-    for mode in list(module.stages):
-        for j, stage in enumerate(module._stages(mode)):
-            for r, rank in enumerate(stage.ranks):
-                base = f"{prefix}stages.{mode}.{j}.ranks.{r}."
-                for name, tensor in [*rank.named_parameters(), *rank.named_buffers()]:
-                    targets.setdefault(id(tensor), []).append((base + name, tensor, r))
-    for key in module.original_keys():
-        full_key = prefix + key
-        places = _places(module, key, targets, prefix)
-        if full_key not in state_dict:
-            missing_keys.append(full_key)
-            for name, tensor, _ in places:
-                state_dict[name] = tensor.detach()
-            continue
-        value = state_dict.pop(full_key)
-        sharding = module.shardings.get(key)
-        for name, _, r in places:
-            state_dict[name] = (shard_tensor(value, sharding, r) if sharding is not None
-                                and key not in module._unused_keys else value)
-    for entries in targets.values():  # entries of no original key: keep their values
-        for name, tensor, _ in entries:
-            state_dict.setdefault(name, tensor.detach())
-
-
-def _places(module: TensorParallelModule, key: str,
-            targets: dict[int, list[tuple[str, torch.Tensor, int]]],
-            prefix: str) -> list[tuple[str, torch.Tensor, int]]:
-    if key in module._unused_keys:
-        attr = module._unused_keys[key]
-        return [(f"{prefix}unused.{attr}", getattr(module.unused, attr), 0)]
-    places = []
-    for r, tensor in enumerate(module.local_tensors(key)):
-        places += [(name, t, r) for name, t, _ in targets.get(id(tensor), [])]
-    return places

@@ -39,7 +39,6 @@ from torch import nn
 
 from partitioner.errors import PartitionError
 from runtime import rng
-from runtime import tensor_parallel as tpops
 from runtime.collectives import CollectiveAborted, ThreadGroup
 from runtime.stage import locate_node
 from runtime.worker import Worker
@@ -123,7 +122,7 @@ class TensorParallelStage(nn.Module):
             replicated = torch.Generator(device).manual_seed(seed)
             private = torch.Generator(device).manual_seed(seed + 1 + r)
             with torch.set_grad_enabled(grad), rng.use_generator(replicated), \
-                    tpops.use_shard_generator(private):
+                    rng.use_shard_generator(private):
                 out = self._call(r, pytree.tree_unflatten(mine, spec))
             return out, mine
         return self._on_all(one)

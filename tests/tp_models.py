@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root, for examples.models
+from examples.models import GPT
 
 __all__ = ["mlp_pair", "Block", "LlamaBlock", "TinyGPT", "gpt2", "batch_for"]
 
@@ -16,6 +21,7 @@ def mlp_pair(width: int = 16, hidden: int = 64) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
 
 
+# Not examples.models' attention on purpose: no SDPA dropout_p, drawn from the global generator.
 class _Attention(nn.Module):
     """Fused q, k, v projection and scaled_dot_product_attention (nanoGPT)."""
 
@@ -37,6 +43,7 @@ class _Attention(nn.Module):
         return self.drop(self.c_proj(y))
 
 
+# Not examples.models' block on purpose: the TP tests match its MLP's Linears as mlp.0 and mlp.2.
 class Block(nn.Module):
     """A pre-norm transformer block in plain torch: x + attn(ln(x)), x + mlp(ln(x))."""
 
@@ -84,25 +91,13 @@ class LlamaBlock(nn.Module):
         return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
 
 
-class TinyGPT(nn.Module):
-    """Token and position embeddings, blocks, final norm, untied LM head."""
+class TinyGPT(GPT):
+    """``examples.models.GPT`` (untied LM head) built from :class:`Block`, test-sized."""
 
     def __init__(self, n_layer: int = 2, n_embd: int = 32, n_head: int = 4, vocab: int = 64,
                  seq: int = 16, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, n_embd)
-        self.wpe = nn.Embedding(seq, n_embd)
-        self.drop = nn.Dropout(dropout)
+        super().__init__(0, n_embd, n_head, vocab, seq, dropout)  # no blocks of its own kind
         self.h = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
 def gpt2(n_layer: int = 2, dropout: float = 0.0) -> nn.Module:

@@ -66,6 +66,11 @@ def transparency(name: str) -> None:
                 grad = tpm.full_tensor(key, grad=True)
                 torch.testing.assert_close(grad, param.grad, msg=lambda m, k=key: f"{k}: {m}")
                 worst["grad"] = max(worst["grad"], float((grad - param.grad).abs().max()))
+        # the unsplit model's norm (slices once, replicated copies once), then clipped alike
+        norm = tpm.clip_grad_norm_(0.05)
+        expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        torch.testing.assert_close(norm.float(), expected_norm)
+        worst["norm"] = max(worst.get("norm", 0.0), abs(float(norm - expected_norm)))
         ours.step()
         theirs.step()
         ours.zero_grad()
