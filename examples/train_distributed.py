@@ -1,9 +1,11 @@
-"""Train a model partitioned over processes: pipeline stages x data-parallel replicas.
+"""Train a model partitioned over processes: pipeline stages x data-parallel replicas
+(x tensor-parallel shards of each stage's weight matrices, with ``--tp``).
 
 Run with 4 processes (2 pipeline stages x 2 replicas by default):
 
     torchrun --nproc-per-node 4 examples/train_distributed.py
     python -m partitioner.launch --nproc-per-node 4 examples/train_distributed.py --pp 4
+    torchrun --nproc-per-node 4 examples/train_distributed.py --pp 2 --tp 2   # pp x tp
 
 Every rank builds the same plain model and the same plan, keeps its own stage, and reads
 its replica's shard of each epoch (``ReplicaSampler``). Rank 0 prints the plan, the loss as
@@ -44,7 +46,12 @@ def synthetic(samples: int, features: int, classes: int, seed: int) -> TensorDat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (dp = world / pp)")
+    parser.add_argument("--pp", type=int, default=2,
+                        help="pipeline stages (dp = world / (pp * tp))")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel shards of each stage (Megatron column/row pairs)")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="clip gradients to this total norm (0: no clipping)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     parser.add_argument("--checkpoint", default="never",
@@ -63,12 +70,14 @@ def main() -> None:
     held_out = synthetic(1024, features, classes, seed=2)
 
     dpm = partition_distributed(model, example_inputs=(train.tensors[0][:args.batch],),
-                                pp=args.pp, chunks=args.chunks, schedule=args.schedule,
+                                pp=args.pp, tp=args.tp, chunks=args.chunks,
+                                schedule=args.schedule,
                                 checkpoint=args.checkpoint)
     leader = dist.get_rank() == 0
     if leader:
         print(dpm.plan.table())
-        print(f"{dist.get_world_size()} ranks: pp={dpm.mesh.shape.pp} x dp={dpm.mesh.shape.dp}"
+        shape = dpm.mesh.shape
+        print(f"{dist.get_world_size()} ranks: pp={shape.pp} x dp={shape.dp} x tp={shape.tp}"
               f", {args.batch} samples per replica per step\n")
 
     sampler = ReplicaSampler.from_mesh(train, dpm.mesh, batch_size=args.batch, seed=0,
@@ -81,6 +90,8 @@ def main() -> None:
         for x, y in loader:
             optimizer.zero_grad()
             loss = dpm.step(x, y, F.cross_entropy)
+            if args.clip > 0:  # the whole model's norm, each gradient counted once
+                dpm.clip_grad_norm_(args.clip)
             optimizer.step()
             step += 1
             first = loss if first is None else first

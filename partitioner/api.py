@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -331,12 +332,36 @@ def _costed_plan(analysis: Analysis, options: _Options, strategy: str,
     capacity = min(options.memory_limit) if options.memory_limit else None
     method = analysis.captured.method
     if cuts is None and options.strategy == "auto":
-        return auto_plan(workload, names, cluster, chunks=options.chunks,
+        plan = auto_plan(workload, names, cluster, chunks=options.chunks,
                          checkpoint=options.checkpoint, capacity=capacity, capture=method)
-    return pipeline_plan(workload, names, cluster, strategy=strategy,
-                         chunks=options.chunks or 1,
-                         checkpoint=options.checkpoint or "except_last", boundaries=cuts,
-                         capacity=capacity, capture=method)
+    else:
+        plan = pipeline_plan(workload, names, cluster, strategy=strategy,
+                             chunks=options.chunks or 1,
+                             checkpoint=options.checkpoint or "except_last", boundaries=cuts,
+                             capacity=capacity, capture=method)
+    return _check_host_memory(plan, cluster)
+
+
+def _check_host_memory(plan: Plan, cluster: Cluster) -> Plan:
+    """Note (and warn) when stages on ``"cpu"`` devices need more than the machine has.
+
+    Each ``"cpu"`` device may use all of the machine's memory (``memory_limit=`` lowers
+    that), but its stages share it: a plan whose stages together need more would run out
+    of memory here, though it is a valid plan for a machine per stage.
+    """
+    on_host = [s for s in plan.stages
+               if str(s.device).startswith("cpu") and s.predicted_memory is not None]
+    if len(on_host) < 2 or not cluster.is_local:
+        return plan
+    total = sum(int(s.predicted_memory or 0) for s in on_host)
+    machine = cluster.spec(0).memory_bytes
+    if total <= machine:
+        return plan
+    note = (f"the {len(on_host)} 'cpu' stages share this machine's {machine / 2**30:.1f} GiB "
+            f"but need {total / 2**30:.1f} GiB together: this plan runs out of memory here "
+            f"(pass memory_limit={int(machine // len(on_host))} to plan within the machine)")
+    warnings.warn(note, UserWarning, stacklevel=4)
+    return replace(plan, notes=(*plan.notes, note))
 
 
 def _make_plan(analysis: Analysis, options: _Options, strategy: str,

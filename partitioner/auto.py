@@ -158,8 +158,8 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
                 counts = [m for m in _divisors(per_replica) if m <= max_microbatches
                           or per_replica // m <= 8]
             for m, name, mode in itertools.product(counts, names, modes):
-                if mode == "except_last" and m == 1 and pp == 1 and mode != checkpoint:
-                    continue  # same as "never"
+                if mode == "except_last" and m == 1 and mode != checkpoint:
+                    continue  # replays nothing: "never" at no less memory
                 for v in _chunk_counts(name, pp, m, layers):
                     yield Config(dp, tp, pp, m, name, v, mode, optimizer, overlap_grad_reduce,
                                  overlap_p2p)
@@ -320,8 +320,14 @@ def _nothing_fits(workload: Workload, cluster: Cluster, queue: list[Config], cap
                                 f"here ({not_executable} need a runtime this machine lacks)")
     frugal = max(queue, key=lambda c: (c.pp, c.checkpoint == "always", c.chunks, -c.dp))
     reason = predict(workload, cluster, frugal, capacity=capacity).reason
-    return MemoryLimitError(reason or f"no configuration of {workload.name} fits "
-                            f"{cluster.describe()}; use more or larger devices")
+    message = reason or (f"no configuration of {workload.name} fits {cluster.describe()}; "
+                         "use more or larger devices")
+    if cluster.is_local and cluster.device.shared_speedup \
+            and capacity == cluster.device.memory_bytes:
+        message += (f". The {cluster.size} 'cpu' devices share this machine's "
+                    f"{_bytes(capacity)} of memory, so more 'cpu' devices add none; plan a "
+                    "smaller model or batch, or use a machine with more memory")
+    return MemoryLimitError(message)
 
 
 def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = None) -> str:
@@ -363,16 +369,10 @@ def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
             f"{_bytes(winner['peak_memory'])} per device)")
     others = [r for r in ranked if r is not winner]
     if others:
-        rival = others[0]
-        slower = rival["step_time"] / winner["step_time"] - 1
-        parts = {"its bubble": (rival["bubble"] - winner["bubble"]) * rival["pipeline_time"],
-                 "more work per device": _work(rival) - _work(winner),
-                 "gradient all-reduce and optimizer": _after(rival) - _after(winner)}
-        cause = max(parts, key=lambda k: parts[k])
-        text += (f"; the runner-up, {rival['label']}, is {slower:.1%} slower, mostly "
-                 f"{cause}")
-        if cause == "its bubble":
-            text += f" ({rival['bubble']:.1%} against {winner['bubble']:.1%})"
+        text += _against(winner, others[0])
+    if _shares_host(winner) and winner["config"]["pp"] > 1:
+        text += ("; the devices share this machine's cores, so the bubble is not idle "
+                 "hardware: while a stage waits, the busy ones get its cores")
     faster = [(label, why, bound) for label, why, bound in info.get("excluded", [])
               if bound < winner["step_time"]]
     if faster:
@@ -381,6 +381,29 @@ def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
         text += (f"; {count} excluded configuration{'s' if count > 1 else ''} might be "
                  f"faster, e.g. {label} (bound {_seconds(bound)}), but {why}")
     return text + "."
+
+
+def _against(winner: dict[str, Any], rival: dict[str, Any]) -> str:
+    """Why ``winner`` beat ``rival``: the part of the step that differs most."""
+    slower = rival["step_time"] / winner["step_time"] - 1
+    if slower < 5e-4:
+        return (f"; the runner-up, {rival['label']}, is predicted as fast (within 0.05%): "
+                "ties go to the fewest replicas, tensor ranks, stages and micro-batches, "
+                "then the schedule's and checkpoint mode's order")
+    parts = {"its bubble": (rival["bubble"] - winner["bubble"]) * rival["pipeline_time"],
+             "more work per device": _work(rival) - _work(winner),
+             "gradient all-reduce and optimizer": _after(rival) - _after(winner)}
+    cause = max(parts, key=lambda k: parts[k])
+    text = f"; the runner-up, {rival['label']}, is {slower:.1%} slower, mostly {cause}"
+    if cause == "its bubble":
+        text += f" ({rival['bubble']:.1%} against {winner['bubble']:.1%})"
+    return text
+
+
+def _shares_host(record: dict[str, Any]) -> bool:
+    cluster = record.get("cluster") or {}
+    return bool(cluster.get("local")) and bool((cluster.get("device") or {}).get(
+        "shared_speedup"))
 
 
 def _work(r: dict[str, Any]) -> float:

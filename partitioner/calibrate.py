@@ -31,10 +31,11 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from partitioner.errors import PartitionError
 from partitioner.memory import optimizer_traffic
 from passes.group_layers import Layer
 from passes.split_stages import split_stages
+from runtime.worker import Worker, shared_threads
 
 __all__ = ["CalibrationError", "measure_cpu", "calibrate_layers", "Progress"]
 
@@ -88,14 +90,21 @@ def _op_overhead() -> float:
     return _best(chain, repeats=7, inner=5) / 34
 
 
-def _together(work: Callable[[], None], n: int) -> Callable[[], None]:
+@contextmanager
+def _together(work: Callable[[], None], n: int) -> Iterator[Callable[[], None]]:
+    """``work`` on ``n`` stage workers at once, each with the intra-op threads the pipeline
+    runtime gives it (``runtime.worker.shared_threads``: the caller's threads shared)."""
+    cpu = torch.device("cpu")
+    workers = [Worker(cpu, shared_threads([cpu] * n)) for _ in range(n)]
+
     def run() -> None:
-        pool = [threading.Thread(target=work) for _ in range(n)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-    return run
+        for future in [w.submit(work) for w in workers]:
+            future.result()
+    try:
+        yield run
+    finally:
+        for w in workers:
+            w.close()
 
 
 _TIMINGS = ("overhead", "few", "some", "many", "small", "add", "adam", "alone", "two",
@@ -106,11 +115,14 @@ _TIMINGS = ("overhead", "few", "some", "many", "small", "add", "adam", "alone", 
 def measure_cpu() -> DeviceSpec:
     """This machine's CPU as a :class:`DeviceSpec`: measured once per process, kept per machine.
 
-    Other work on the machine only ever makes a timing longer, so every timing is the best of
-    this run's and those kept from earlier runs in the cache directory
-    (``$PARTITIONER_CACHE_DIR``, else ``~/.cache/partitioner``; one file per CPU model, core
-    count, torch version and thread count; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it),
-    and the spec is derived from those. Plans on one machine then agree from run to run.
+    Each timing is the best of a few repetitions within a run (a burst of other work only
+    ever lengthens one), and the spec takes, per timing, the median of this run and the last
+    runs kept in the cache directory (``$PARTITIONER_CACHE_DIR``, else
+    ``~/.cache/partitioner``; one file per CPU model, core count, torch version and thread
+    count; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it). Not the best across runs: on a
+    shared VM memory-bound timings swing by 2x from run to run (an Adam step measured 16 ms in
+    one run and 35 ms in the next three), and a plan should expect the machine as it usually
+    is. Plans on one machine then agree from run to run.
 
     Returns:
         A spec from float32 products of a ``1024 x 1024`` weight with 8, 64 and 256 rows (the
@@ -118,23 +130,26 @@ def measure_cpu() -> DeviceSpec:
         repacking cost, ``pack_bandwidth``), a 48 x 48 product (``matmul_half_flops``), an
         in-place add of 64 MiB tensors (``memory_bandwidth``, ``memory_efficiency`` 1), an
         Adam step over sixteen 1024 x 1024 weights (``optimizer_bandwidth``), tiny ops with
-        autograd (``op_overhead``) and 2, 3 and 4 threads computing at once
-        (``shared_speedup``).
+        autograd (``op_overhead``) and 2, 3 and 4 stage workers computing 64-row products
+        at once, each with its share of the intra-op threads (``shared_speedup``).
     """
-    timings = _timings()
+    runs = [_timings()]
     path = _cache_path()
     if path is not None:
         try:
             kept = json.loads(path.read_text())
-            timings = {k: min(v, float(kept[k])) for k, v in timings.items()}
-        except (OSError, ValueError, TypeError, KeyError):
+            runs += [{k: float(run[k]) for k in runs[0]} for run in kept[-(_KEPT_RUNS - 1):]]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             pass
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(timings))
+            path.write_text(json.dumps(runs[1:] + runs[:1]))  # oldest first
         except OSError:
             pass
-    return _spec(timings)
+    return _spec({k: statistics.median(run[k] for run in runs) for k in runs[0]})
+
+
+_KEPT_RUNS = 9
 
 
 def _cache_path() -> Path | None:
@@ -142,7 +157,10 @@ def _cache_path() -> Path | None:
         return None
     root = os.environ.get("PARTITIONER_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "partitioner")
-    key = f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    # "runs": a list of runs; "shared": stages running at once share the intra-op threads
+    # (timings before that change measured them oversubscribed and must not be mixed in).
+    key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+           "|runs|shared-64")
     return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
@@ -182,11 +200,11 @@ def _timings() -> dict[str, float]:
     for p in params:
         p.grad = torch.randn_like(p)
     adam = torch.optim.Adam(params, lr=1e-6)
-    e, f = torch.randn(256, 256), torch.randn(256, 256)
-
     def work() -> None:
-        for _ in range(16):
-            torch.mm(e, f)
+        # What a stage does: 64-row products with weights streamed from memory (their
+        # speed-up from sharing depends on the size: 8 rows gain more, 256 rows less).
+        for w in weights[:16]:
+            torch.mm(some, w)
     found = {"overhead": _op_overhead(),
              "few": _best(lambda: torch.mm(few, next(turn)), repeats=7, inner=24),
              "some": _best(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
@@ -198,10 +216,12 @@ def _timings() -> dict[str, float]:
     alone = math.inf
     counts = {"two": 2, "three": 3, "four": 4}
     best = dict.fromkeys(counts, math.inf)
-    for _ in range(3):  # alone and together in alternation: a burst of load skews neither
-        alone = min(alone, _best(work, repeats=1))
-        for name, n in counts.items():
-            best[name] = min(best[name], _best(_together(work, n), repeats=1))
+    with ExitStack() as stack:
+        teams = {name: stack.enter_context(_together(work, n)) for name, n in counts.items()}
+        for _ in range(3):  # alone and together in alternation: a burst of load skews neither
+            alone = min(alone, _best(work, repeats=1))
+            for name, run in teams.items():
+                best[name] = min(best[name], _best(run, repeats=1))
     return {**found, "alone": alone, **best}
 
 
@@ -225,10 +245,11 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     # PyTorch's Adam: seven element-wise passes and two temporaries, 80 bytes per float32
     # parameter (partitioner.memory.optimizer_traffic), at the rate its kernels reach.
     optimizer = optimizer_traffic("adam", 4, False) * 16 * _WEIGHT**2 / t["adam"]
-    # n teams of t intra-op threads on c cores cannot beat c / t teams' worth of work, but a
-    # lone team rarely keeps every core busy: allow a quarter more.
-    ceiling = max(1.0, (os.cpu_count() or 1) / torch.get_num_threads()) * 1.25
-    speedup = [1.0] + [min(max(n * t["alone"] / t[name], 1 / n), float(n), ceiling)
+    # n workers sharing the caller's threads (as the runtime's stages do) get at most
+    # min(n, cores) times the work of one worker done: a lone team of several threads is at
+    # least as fast as one thread.
+    cores = os.cpu_count() or 1
+    speedup = [1.0] + [min(max(n * t["alone"] / t[name], 1 / n), float(min(n, cores)))
                        for name, n in (("two", 2), ("three", 3), ("four", 4))]
     return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
                       1.0, t["overhead"], pack, optimizer, tuple(speedup))

@@ -76,8 +76,10 @@ class DeviceSpec:
         optimizer_bandwidth: bytes per second the optimizer step's element-wise passes
             reach (0: the achievable memory bandwidth).
         shared_speedup: for devices sharing one host's cores (several ``"cpu"`` devices):
-            ``shared_speedup[n - 1]`` is how much faster ``n`` of them computing at once get
-            through work than one alone (1.0 first). Empty for devices with their own compute.
+            ``shared_speedup[n - 1]`` is how much faster ``n`` stage workers computing at
+            once, with ``1 / n`` of the intra-op threads each (as the runtime gives them),
+            get through work than one worker alone with all of them (1.0 first). Empty for
+            devices with their own compute.
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -195,40 +197,49 @@ class LinkSpec:
 
 _GiB = float(2**30)
 
-# Datasheet figures (dense, no sparsity). matmul_efficiency: the maximum achievable matmul
-# FLOP/s over peak, from Stas Bekman's MAMF finder (ml-engineering, compute/accelerator):
-# A100 SXM 267.9/312 = 0.859, H100 SXM 792.1/989 = 0.801; V100 and H200 have no entry there
-# and take 0.80. For A100 that is further scaled by 1305/1410, the clock an A100 sustains at
-# its 400 W limit under full tensor-core load (NVIDIA's HPL figure) over the boost clock the
-# peak assumes: training runs for hours, a benchmark for seconds. matmul_half_flops: the
-# FLOPs the peak rate gets through in 5 us (launch, prologue and tail of a kernel).
-# memory_efficiency: STREAM-like copies reach ~0.87 of HBM bandwidth, the fused element-wise
-# and normalisation kernels of training somewhat less: 0.8.
-_A100_MATMUL = 0.859 * 1305 / 1410
+# Datasheet figures (dense, no sparsity); every efficiency below is a published measurement
+# or says that it is an assumption. None was chosen by comparing with Megatron-LM's table.
+# matmul_efficiency: the maximum achievable matmul FLOP/s (MAMF) over peak, from Stas
+# Bekman's MAMF finder table (ml-engineering, compute/accelerator, BF16, mean of 100
+# iterations after 50 warm-up per shape, as of August 2024): A100 SXM 267.9/312 = 0.859, H100
+# SXM 792.1/989 = 0.801 (the table notes "H200 is the same"). It was measured with the GPU
+# under continuous matmul load; no clock factor is added (NVIDIA's 1305 MHz A100 HPL clock is
+# an FP64 Rpeak convention, and nothing public says how far a long FP16 training run sits
+# below MAMF). V100 has no entry: 0.80 is an assumption. matmul_half_flops: the FLOPs the peak
+# rate gets through in 5 us (launch, prologue and tail of a kernel), a modelling choice;
+# products in large models are far above it. memory_efficiency: read and copy kernels reach
+# 0.88-0.90 of HBM bandwidth on A100 (1.80 of 2.04 TB/s, confirmed by Nsight Compute, in
+# NVIDIA's developer forum thread "Trouble to reach peak bandwidth of A100", which cites a
+# GTC talk's ~90% as the best any kernel reached); 0.85 for the fused element-wise kernels
+# of training, a little under that best case. op_overhead: 5 us per kernel, an assumption.
 DEVICES: dict[str, DeviceSpec] = {
     "V100": DeviceSpec("V100", {"fp16": 125e12, "bf16": 15.7e12, "fp32": 15.7e12,
                                 "fp64": 7.8e12}, 32 * _GiB, 0.9e12, 0.80, 125e12 * 5e-6,
-                       0.8, 5e-6),
+                       0.85, 5e-6),
     "A100-40GB": DeviceSpec("A100-40GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12,
                                           "fp32": 19.5e12, "fp64": 19.5e12}, 40 * _GiB,
-                            1.555e12, _A100_MATMUL, 312e12 * 5e-6, 0.8, 5e-6),
+                            1.555e12, 0.859, 312e12 * 5e-6, 0.85, 5e-6),
     "A100-80GB": DeviceSpec("A100-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12,
                                           "fp32": 19.5e12, "fp64": 19.5e12}, 80 * _GiB,
-                            2.039e12, _A100_MATMUL, 312e12 * 5e-6, 0.8, 5e-6),
+                            2.039e12, 0.859, 312e12 * 5e-6, 0.85, 5e-6),
     "H100-SXM": DeviceSpec("H100-SXM", {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12,
                                         "tf32": 494.5e12, "fp32": 66.9e12, "fp64": 66.9e12},
-                           80 * _GiB, 3.35e12, 0.801, 989e12 * 5e-6, 0.8, 5e-6),
+                           80 * _GiB, 3.35e12, 0.801, 989e12 * 5e-6, 0.85, 5e-6),
     "H200": DeviceSpec("H200", {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12,
                                 "tf32": 494.5e12, "fp32": 66.9e12, "fp64": 66.9e12},
-                       141e9, 4.8e12, 0.80, 989e12 * 5e-6, 0.8, 5e-6),
+                       141e9, 4.8e12, 0.801, 989e12 * 5e-6, 0.85, 5e-6),
 }
 """Presets from public datasheets, by name."""
 
-# NVLink per direction per GPU (V100 6 x 25 GB/s, A100 12 x 25, H100 18 x 25); NCCL's
-# all-reduce bus bandwidth reaches ~80% of it. InfiniBand per NIC; ~90% reached.
+# NVLink: 25 GB/s per link and direction (V100 6 links, A100 12, H100 18). NCCL's kernels
+# copy with 128-byte payloads, about 20 of a link's 25 GB/s (0.8), and on A100 other limits
+# hold the 12 links to about 230 of 300 GB/s (0.77): NCCL's maintainer in NVIDIA/nccl-tests
+# issue #149 (2023). InfiniBand, per NIC: nccl-tests issue #119 measured an all-reduce bus
+# bandwidth of 96 GB/s at the largest sizes (84.8 averaged over sizes down to 8 bytes) over
+# 4 HDR NICs rated 100 GB/s together: 0.9. PCIe 0.8 and every latency are assumptions.
 LINKS: dict[str, LinkSpec] = {
     "nvlink2": LinkSpec("NVLink 2", 150e9, 5e-6, 0.8),
-    "nvlink3": LinkSpec("NVLink 3", 300e9, 5e-6, 0.8),
+    "nvlink3": LinkSpec("NVLink 3", 300e9, 5e-6, 230 / 300),
     "nvlink4": LinkSpec("NVLink 4", 450e9, 5e-6, 0.8),
     "pcie4": LinkSpec("PCIe 4.0 x16", 32e9, 10e-6, 0.8),
     "ib-hdr": LinkSpec("InfiniBand HDR 200 Gb/s", 25e9, 10e-6, 0.9),

@@ -168,7 +168,8 @@ class Prediction:
         stages: per virtual stage, its profile.
         step_time: seconds per training step.
         pipeline_time: seconds from the first forward to the last backward.
-        bubble: idle fraction of the devices during the pipeline.
+        bubble: idle fraction of the devices during the pipeline, as the schedule leaves
+            it (devices slowed by others sharing their host count as busy).
         memory: per device along the pipeline, the peak bytes by kind.
         capacity: bytes each device may use.
         dp_times: per device, seconds of its gradient all-reduce.
@@ -416,6 +417,10 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     else:
         edges = (p - 1) * sum(work) / len(work) + 2 * sum(s.send for s in stages[:p])
         steady = m * max(per_device)
+    # The schedule's idle fraction, before any slowdown from sharing a host: a device slowed
+    # by its neighbours is computing, not waiting.
+    bubble = max(0.0, 1 - m * sum(per_device) / (p * (edges + steady))) \
+        if edges + steady > 0 else 0.0
     spec = cluster.spec(0)
     if spec.shared_speedup and cluster.is_local and config.devices > 1:
         # Devices sharing the host's cores: in the steady state the slowest device is always
@@ -453,8 +458,6 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         dp_times.append(reduce)
         opt_times.append(optimizer)
     step = max(ends)
-    busy = m * sum(per_device)
-    bubble = max(0.0, 1 - busy / (p * pipeline)) if pipeline > 0 else 0.0
     breakdown = {"compute": m * max(per_device), "pipeline": pipeline,
                  "dp_all_reduce": max(dp_times), "optimizer": max(opt_times)}
     return Prediction(config, stages, step, pipeline, bubble, tuple(memory), capacity,

@@ -14,7 +14,9 @@ free and its inputs have arrived:
   data-parallel replicas in buckets, on a channel of their own, overlapping that backward
   when the plan says so; then the optimizer steps;
 * devices that share one host's cores (several ``"cpu"`` devices) share its compute: ``n``
-  busy at once each progress at ``speedup(n) / n`` of their own speed.
+  busy at once each progress at ``speedup(n) / n`` of their own speed (the runtime gives
+  ``n`` busy stage workers ``1 / n`` of the intra-op threads each, as the calibration
+  measured them).
 
 With equal stages and free communication GPipe's bubble comes out as ``(p - 1) / (m + p - 1)``
 exactly.

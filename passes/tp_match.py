@@ -15,7 +15,9 @@ column weight ``blocks``. It repeats until the region is closed (no gathers, no 
 Megatron pair) or cannot be (the seed stays alone). Then:
 
 - a Linear in no pair splits column-wise, its output gathered where it is used whole (the
-  LM head: column-parallel with its logits gathered);
+  LM head: column-parallel with its logits gathered), unless its split output would meet
+  whole values (a residual stream: ``x + f(x)`` with ``x`` split would slice ``f(x)`` and
+  keep the stream split, gathering before every norm): then it stays whole (``replicate``);
 - the largest Embedding splits by vocabulary (one all-reduce), the others stay whole, except
   an Embedding sharing its weight with a split Linear, which follows that Linear.
 
@@ -137,13 +139,22 @@ def choose(gm: fx.GraphModule, sites: list[Site], tp: int,
         pairs.append((tuple(c.name for c in cols), tuple(r.name for r in rows)))
     for site in sites:
         if site.op == "linear" and site.node not in kinds:
-            kinds[site.node] = _follow_tie(site, sites, kinds) or "colwise"
+            kinds[site.node] = (_follow_tie(site, sites, kinds)
+                                or _lone_kind(gm, sites, site, tp))
     embeddings = [s for s in sites if s.op == "embedding" and s.node not in kinds]
     largest = max(embeddings, key=lambda s: s.shape[0] * s.shape[1], default=None)
     for site in embeddings:
         kinds[site.node] = _follow_tie(site, sites, kinds) or (
             "vocab" if site is largest else "replicate")
     return Choice(kinds, blocks, tuple(pairs))
+
+
+def _lone_kind(gm: fx.GraphModule, sites: list[Site], site: Site, tp: int) -> str:
+    """``colwise`` for a Linear in no pair whose split output is only ever gathered;
+    ``replicate`` if it would slice whole values to meet it (the split would spread)."""
+    result = propagate(gm, site_shardings(site, "colwise", tp), tp, sites=sites,
+                       start=site.node)
+    return "replicate" if any(c.slices for c in result.conversions) else "colwise"
 
 
 def _tied_to_chosen(site: Site, sites: list[Site], kinds: dict[str, str]) -> bool:

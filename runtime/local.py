@@ -44,12 +44,18 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import ChunksError, StageExecutionError
 from runtime.microbatch import gather, scatter
-from runtime.schedule import Action, Schedule, gpipe, split_phases
+from runtime.schedule import Action, Schedule, clock_ticks, gpipe, split_phases
 from runtime.stage import StageRunner
 from runtime.transfer import Handoff, move_leaves, receive, send
-from runtime.worker import Worker, shared_threads
+from runtime.worker import (
+    Worker,
+    restore_thread_default,
+    shared_threads,
+    thread_default,
+    use_threads,
+)
 
-__all__ = ["LocalPipeline", "CHECKPOINT_MODES", "checkpoint_stop"]
+__all__ = ["LocalPipeline", "CHECKPOINT_MODES", "checkpoint_stop", "thread_plan"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -70,8 +76,11 @@ class LocalPipeline:
         devices: one device per stage (repeats allowed: each entry gets its own worker).
         chunks: micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
-        threads: intra-op threads of each CPU worker; by default the caller's threads are
-            shared among the CPU workers (``runtime.worker.shared_threads``).
+        threads: intra-op threads of each CPU worker. By default they follow the schedule:
+            an action gets the caller's intra-op threads divided by the number of CPU stages
+            busy at its time in the schedule's clock ticks (:func:`thread_plan`), so a stage
+            alone in the fill or drain uses every thread and stages computing together
+            share them instead of oversubscribing the cores.
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
@@ -86,9 +95,12 @@ class LocalPipeline:
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.runners = [StageRunner(j, gm, d) for j, (gm, d) in enumerate(zip(stages, devices))]
-        if threads is None:
-            threads = shared_threads(self.devices)
-        self.workers = [Worker(d, threads if d.type == "cpu" else None) for d in self.devices]
+        self.threads = threads
+        self._budget = torch.get_num_threads()
+        self._default = thread_default()
+        self._plans: dict[int, dict[Action, int]] = {}
+        start = shared_threads(self.devices) if threads is None else threads
+        self.workers = [Worker(d, start if d.type == "cpu" else None) for d in self.devices]
         #: (action, start, end) in seconds since the pipeline was made, for every action the
         #: last forward and backward ran (what ``viz`` draws as a measured timeline).
         self.timeline: list[tuple[Action, float, float]] = []
@@ -103,6 +115,23 @@ class LocalPipeline:
     def schedule(self, n_microbatches: int) -> tuple[Schedule, Schedule]:
         """The forward and backward action lists used for ``n_microbatches``."""
         return split_phases(gpipe(len(self.runners), n_microbatches))
+
+    def _threads_for(self, n_microbatches: int) -> dict[Action, int]:
+        """Intra-op threads per action (empty: fixed per worker)."""
+        if self.threads is not None:
+            return {}
+        if n_microbatches not in self._plans:
+            self._plans[n_microbatches] = thread_plan(
+                gpipe(len(self.runners), n_microbatches),
+                [d.type == "cpu" for d in self.devices], self._budget)
+        return self._plans[n_microbatches]
+
+    def _run_phase(self, loop: Any, schedule: Schedule) -> None:
+        """``loop(j, actions)`` on every worker; then the threads' default is put back."""
+        done = [w.submit(loop, j, schedule[j]) for j, w in enumerate(self.workers)]
+        changed = [future.result() for future in done]
+        if any(changed):
+            restore_thread_default(self._default)
 
     def run(self, values: list[Any]) -> Any:
         """Run one mini-batch; ``values`` has one entry per placeholder of stage 0."""
@@ -132,12 +161,16 @@ class LocalPipeline:
         for j, runner in enumerate(self.runners):
             runner.reset(seed + j)
         slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
+        threads = self._threads_for(n)
 
-        def stage_loop(j: int, actions: tuple[Action, ...]) -> None:
+        def stage_loop(j: int, actions: tuple[Action, ...]) -> bool:
             runner = self.runners[j]
+            changed = False
             for action in actions:
                 i = action.microbatch
                 try:
+                    if action in threads:
+                        changed |= use_threads(threads[action])
                     if j == 0:
                         inputs = pytree.tree_unflatten(
                             *_as_leaves(micro[i], runner.device, grad))
@@ -150,10 +183,9 @@ class LocalPipeline:
                     self._record(action, start)
                 except BaseException as error:
                     slots[j][i].set_exception(error)
+            return changed
 
-        done = [w.submit(stage_loop, j, forward[j]) for j, w in enumerate(self.workers)]
-        for future in done:
-            future.result()
+        self._run_phase(stage_loop, forward)
         last = slots[-1]
         errors = [e for row in slots for s in row if (e := s.exception()) is not None]
         if errors:
@@ -164,12 +196,16 @@ class LocalPipeline:
         _, backward = self.schedule(n)
         slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
         last = len(self.runners) - 1
+        threads = self._threads_for(n)
 
-        def stage_loop(j: int, actions: tuple[Action, ...]) -> None:
+        def stage_loop(j: int, actions: tuple[Action, ...]) -> bool:
             runner = self.runners[j]
+            changed = False
             for action in actions:
                 i = action.microbatch
                 try:
+                    if action in threads:
+                        changed |= use_threads(threads[action])
                     if j == last:
                         incoming = move_leaves(grads_last[i], runner.device, grad=False)
                     else:
@@ -180,10 +216,9 @@ class LocalPipeline:
                     self._record(action, start)
                 except BaseException as error:
                     slots[j][i].set_exception(error)
+            return changed
 
-        done = [w.submit(stage_loop, j, backward[j]) for j, w in enumerate(self.workers)]
-        for future in done:
-            future.result()
+        self._run_phase(stage_loop, backward)
         errors = [e for row in slots for s in row if (e := s.exception()) is not None]
         if errors:
             raise _first_stage_error(errors)
@@ -193,6 +228,25 @@ class LocalPipeline:
         """Stop the workers."""
         for worker in self.workers:
             worker.close()
+
+
+def thread_plan(schedule: Schedule, on_cpu: Sequence[bool], budget: int
+                ) -> dict[Action, int]:
+    """Intra-op threads for each action of ``schedule``: ``budget`` shared by the CPU stages
+    busy alongside it in the schedule's clock ticks (the most at any of its ticks).
+
+    Example:
+        >>> plan = thread_plan(gpipe(2, 2), [True, True], budget=2)
+        >>> {str(a): n for a, n in plan.items()}["0F0"], {str(a): n for a, n in plan.items()}["0F1"]
+        (2, 1)
+    """
+    out: dict[Action, int] = {}
+    for tick in clock_ticks(schedule):
+        busy = sum(1 for j, a in enumerate(tick) if a is not None and on_cpu[j])
+        for j, action in enumerate(tick):
+            if action is not None and on_cpu[j]:
+                out[action] = min(out.get(action, budget), max(1, budget // max(busy, 1)))
+    return out
 
 
 def _as_leaves(values: list[Any], device: torch.device, grad: bool) -> tuple[list[Any], Any]:

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Worker", "shared_threads"]
+__all__ = ["Worker", "shared_threads", "use_threads", "thread_default",
+           "restore_thread_default"]
 
 T = TypeVar("T")
 
@@ -70,6 +71,29 @@ def _set_thread_count(executor: ThreadPoolExecutor, threads: int) -> None:
     with _THREADS:
         default = _in_fresh_thread(torch.get_num_threads)
         executor.submit(_set_here, threads).result()
+        _in_fresh_thread(lambda: torch.set_num_threads(default))
+
+
+def use_threads(threads: int) -> bool:
+    """Give the calling thread ``threads`` intra-op threads; ``True`` if that changed them.
+
+    torch also stores the count as the default of threads that start computing later:
+    put it back with :func:`restore_thread_default` once the calls are over.
+    """
+    if torch.get_num_threads() == threads:  # (also initialises this thread's count)
+        return False
+    torch.set_num_threads(threads)
+    return True
+
+
+def thread_default() -> int:
+    """The intra-op threads a thread starting now would get."""
+    return _in_fresh_thread(torch.get_num_threads)
+
+
+def restore_thread_default(default: int) -> None:
+    """Make ``default`` again the count of threads that start computing later (only)."""
+    with _THREADS:
         _in_fresh_thread(lambda: torch.set_num_threads(default))
 
 

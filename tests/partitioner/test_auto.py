@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import itertools
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -164,6 +165,96 @@ def test_explicit_chunks_are_kept_by_auto() -> None:
     pm = partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(6, 8),), chunks=3,
                    checkpoint="never")
     assert (pm.plan.chunks, pm.plan.checkpoint) == (3, "never")
+
+
+def test_planning_budget_defaults_to_five_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float | None] = []
+
+    def recording(*args: object, **kwargs: object) -> partitioner.auto.SearchResult:
+        seen.append(kwargs["budget"])  # type: ignore[arg-type]
+        return search(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(partitioner.planner, "search", recording)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    make_plan(model, ["cpu", "cpu"], example_inputs=(torch.randn(4, 8),))
+    assert seen == [5.0]
+
+
+def test_the_gap_bounds_the_true_optimum() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    result = search(GPT, cluster, budget=0.0)
+    assert result.timed_out and result.gap > 0
+    every = [predict(GPT, cluster, c) for c in configurations(GPT, cluster)]
+    optimum = min(p.step_time for p in every if p.fits)
+    assert result.best.step_time / (1 + result.gap) <= optimum * (1 + 1e-9)
+    assert optimum <= result.best.step_time
+
+
+def test_the_fastest_configuration_that_fits_wins() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    free = search(GPT, cluster, budget=None).best
+    capacity = 0.9 * free.peak_memory
+    result = search(GPT, cluster, budget=None, capacity=capacity)
+    assert result.best.peak_memory <= capacity < free.peak_memory
+    fitting = [p for p in (predict(GPT, cluster, c, capacity=capacity)
+                           for c in configurations(GPT, cluster)) if p.fits]
+    assert result.best.step_time == pytest.approx(min(p.step_time for p in fitting), rel=1e-12)
+    assert result.best.step_time > free.step_time
+
+
+def test_tensor_parallelism_only_where_layers_split() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    assert {c.tp for c in configurations(GPT, cluster)} == {1, 2, 4, 8}
+    whole = replace(GPT, layers=tuple(replace(layer, split_param_bytes=0.0)
+                                      for layer in GPT.layers))
+    assert {c.tp for c in configurations(whole, cluster)} == {1}
+
+
+def test_except_last_with_one_micro_batch_is_not_a_separate_candidate() -> None:
+    # Regression: it replays nothing, so it tied with "never" and showed up as a runner-up
+    # "0.0% slower".
+    for cluster in (Cluster.preset("A100-80GB"), _local(4)):
+        configs = list(configurations(GPT, cluster))
+        assert not [c for c in configs if c.chunks == 1 and c.checkpoint == "except_last"]
+        assert [c for c in configs if c.chunks == 1 and c.checkpoint == "never"]
+    fixed = configurations(GPT, _local(4), chunks=1, checkpoint="except_last")
+    assert {c.checkpoint for c in fixed} == {"except_last"}
+
+
+def test_explain_says_when_the_runner_up_ties() -> None:
+    from partitioner.records import to_record
+    cluster = Cluster.preset("A100-80GB")
+    winner = dict(to_record(search(GPT, cluster).best, cluster), rank=1, chosen=True)
+    rival = dict(winner, label="a twin", rank=2, chosen=False)
+    why = explain([winner, rival]).splitlines()[-1]
+    assert "a twin, is predicted as fast" in why and "slower" not in why
+
+
+def test_explain_says_cpu_devices_share_the_cores() -> None:
+    from partitioner.auto import records
+    here, there = _local(4), Cluster.preset("A100-80GB")
+    assert "share this machine's cores" in explain(records(search(GPT, here), here))
+    assert "share this machine's cores" not in explain(records(search(GPT, there), there))
+
+
+def test_cpu_stages_needing_more_than_the_machine_are_noted_and_warned() -> None:
+    # Each "cpu" device may use the whole machine, but its stages share it: a plan whose
+    # stages together need more (GPT-2-xl's 25 GB of weights, gradients and Adam state on
+    # 8 "cpu" devices of a 25 GB VM) is kept, with a note and a warning saying so.
+    host = Cluster.local_devices(["cpu"]).device.memory_bytes
+    width = int((1.3 * host / 16 / 8) ** 0.5)  # 8 Linears: 1.3x the host with Adam state
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+    x = torch.empty(2, width, device="meta")
+    with pytest.warns(UserWarning, match="share this machine's .* GiB but need"):
+        plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,))
+    assert any("runs out of memory here" in note for note in plan.notes)
+    assert sum(s.predicted_memory or 0 for s in plan.stages) > host
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*share this machine")  # fits: none
+        small = make_plan(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), ["cpu", "cpu"],
+                          example_inputs=(torch.randn(2, 8),))
+    assert not any("out of memory" in note for note in small.notes)
 
 
 def test_explain_without_candidates() -> None:

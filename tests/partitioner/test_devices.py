@@ -6,8 +6,10 @@ import doctest
 
 import pytest
 import torch
+from torch import nn
 
 import partitioner.devices
+from partitioner import make_plan, partition
 from partitioner.devices import (
     DEVICES,
     LINKS,
@@ -116,6 +118,27 @@ def test_devices_accepts_strings_an_int_or_a_cluster() -> None:
     with pytest.raises(DeviceError, match="not this machine's devices; plan for it with "
                                           "make_plan"):
         parse_devices(Cluster.preset("A100-80GB"))
+
+
+def test_make_plan_and_partition_take_strings_an_int_or_a_cluster() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    assert len(make_plan(model, "cpu", example_inputs=(x,)).stages) == 1
+    assert len(make_plan(model, ["cpu", torch.device("cpu")], example_inputs=(x,)).stages) == 2
+    by_count = make_plan(model, 2, example_inputs=(x,))
+    assert [s.device.split(":")[0] for s in by_count.stages] == [kind, kind]
+    here = Cluster.local_devices(["cpu"] * 3)
+    assert make_plan(model, here, example_inputs=(x,)).devices == ("cpu",) * 3
+    torch.testing.assert_close(partition(model, here, example_inputs=(x,))(x), model(x))
+
+
+def test_cpu_devices_each_may_use_the_machine_s_memory() -> None:
+    one = Cluster.local_devices(["cpu"]).spec(0).memory_bytes
+    four = Cluster.local_devices(["cpu"] * 4)
+    assert all(four.spec(r).memory_bytes == one for r in range(4))
+    assert four.device.flops() == Cluster.local_devices(["cpu"]).device.flops()
 
 
 def test_describe_names_devices_and_links() -> None:

@@ -12,7 +12,8 @@ model's 3 layers per stage). Throughput is counted with the paper's formula,
 ``96 B s l h^2 (1 + s / (6 h) + V / (16 l h))`` FLOPs per step.
 
 Nothing in the cost model is fitted to these rows: device figures are datasheet and public
-microbenchmark numbers (``partitioner/devices.py``).
+microbenchmark numbers (``partitioner/devices.py``). ``HELD_OUT`` holds three more rows of the
+same table that are not in the CSV; they are checked alike and were not used to set anything.
 """
 
 from __future__ import annotations
@@ -86,12 +87,25 @@ def _rows() -> list[Row]:
 ROWS = _rows()
 IDS = [f"{r.params:g}B" for r in ROWS]
 
+# More rows of the same Table 1 (shape, t, p, GPUs, batch, TFLOP/s per GPU; the shapes give
+# the paper's parameter counts, a test below), kept out of the CSV and out of every choice of
+# device figures. The 76.1B row is predicted 15.1% above the published figure (the model is
+# optimistic by about 10% on most rows; see docs/design/003-cost-model.md): a known miss,
+# recorded as such rather than tuned away.
+HELD_OUT = [Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+            Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+            Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+_MISSED = pytest.mark.xfail(strict=True, reason="predicted +15.1%, outside 15%")
+EVERY = [pytest.param(r, id=f"{r.params:g}B") for r in ROWS] + [
+    pytest.param(r, id=f"{r.params:g}B held out", marks=_MISSED if r.params == 76.1 else ())
+    for r in HELD_OUT]
+
 
 def test_the_table_is_read() -> None:
     assert len(ROWS) == 5 and ROWS[-1].pp == 35 and ROWS[0].tflops == 137
 
 
-@pytest.mark.parametrize("row", ROWS, ids=IDS)
+@pytest.mark.parametrize("row", ROWS + HELD_OUT, ids=IDS + [f"{r.params:g}B" for r in HELD_OUT])
 def test_parameter_count_matches_the_paper(row: Row) -> None:
     assert row.shape.parameters / 1e9 == pytest.approx(row.params, rel=0.03)  # 1.65 ~ "1.7"
 
@@ -107,7 +121,7 @@ def test_physical_flops_are_the_paper_s_formula(row: Row) -> None:
         megatron_flops(row.shape, row.batch), rel=1e-12)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=IDS)
+@pytest.mark.parametrize("row", EVERY)
 def test_predicted_throughput_is_within_15_percent_of_the_published(row: Row) -> None:
     workload = gpt_workload(row.shape, row.batch)
     config = row.config()
@@ -119,7 +133,7 @@ def test_predicted_throughput_is_within_15_percent_of_the_published(row: Row) ->
     assert row.tflops_of(prediction.step_time) == pytest.approx(row.tflops, rel=0.15)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=IDS)
+@pytest.mark.parametrize("row", ROWS + HELD_OUT, ids=IDS + [f"{r.params:g}B" for r in HELD_OUT])
 def test_auto_finds_at_least_the_published_throughput(row: Row) -> None:
     workload = gpt_workload(row.shape, row.batch)
     config = row.config()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import doctest
+from dataclasses import replace
 
 import pytest
 
 import partitioner.predict
-from partitioner.devices import Cluster
+from partitioner.cost import LayerCost, Op, Workload
+from partitioner.devices import Cluster, DeviceSpec
 from partitioner.predict import Config, ConfigError, predict, replayed
 from partitioner.solver import BalanceError
 from partitioner.transformer_model import GPTShape, gpt_workload
@@ -78,6 +80,20 @@ def test_given_boundaries_are_checked() -> None:
 def test_too_little_memory_gives_a_reason() -> None:
     prediction = predict(WORKLOAD, CLUSTER, Config(dp=16, chunks=1), capacity=1e9)
     assert not prediction.fits and "fits" in prediction.reason
+
+
+def test_host_sharing_does_not_count_as_bubble() -> None:
+    # Regression: GPT-2-xl on 8 "cpu" devices reported an 89% bubble at 8 micro-batches,
+    # because the slowdown of stages sharing the host's cores was counted as idle time.
+    layers = tuple(LayerCost(f"l{k}", (Op("memory", bytes=1e6),)) for k in range(4))
+    workload = Workload(layers, (0.0,) * 5, batch=8)
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1.0, 0.8, 0.8, 0.8))
+    shared = Cluster(cpu, devices_per_node=4, local=("cpu",) * 4)
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=4)
+    config = Config(pp=4, chunks=8)
+    slowed, alone = predict(workload, shared, config), predict(workload, own, config)
+    assert slowed.pipeline_time > 2 * alone.pipeline_time  # four stages on one core's worth
+    assert slowed.bubble == pytest.approx(3 / 11, abs=1e-12) == alone.bubble
 
 
 def test_doctests() -> None:

@@ -56,6 +56,15 @@ def test_interleaving_divides_the_bubble_by_the_chunks(p: int, v: int, m: int) -
     assert result.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (3, 5)])
+def test_simulated_peak_memory_holds_m_or_p_minus_j_micro_batches(p: int, m: int) -> None:
+    # _equal_stages keeps 10 bytes of activations per micro-batch and nothing else.
+    gpipe = simulate(_equal_stages(Config(pp=p, chunks=m)), GPUS)
+    onef = simulate(_equal_stages(Config(pp=p, chunks=m, schedule="1f1b")), GPUS)
+    assert gpipe.peak_memory == tuple(10.0 * m for _ in range(p))
+    assert onef.peak_memory == tuple(10.0 * min(p - j, m) for j in range(p))
+
+
 def test_interleaved_runs_every_action_once_per_device() -> None:
     p, v, m = 3, 2, 6
     schedule = interleaved(p, v, m)

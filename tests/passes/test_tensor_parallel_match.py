@@ -78,6 +78,30 @@ def test_a_chain_pairs_from_the_front_and_leaves_the_last_linear_column_wise() -
     assert kinds(model) == {"0": "colwise", "2": "rowwise", "4": "colwise"}
 
 
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def test_a_lone_linear_feeding_a_residual_stream_stays_whole() -> None:
+    """Split column-wise, the stem's output would meet each block's whole output at the
+    residual add and keep the stream split (a gather before every norm, no stage boundary
+    possible between blocks): the stem stays whole; the head, only gathered, splits."""
+    model = nn.Sequential(nn.Linear(8, 16), _Residual(16), _Residual(16), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    gm = captured(model, x)
+    sites = find_sites(gm, model)
+    names = {s.node: s.name for s in sites}
+    got = {names[n]: k for n, k in choose(gm, sites, 2).kinds.items()}
+    assert got == {"0": "replicate", "1.fc1": "colwise", "1.fc2": "rowwise",
+                   "2.fc1": "colwise", "2.fc2": "rowwise", "3": "colwise"}
+
+
 def test_fused_qkv_gets_blocks_and_the_projection_is_row_wise() -> None:
     model = Block()
     gm = captured(model, batch_for(model))

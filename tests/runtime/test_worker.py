@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from runtime.local import LocalPipeline
+from runtime.local import LocalPipeline, thread_plan
+from runtime.schedule import gpipe
 from runtime.worker import Worker, shared_threads
 
 
@@ -87,3 +88,41 @@ def test_pipeline_workers_share_threads_and_still_compute_the_same(four_threads:
         shared.close()
         pinned.close()
     assert torch.get_num_threads() == 4
+
+
+class _Probe(nn.Module):
+    """Records the intra-op threads its forward and backward ran with."""
+
+    def __init__(self, seen: list[tuple[str, int]], name: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seen, self.name = seen, name
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        self.seen.append((f"{self.name}F", torch.get_num_threads()))
+        return (torch.relu(self.linear(x)),)
+
+
+def test_thread_plan_shares_the_budget_among_stages_busy_together() -> None:
+    plan = {str(a): n for a, n in thread_plan(gpipe(2, 3), [True, True], budget=4).items()}
+    assert plan["0F0"] == 4  # alone in the fill
+    assert plan["0F1"] == plan["1F0"] == 2  # together
+    assert plan["0B0"] == 4  # alone in the drain
+    # a stage not on the CPU takes no share
+    assert {str(a): n for a, n in thread_plan(gpipe(2, 3), [True, False], 4).items()}[
+        "0F1"] == 4
+
+
+def test_pipeline_actions_run_with_the_planned_threads(four_threads: None) -> None:
+    seen: list[tuple[str, int]] = []
+    stages = [_Probe(seen, "0"), _Probe(seen, "1")]
+    pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=3)  # type: ignore[arg-type]
+    fresh = _fresh_thread_count()
+    try:
+        pipe.run([torch.randn(6, 8)])[0].sum().backward()
+    finally:
+        pipe.close()
+    forwards = [n for name, n in seen if name == "0F"]
+    assert forwards == [4, 2, 2]  # 0F0 alone, then alongside stage 1
+    assert [n for name, n in seen if name == "1F"] == [2, 2, 4]  # 1F2: stage 0 done
+    assert torch.get_num_threads() == 4 and _fresh_thread_count() == fresh
