@@ -586,22 +586,24 @@ def _strip_stage_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: s
 
 def _gather_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                    local_metadata: Any) -> None:
-    shards: ShardState | None = module._shards  # type: ignore[assignment]
-    if shards is None:
-        return
-    local = {k: state_dict[prefix + k] for k in shards.shardings if prefix + k in state_dict}
-    for key, whole in shards.gather(local).items():
-        state_dict[prefix + key] = whole
+    _convert_shards(module, state_dict, prefix, whole=True)
 
 
 def _split_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                   *args: Any) -> None:
+    _convert_shards(module, state_dict, prefix, whole=False)
+
+
+def _convert_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str, *,
+                    whole: bool) -> None:
+    """Make the split entries of ``state_dict`` whole (a collective) or this rank's slices."""
     shards: ShardState | None = module._shards  # type: ignore[assignment]
     if shards is None:
         return
-    whole = {k: state_dict[prefix + k] for k in shards.shardings if prefix + k in state_dict}
-    for key, mine in shards.split(whole).items():
-        state_dict[prefix + key] = mine
+    entries = {k: state_dict[prefix + k] for k in shards.shardings if prefix + k in state_dict}
+    converted = shards.gather(entries) if whole else shards.split(entries)
+    for key, value in converted.items():
+        state_dict[prefix + key] = value
 
 
 def _add_stage_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
