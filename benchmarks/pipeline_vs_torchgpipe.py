@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -78,6 +77,9 @@ from torch import nn  # noqa: E402
 
 import partitioner  # noqa: E402
 from partitioner import partition  # noqa: E402
+from runtime.local import thread_plan  # noqa: E402
+from runtime.schedule import gpipe as gpipe_schedule  # noqa: E402
+from runtime.worker import thread_default  # noqa: E402
 
 
 def import_torchgpipe() -> type:
@@ -160,22 +162,17 @@ def build_step(name: str, args: argparse.Namespace) -> tuple[Callable[[], float]
         return sgd_step(pm, x, target), worker_threads(pm)
     gpipe = import_torchgpipe()(model, balance=balance, devices=["cpu", "cpu"],
                                 chunks=args.chunks, checkpoint=mode)
-    return sgd_step(gpipe, x, target), [new_thread_threads()]
+    # torchgpipe starts its worker threads per call: they get the default of new threads.
+    return sgd_step(gpipe, x, target), [thread_default()]
 
 
 def worker_threads(pm: nn.Module) -> list[int]:
-    """Intra-op threads each of our stage workers runs with."""
-    workers = pm.pipeline(True).workers  # type: ignore[operator]
-    return [w.submit(torch.get_num_threads).result() for w in workers]
-
-
-def new_thread_threads() -> int:
-    """Intra-op threads of a thread started now (torchgpipe starts its workers per call)."""
-    probe: list[int] = []
-    t = threading.Thread(target=lambda: probe.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    return probe[0]
+    """The intra-op thread counts our stages' actions run with (``runtime.local``: the
+    caller's threads shared by the stages busy at the action's time in the schedule)."""
+    pipe = pm.pipeline(True)  # type: ignore[operator]
+    plan = thread_plan(gpipe_schedule(len(pipe.workers), pipe.chunks),
+                       [d.type == "cpu" for d in pipe.devices], torch.get_num_threads())
+    return sorted(set(plan.values()), reverse=True)
 
 
 @dataclass
@@ -310,7 +307,7 @@ def print_header(args: argparse.Namespace) -> None:
     print(f"torch {torch.__version__}, torchgpipe {torchgpipe.__version__}, "
           f"python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()})")
     print(f"partitioner from {Path(partitioner.__file__).parent.parent}")
-    print(f"intra-op threads {torch.get_num_threads()} (new threads {new_thread_threads()}), "
+    print(f"intra-op threads {torch.get_num_threads()} (new threads {thread_default()}), "
           f"inter-op threads {torch.get_num_interop_threads()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; contenders "
           f"{'share this process' if args.same_process else 'run in one process each'}")
@@ -323,7 +320,8 @@ def print_setup(runners: list[Contender], loss: float) -> None:
     print(f"first-step losses agree across all {len(runners)} contenders ({loss:.6f})")
     ours = next((c.threads for c in runners if c.name.startswith("ours/")), None)
     theirs = next((c.threads for c in runners if c.name.startswith("torchgpipe/")), None)
-    print(f"ours: a worker thread per stage, intra-op threads per worker {ours}; torchgpipe: a "
+    print(f"ours: a worker thread per stage, intra-op threads per action {ours} (all of them "
+          f"when a stage runs alone, shared when stages run together); torchgpipe: a "
           f"worker thread per distinct device (both 'cpu' stages share one, {theirs} threads), "
           "backward on autograd's thread")
     for w in sorted({w for c in runners for w in c.warnings}):

@@ -39,6 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # for examples.models (appended: an installed partitioner wins)
 
+from machine_load import cpu_sample, foreign_share  # noqa: E402
+
 import partitioner  # noqa: E402
 from examples.models import gpt  # noqa: E402
 from partitioner import make_plan  # noqa: E402
@@ -63,27 +65,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def foreign_cpu() -> tuple[float, float, float] | None:
-    """(CPU seconds all processes used, CPU seconds this one used, wall clock), if readable."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    own = os.times()
-    return ((sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"),
-            own.user + own.system, time.perf_counter())
-
-
-def foreign_share(start: tuple[float, float, float] | None) -> float | None:
-    """Share of all cores other processes kept busy since ``start``."""
-    end = foreign_cpu()
-    if start is None or end is None:
-        return None
-    busy, own, wall = (b - a for a, b in zip(start, end))
-    return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
-
-
 def build(which: str) -> torch.nn.Module:
     if which == "hf":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -101,7 +82,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.model == "hf":
         import transformers  # noqa: F401 - imported before the clock starts
     rss_start = peak_rss_mb()
-    load = foreign_cpu()
+    load = cpu_sample()
     start = time.perf_counter()
     model = build(args.model)
     build_s = time.perf_counter() - start

@@ -60,6 +60,8 @@ from torch import nn  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from machine_load import cpu_sample, foreign_share  # noqa: E402
+
 from examples.models import ResNetish, gpt  # noqa: E402
 from partitioner import make_plan, partition  # noqa: E402
 from partitioner.calibrate import measure_cpu  # noqa: E402
@@ -124,11 +126,11 @@ def prepare(case: Case, limit: float, attempts: int) -> dict[str, Any]:
         _loss(case.loss, pm(x), y).backward()
         optimizer.step()
     for _ in range(attempts):  # layer timings taken while other processes were busy are void
-        load = foreign_cpu()
+        load = cpu_sample()
         calibrated = make_plan(model, ["cpu"] * case.devices, strategy="pipeline",
                                example_inputs=(x,), chunks=case.chunks,
                                checkpoint=case.checkpoint, calibrate=True)
-        if share_since(load) <= limit:
+        if (foreign_share(load) or 0.0) <= limit:
             break
         time.sleep(2.0)
     return {"case": case, "pm": pm, "step": step, "times": [],
@@ -137,34 +139,14 @@ def prepare(case: Case, limit: float, attempts: int) -> dict[str, Any]:
             "calibrated": calibrated.predicted_step_time}
 
 
-def foreign_cpu() -> tuple[float, float, float] | None:
-    """(CPU seconds all processes used, CPU seconds this one used, wall clock), if readable."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    own = os.times()
-    return ((sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"),
-            own.user + own.system, time.perf_counter())
-
-
-def share_since(start: tuple[float, float, float] | None) -> float:
-    """Share of the cores other processes kept busy since ``start`` (0 if unknown)."""
-    end = foreign_cpu()
-    if start is None or end is None:
-        return 0.0
-    busy, own, wall = (b - a for a, b in zip(start, end))
-    return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
-
-
 def quiet_calibration(limit: float, attempts: int) -> tuple[Any, float]:
-    """Measure the CPU spec during a quiet moment (``measure_cpu`` keeps the best timings)."""
+    """Measure the CPU spec during a quiet moment (``measure_cpu`` keeps the median over
+    its last runs)."""
     for _ in range(attempts):
-        start, load = time.perf_counter(), foreign_cpu()
+        start, load = time.perf_counter(), cpu_sample()
         measure_cpu.cache_clear()
         spec = measure_cpu()
-        if share_since(load) <= limit:
+        if (foreign_share(load) or 0.0) <= limit:
             return spec, time.perf_counter() - start
         time.sleep(2.0)
     return spec, time.perf_counter() - start
@@ -184,11 +166,11 @@ def main(args: argparse.Namespace) -> None:
             break
         attempts += 1
         for run in waiting[attempts % len(waiting):] + waiting[:attempts % len(waiting)]:
-            load = foreign_cpu()
+            load = cpu_sample()
             begin = time.perf_counter()
             run["step"]()
             seconds = time.perf_counter() - begin
-            if share_since(load) > args.max_foreign:
+            if (foreign_share(load) or 0.0) > args.max_foreign:
                 discarded += 1
                 continue
             run["times"].append(seconds)

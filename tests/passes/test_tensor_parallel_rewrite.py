@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
 import torch.fx as fx
+from thread_ranks import on_threads
 from torch import nn
 
 from passes import tp_ops
@@ -16,7 +16,7 @@ from passes.shape_prop import propagate_shapes
 from passes.tensor_parallel import choose_shardings, shard_graph
 from passes.tp_rewrite import COMM_ATTR
 from runtime import collectives
-from runtime.collectives import CollectiveAborted, ThreadGroup
+from runtime.collectives import CollectiveAborted
 from runtime.sharding import Sharding, TensorParallelError
 
 
@@ -29,27 +29,15 @@ def traced(model: nn.Module, *inputs: Any) -> fx.GraphModule:
 def run_ranks(gm: fx.GraphModule, shardings: dict[str, Sharding], tp: int,
               *inputs: torch.Tensor) -> tuple[list[torch.Tensor], list[fx.GraphModule]]:
     """Every rank's output (after a backward of its sum), each rank on its own thread."""
-    group = ThreadGroup([torch.device("cpu")] * tp, timeout=60)
     ranks = [shard_graph(gm, shardings, r).graph_module for r in range(tp)]
-    outs: list[Any] = [None] * tp
-    errors: list[BaseException] = []
 
-    def run(r: int) -> None:
-        setattr(ranks[r], COMM_ATTR, group.members[r])
-        try:
-            outs[r] = ranks[r](*inputs)
-            outs[r].sum().backward()
-        except BaseException as error:
-            group.abort()
-            errors.append(error)
+    def one(r: int, member: Any) -> torch.Tensor:
+        setattr(ranks[r], COMM_ATTR, member)
+        out = ranks[r](*inputs)
+        out.sum().backward()
+        return out  # type: ignore[no-any-return]
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    outs = on_threads(tp, one)
     return outs, ranks
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from thread_ranks import on_threads
 
 from runtime.collectives import (
     CollectiveAborted,
@@ -18,29 +18,6 @@ from runtime.collectives import (
     scatter_to_tp,
 )
 from runtime.sharding import Sharding, ShardSizeError, TensorParallelError, shard_tensor, unshard
-
-
-def on_threads(tp: int, fn: Callable[[int, Any], Any], timeout: float = 60) -> list[Any]:
-    """``fn(rank, communicator)`` on ``tp`` threads of one group; results in rank order."""
-    group = ThreadGroup([torch.device("cpu")] * tp, timeout=timeout)
-    results: list[Any] = [None] * tp
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = fn(r, group.members[r])
-        except BaseException as error:
-            group.abort()
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("sharding", [Sharding("colwise", 0, 2), Sharding("rowwise", 1, 3),
