@@ -201,24 +201,38 @@ def _agree_on_plan(model: nn.Module, given: Plan | None, shape: MeshShape, kind:
     every rank plans, then all adopt rank 0's plan (the hash check that follows still
     compares the graphs and parameters every rank built).
     """
-    chunks = settings["chunks"] or (given.chunks if given else 1)
-    schedule = settings["schedule"] or (given.schedule if given else "1f1b")
-    checkpoint = settings["checkpoint"] or (given.checkpoint if given else "never")
+    chunks, schedule, checkpoint = _run_settings(model, given, settings, balance, split_points)
     mesh = PlanMesh(shape.dp, shape.pp, shape.tp)
     if given is not None:
-        if balance is not None or split_points is not None:
-            raise StrategyError("plan= fixes the split; drop balance= and split_points=")
-        _check_fingerprint(model, given)
         return replace(given, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
                        mesh=mesh)
     made = make_plan(model, [kind] * shape.pp, "pipeline", example_inputs=example_inputs,
                      example_kwargs=example_kwargs, chunks=chunks, checkpoint=checkpoint,
                      balance=balance, split_points=split_points, memory_limit=memory_limit)
     if balance is None and split_points is None:
-        box: list[Any] = [made.to_dict()]
-        dist.broadcast_object_list(box, src=0)
-        made = Plan.from_dict(box[0])
+        made = _rank0_plan(made)
     return replace(made, schedule=schedule, mesh=mesh)
+
+
+def _run_settings(model: nn.Module, given: Plan | None, settings: dict[str, Any],
+                  balance: Sequence[int] | None, split_points: Sequence[str] | None
+                  ) -> tuple[int, str, str]:
+    """Chunks, schedule and checkpoint mode (the call's, else the given plan's, else the
+    defaults), after checking a given plan fits the model and is not overridden."""
+    if given is not None:
+        if balance is not None or split_points is not None:
+            raise StrategyError("plan= fixes the split; drop balance= and split_points=")
+        _check_fingerprint(model, given)
+    return (settings["chunks"] or (given.chunks if given else 1),
+            settings["schedule"] or (given.schedule if given else "1f1b"),
+            settings["checkpoint"] or (given.checkpoint if given else "never"))
+
+
+def _rank0_plan(made: Plan) -> Plan:
+    """Rank 0's costed plan, on every rank (costs measured per machine may differ)."""
+    box: list[Any] = [made.to_dict()]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_dict(box[0])
 
 
 def _agree_on_split_plan(model: nn.Module, given: Plan | None, shape: MeshShape, kind: str,
@@ -234,13 +248,8 @@ def _agree_on_split_plan(model: nn.Module, given: Plan | None, shape: MeshShape,
     the same; the stage split follows :func:`_agree_on_plan`'s rules. A given plan must
     name the same layers and shard specs as the model and rules give here.
     """
-    chunks = settings["chunks"] or (given.chunks if given else 1)
-    schedule = settings["schedule"] or (given.schedule if given else "1f1b")
-    checkpoint = settings["checkpoint"] or (given.checkpoint if given else "never")
+    chunks, schedule, checkpoint = _run_settings(model, given, settings, balance, split_points)
     if given is not None:
-        if balance is not None or split_points is not None:
-            raise StrategyError("plan= fixes the split; drop balance= and split_points=")
-        _check_fingerprint(model, given)
         balance = given.balance
     groups = [[kind] * shape.tp for _ in range(shape.pp)]
     setup = plan_tensor_parallel(model, groups, dict(rules) if rules else shape.tp,
@@ -263,9 +272,7 @@ def _agree_on_split_plan(model: nn.Module, given: Plan | None, shape: MeshShape,
                 "the plan was made with")
         made = replace(given, chunks=chunks, checkpoint=checkpoint)
     elif balance is None and split_points is None:
-        box: list[Any] = [made.to_dict()]
-        dist.broadcast_object_list(box, src=0)
-        made = Plan.from_dict(box[0])
+        made = _rank0_plan(made)
     mesh = PlanMesh(shape.dp, shape.pp, shape.tp)
     return replace(made, schedule=schedule, mesh=mesh), setup.analysis, setup.shard_plan
 
