@@ -42,7 +42,7 @@ def shared_threads(devices: Sequence[torch.device]) -> int:
     return max(1, torch.get_num_threads() // max(n_cpu, 1))
 
 
-_THREADS = threading.Lock()
+_THREADS = threading.RLock()
 
 
 def _in_fresh_thread(fn: Callable[[], T]) -> T:
@@ -53,14 +53,6 @@ def _in_fresh_thread(fn: Callable[[], T]) -> T:
     return result[0]
 
 
-def _set_here(threads: int) -> None:
-    # torch initialises a thread's count from the stored default on its first parallel op
-    # (or get_num_threads); initialise first, or that would undo the count set here once
-    # the default is put back.
-    torch.get_num_threads()
-    torch.set_num_threads(threads)
-
-
 def _set_thread_count(executor: ThreadPoolExecutor, threads: int) -> None:
     """``torch.set_num_threads(threads)`` on ``executor``'s thread, and only there.
 
@@ -69,9 +61,9 @@ def _set_thread_count(executor: ThreadPoolExecutor, threads: int) -> None:
     back, so making a pipeline does not change the threads of anything else.
     """
     with _THREADS:
-        default = _in_fresh_thread(torch.get_num_threads)
-        executor.submit(_set_here, threads).result()
-        _in_fresh_thread(lambda: torch.set_num_threads(default))
+        default = thread_default()
+        if executor.submit(use_threads, threads).result():
+            restore_thread_default(default)
 
 
 def use_threads(threads: int) -> bool:
@@ -80,7 +72,10 @@ def use_threads(threads: int) -> bool:
     torch also stores the count as the default of threads that start computing later:
     put it back with :func:`restore_thread_default` once the calls are over.
     """
-    if torch.get_num_threads() == threads:  # (also initialises this thread's count)
+    # Reading the count first also initialises it: torch sets a thread's count from the
+    # stored default on its first parallel op (or get_num_threads), which would otherwise
+    # undo the count set here once the default is put back.
+    if torch.get_num_threads() == threads:
         return False
     torch.set_num_threads(threads)
     return True
