@@ -202,7 +202,7 @@ class _Bounds:
         spec = self.cluster.spec(0)
         if spec.shared_speedup and self.cluster.is_local:
             # Every device's work goes through one host, at best max(speedup) times as fast.
-            bound = max(bound, c.devices * c.chunks * work / c.pp / max(spec.shared_speedup))
+            bound = max(bound, c.devices * c.chunks * work / c.pp / spec.max_speedup)
         return bound
 
     def may_fit(self, c: Config) -> bool:

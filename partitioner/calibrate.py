@@ -1,14 +1,15 @@
 """Measuring this machine: the CPU's spec, and (``calibrate=True``) each distinct layer.
 
-:func:`measure_cpu` runs a short calibration (about half a second) once per process: products
-of 1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
+:func:`measure_cpu` runs a short calibration (about 2 s) once per process: products of
+1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
 as a model's are (the rate, and the per-call cost of repacking the weights that makes small
 micro-batches slow), a tiny product (the efficiency curve), an in-place add larger than the
-last-level cache (element-wise bandwidth), an Adam step (the optimizer's), a chain of tiny
-ops with their backward (the fixed cost of one op), and several threads computing at once
-against one (``"cpu"`` devices share this machine's cores). Each timing is the best of a few
-repeats, and of the runs before it on this machine (a small cache file), so other load on the
-machine inflates it as little as possible.
+last-level cache (element-wise bandwidth), an Adam step right after a backward (the
+optimizer's), a chain of tiny ops with their backward (the fixed cost of one op), and several
+stage workers computing at once against one, for products of each size and for element-wise
+streams (``"cpu"`` devices share this machine's cores, and what sharing gains depends on the
+work). Each timing is the best of a few repeats (the Adam step: the median), and the spec
+takes the median of this run and the last runs on this machine (a small cache file).
 
 :func:`calibrate_layers` times forward + backward of every *distinct* layer once on the real
 device, with the example batch: layers with the same signature (the blocks of a transformer)
@@ -33,6 +34,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -107,10 +109,6 @@ def _together(work: Callable[[], None], n: int) -> Iterator[Callable[[], None]]:
             w.close()
 
 
-_TIMINGS = ("overhead", "few", "some", "many", "small", "add", "adam", "alone", "two",
-            "three", "four")
-
-
 @functools.cache
 def measure_cpu() -> DeviceSpec:
     """This machine's CPU as a :class:`DeviceSpec`: measured once per process, kept per machine.
@@ -129,9 +127,12 @@ def measure_cpu() -> DeviceSpec:
         asymptotic rate, ``peak_flops`` with ``matmul_efficiency`` 1, and the weight
         repacking cost, ``pack_bandwidth``), a 48 x 48 product (``matmul_half_flops``), an
         in-place add of 64 MiB tensors (``memory_bandwidth``, ``memory_efficiency`` 1), an
-        Adam step over sixteen 1024 x 1024 weights (``optimizer_bandwidth``), tiny ops with
-        autograd (``op_overhead``) and 2, 3 and 4 stage workers computing 64-row products
-        at once, each with its share of the intra-op threads (``shared_speedup``).
+        Adam step over eight 1024 x 1024 weights after their backward (``optimizer_bandwidth``;
+        the median of 3 steps), tiny ops with autograd (``op_overhead``), 2, 3 and 4 stage
+        workers computing 64-row products at once, each with its share of the intra-op
+        threads (``shared_speedup``), and 2 workers computing 8-row and 256-row products
+        and element-wise streams (``shared_sizes``; 3 and 4 workers scaled from 2 as for
+        64 rows).
     """
     runs = [_timings()]
     path = _cache_path()
@@ -157,10 +158,11 @@ def _cache_path() -> Path | None:
         return None
     root = os.environ.get("PARTITIONER_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "partitioner")
-    # "runs": a list of runs; "shared": stages running at once share the intra-op threads
-    # (timings before that change measured them oversubscribed and must not be mixed in).
+    # "runs": a list of runs; "shared-by-size": stages running at once share the intra-op
+    # threads, timed for products of three sizes and element-wise streams; the Adam step is
+    # timed after a backward (runs timed otherwise must not be mixed in).
     key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
-           "|runs|shared-64")
+           "|runs|shared-by-size|adam-after-backward")
     return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
@@ -185,7 +187,7 @@ _ROWS = (8, 64, 256)
 
 
 def _timings() -> dict[str, float]:
-    """One calibration run's best timings, in seconds (about 0.3 s on an idle machine)."""
+    """One calibration run's timings, in seconds (about 2 s on an idle machine)."""
     # Weights from memory, not cache: a model's layers together outgrow the last-level cache,
     # so each product here takes the next of 96 MiB of weights.
     weights = [torch.randn(_WEIGHT, _WEIGHT) for _ in range(24)]
@@ -195,34 +197,84 @@ def _timings() -> dict[str, float]:
     c, d = torch.randn(_SMALL, _SMALL), torch.randn(_SMALL, _SMALL)
     x = torch.ones(_COPY)  # touched: untouched pages read as the shared zero page
     y = torch.zeros_like(x)
-    # An Adam step over 16 layers' worth of 1024 x 1024 weights.
-    params = [torch.nn.Parameter(torch.randn(_WEIGHT, _WEIGHT)) for _ in range(16)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    adam = torch.optim.Adam(params, lr=1e-6)
-    def work() -> None:
-        # What a stage does: 64-row products with weights streamed from memory (their
-        # speed-up from sharing depends on the size: 8 rows gain more, 256 rows less).
-        for w in weights[:16]:
-            torch.mm(some, w)
     found = {"overhead": _op_overhead(),
              "few": _best(lambda: torch.mm(few, next(turn)), repeats=7, inner=24),
              "some": _best(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
              "many": _best(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
              "small": _best(lambda: torch.mm(c, d), repeats=7, inner=50),
              "add": _best(lambda: y.add_(x), repeats=5),
-             "adam": _best(adam.step, repeats=3)}
+             "adam": _adam_step()}
+    # What stages computing at once get done: products of 8, 64 and 256 rows with weights
+    # streamed from memory (the smaller, the more sharing gains), and element-wise streams
+    # (each worker its own tensors; the memory bus is shared).
+    local = threading.local()
+
+    def stream() -> None:
+        if not hasattr(local, "x"):
+            local.x, local.y = torch.ones(_COPY), torch.ones(_COPY)
+        for _ in range(4):
+            local.y.add_(local.x)
+    found.update(_shared_timings(_products(some, weights[:16]), (2, 3, 4)))
+    for suffix, work in (("_few", _products(few, weights[:16])),
+                         ("_many", _products(many, weights[:4])), ("_mem", stream)):
+        found.update({name + suffix: t
+                      for name, t in _shared_timings(work, (2,), rounds=2).items()})
+    return found
+
+
+def _products(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
+    def work() -> None:
+        for w in weights:
+            torch.mm(rows, w)
+    return work
+
+
+_COUNTS = {2: "two", 3: "three", 4: "four"}
+
+
+def _shared_timings(work: Callable[[], None], counts: Sequence[int],
+                    rounds: int = 3) -> dict[str, float]:
+    """The best time of ``work`` alone, and on ``n`` stage workers at once for each count."""
     work()
     alone = math.inf
-    counts = {"two": 2, "three": 3, "four": 4}
-    best = dict.fromkeys(counts, math.inf)
+    best = dict.fromkeys((_COUNTS[n] for n in counts), math.inf)
     with ExitStack() as stack:
-        teams = {name: stack.enter_context(_together(work, n)) for name, n in counts.items()}
-        for _ in range(3):  # alone and together in alternation: a burst of load skews neither
+        teams = {_COUNTS[n]: stack.enter_context(_together(work, n)) for n in counts}
+        for run in teams.values():
+            run()  # each worker's first call (the element-wise stream allocates there)
+        for _ in range(rounds):  # alone and together in turn: a burst of load skews neither
             alone = min(alone, _best(work, repeats=1))
             for name, run in teams.items():
                 best[name] = min(best[name], _best(run, repeats=1))
-    return {**found, "alone": alone, **best}
+    return {"alone": alone, **best}
+
+
+_ADAM_LAYERS = 8
+
+
+def _adam_step() -> float:
+    """The median time of an Adam step over ``_ADAM_LAYERS`` 1024 x 1024 weights, each step
+    right after a forward and backward that made their gradients, as in training.
+
+    Not repeated steps on their own: how the allocator hands out the step's temporaries after
+    a backward (fresh pages or reused ones) changes its time by up to 2x, and repeated steps
+    only ever see the reused case.
+    """
+    weights = [torch.nn.Parameter(torch.randn(_WEIGHT, _WEIGHT) / _WEIGHT**0.5)
+               for _ in range(_ADAM_LAYERS)]
+    adam = torch.optim.Adam(weights, lr=1e-6)
+    x = torch.randn(64, _WEIGHT)
+    times = []
+    for _ in range(4):  # the first step also allocates the optimizer's state
+        adam.zero_grad(set_to_none=True)
+        y = x
+        for w in weights:
+            y = torch.mm(y, w)
+        y.sum().backward()
+        start = time.perf_counter()
+        adam.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _spec(t: dict[str, float]) -> DeviceSpec:
@@ -244,15 +296,26 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     bandwidth = 3 * _COPY * 4 / t["add"]  # an in-place add reads two tensors, writes one
     # PyTorch's Adam: seven element-wise passes and two temporaries, 80 bytes per float32
     # parameter (partitioner.memory.optimizer_traffic), at the rate its kernels reach.
-    optimizer = optimizer_traffic("adam", 4, False) * 16 * _WEIGHT**2 / t["adam"]
+    optimizer = optimizer_traffic("adam", 4, False) * _ADAM_LAYERS * _WEIGHT**2 / t["adam"]
     # n workers sharing the caller's threads (as the runtime's stages do) get at most
     # min(n, cores) times the work of one worker done: a lone team of several threads is at
     # least as fast as one thread.
     cores = os.cpu_count() or 1
-    speedup = [1.0] + [min(max(n * t["alone"] / t[name], 1 / n), float(min(n, cores)))
-                       for name, n in (("two", 2), ("three", 3), ("four", 4))]
+
+    def gain(n: int, suffix: str = "") -> float:
+        return min(max(n * t["alone" + suffix] / t[_COUNTS[n] + suffix], 1 / n),
+                   float(min(n, cores)))
+    reference = (1.0, *(gain(n) for n in _COUNTS))
+
+    def row(flops: float, suffix: str) -> tuple[float, ...]:
+        # Timed for 2 workers; 3 and 4 scaled as the reference work scales from 2.
+        two = gain(2, suffix)
+        return (flops, 1.0, *(min(max(two * reference[n - 1] / reference[1], 1 / n),
+                                  float(min(n, cores))) for n in _COUNTS))
+    sizes = (row(0.0, "_mem"), row(2.0 * _ROWS[0] * _WEIGHT**2, "_few"),
+             (2.0 * _ROWS[1] * _WEIGHT**2, *reference), row(2.0 * _ROWS[2] * _WEIGHT**2, "_many"))
     return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
-                      1.0, t["overhead"], pack, optimizer, tuple(speedup))
+                      1.0, t["overhead"], pack, optimizer, reference, sizes)
 
 
 def _total_memory() -> float:

@@ -51,7 +51,8 @@ from passes.liveness import live_values
 from passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
-           "workload_from_graph", "op_times", "phase_times", "layer_time", "OP_KINDS"]
+           "workload_from_graph", "op_times", "phase_times", "layer_time", "shared_work",
+           "OP_KINDS"]
 
 OP_KINDS = ("matmul", "memory")
 
@@ -259,6 +260,37 @@ def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
         forward += f
         backward += b
     return forward * layer.time_scale, backward * layer.time_scale
+
+
+def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
+                dtype: str = "fp32") -> tuple[float, ...]:
+    """How a layer's forward + backward fares on devices sharing one host's cores.
+
+    Returns:
+        For ``n = 1 .. len(spec.shared_speedup)`` busy devices, the layer's seconds divided
+        by what ``n`` devices gain when each of its ops is on all of them at once
+        (``spec.speedup(n, flops)``: small products gain most, memory-bound ops least). Entry
+        0 is the layer's time alone; ``entry[0] / entry[n - 1]`` is the layer's gain.
+        Empty for devices with their own compute.
+
+    Example:
+        >>> from partitioner.devices import DeviceSpec
+        >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1e3, 1.0, 0.0,
+        ...                  shared_speedup=(1.0, 1.2), shared_sizes=((1e6, 1.0, 2.0),))
+        >>> alone, two = shared_work(LayerCost("fc", (Op("matmul", flops=1e4),)), cpu, 10)
+        >>> round(alone / two, 6)  # products of 1e5 FLOPs: as the smallest row, 2x
+        2.0
+    """
+    if not spec.shared_speedup:
+        return ()
+    width = len(spec.shared_speedup)
+    out = [0.0] * width
+    for op in layer.ops:
+        seconds = sum(op_times(op, spec, samples, tp, dtype)) * layer.time_scale
+        size = op.flops * samples / (tp if op.split else 1) if op.kind == "matmul" else 0.0
+        for n in range(1, width + 1):
+            out[n - 1] += seconds / spec.speedup(n, size)
+    return tuple(out)
 
 
 def layer_time(layer: LayerCost, spec: DeviceSpec, samples: float, *, tp: int = 1,

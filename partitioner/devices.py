@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ import torch
 from partitioner.errors import DeviceError
 
 __all__ = ["DeviceSpec", "LinkSpec", "Cluster", "DEVICES", "LINKS", "parse_devices",
-           "spec_for", "link_bandwidth", "as_cluster", "dtype_name"]
+           "interpolate_speedup", "spec_for", "link_bandwidth", "as_cluster", "dtype_name"]
 
 _DTYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16",
            torch.float16: "fp16"}
@@ -78,8 +79,15 @@ class DeviceSpec:
         shared_speedup: for devices sharing one host's cores (several ``"cpu"`` devices):
             ``shared_speedup[n - 1]`` is how much faster ``n`` stage workers computing at
             once, with ``1 / n`` of the intra-op threads each (as the runtime gives them),
-            get through work than one worker alone with all of them (1.0 first). Empty for
-            devices with their own compute.
+            get through work than one worker alone with all of them (1.0 first), for the
+            calibration's reference work (products of 64 rows by 1024 x 1024 weights). Empty
+            for devices with their own compute.
+        shared_sizes: the same gain by kind and size of work, as rows ``(flops, s_1, ...,
+            s_N)`` (``N = len(shared_speedup)``), ascending in ``flops``: a row with ``flops``
+            > 0 is for matrix products of that many FLOPs per call, the row with ``flops`` 0
+            for memory-bound ops. Small products gain most from sharing (one product split
+            over all the threads synchronises often), large ones least, and memory-bound ops
+            can lose. Empty: ``shared_speedup`` for all work.
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -96,6 +104,7 @@ class DeviceSpec:
     pack_bandwidth: float = 0.0
     optimizer_bandwidth: float = 0.0
     shared_speedup: tuple[float, ...] = field(default=())
+    shared_sizes: tuple[tuple[float, ...], ...] = field(default=())
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -103,6 +112,8 @@ class DeviceSpec:
                              (tuple(p) for p in peaks)))
         object.__setattr__(self, "peak_flops", tuple((str(k), float(v)) for k, v in pairs))
         object.__setattr__(self, "shared_speedup", tuple(map(float, self.shared_speedup)))
+        object.__setattr__(self, "shared_sizes", tuple(tuple(map(float, row))
+                                                       for row in self.shared_sizes))
         problems = [f"peak_flops[{k!r}]={v!r}; it must be > 0" for k, v in self.peak_flops
                     if not v > 0]
         if not self.peak_flops:
@@ -120,6 +131,7 @@ class DeviceSpec:
                                     or any(s <= 0 for s in self.shared_speedup)):
             problems.append(f"shared_speedup={self.shared_speedup}; it starts at 1.0 and "
                             "every entry is > 0")
+        problems += _size_problems(self.shared_sizes, len(self.shared_speedup))
         if problems:
             raise DeviceError(f"DeviceSpec {self.name!r}: " + "; ".join(problems))
 
@@ -143,19 +155,63 @@ class DeviceSpec:
         """Bytes per second of the optimizer step's passes."""
         return self.optimizer_bandwidth or self.achievable_bandwidth
 
-    def speedup(self, n: float) -> float:
+    def speedup(self, n: float, flops: float | None = None) -> float:
         """How much faster ``n`` devices sharing this host get through work than one.
 
         ``n`` may be fractional (devices busy part of the time): linear in between.
+        ``flops``: the work is matrix products of that many FLOPs per call (0: memory-bound
+        ops; None: the reference work), looked up in ``shared_sizes``, linear in
+        ``log(flops)`` between its rows and flat beyond them.
+
+        Example:
+            >>> spec = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1, 1.2),
+            ...                   shared_sizes=((0, 1, 0.5), (1e7, 1, 1.6), (1e9, 1, 1.0)))
+            >>> spec.speedup(2), spec.speedup(2, 1e8), spec.speedup(2, 0), spec.speedup(2, 1e12)
+            (1.2, 1.3, 0.5, 1.0)
         """
         if not self.shared_speedup:
             return float(n)
-        table = self.shared_speedup
-        n = min(max(n, 1.0), float(len(table)))
-        low = int(n)
-        if low == n:
-            return table[low - 1]
-        return table[low - 1] + (n - low) * (table[low] - table[low - 1])
+        if flops is None or not self.shared_sizes:
+            return interpolate_speedup(self.shared_speedup, n)
+        rows = [row for row in self.shared_sizes if (row[0] > 0) == (flops > 0)]
+        if not rows:
+            return interpolate_speedup(self.shared_speedup, n)
+        if flops <= rows[0][0]:
+            return interpolate_speedup(rows[0][1:], n)
+        for low, high in itertools.pairwise(rows):
+            if flops <= high[0]:
+                at = math.log(flops / low[0]) / math.log(high[0] / low[0])
+                a, b = interpolate_speedup(low[1:], n), interpolate_speedup(high[1:], n)
+                return a + at * (b - a)
+        return interpolate_speedup(rows[-1][1:], n)
+
+    @property
+    def max_speedup(self) -> float:
+        """The most any number of devices sharing this host gain over one, for any work."""
+        rows = [self.shared_speedup] + [row[1:] for row in self.shared_sizes]
+        return max(max(row) for row in rows if row) if self.shared_speedup else math.inf
+
+
+def interpolate_speedup(table: Sequence[float], n: float) -> float:
+    """``table[n - 1]``, linear between whole ``n`` and flat beyond the table's ends."""
+    n = min(max(n, 1.0), float(len(table)))
+    low = int(n)
+    if low == n:
+        return float(table[low - 1])
+    return table[low - 1] + (n - low) * (table[low] - table[low - 1])
+
+
+def _size_problems(rows: tuple[tuple[float, ...], ...], width: int) -> list[str]:
+    if not rows:
+        return []
+    if not width:
+        return [f"shared_sizes={rows}, but shared_speedup is empty; give both or neither"]
+    problems = [f"shared_sizes row {row}: it is (flops >= 0, 1.0, then {width - 1} speedups "
+                "> 0)" for row in rows if len(row) != width + 1 or row[0] < 0
+                or row[1] != 1.0 or any(x <= 0 for x in row[1:])]
+    if [row[0] for row in rows] != sorted({row[0] for row in rows}):
+        problems.append(f"shared_sizes={rows}: rows go by strictly ascending flops")
+    return problems
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ optimal stage split (``partitioner.solver``, unless boundaries are given) and co
   through the work when devices share one host's cores;
 * after each device's last backward: the data-parallel all-reduce of its gradients
   (overlapped with that backward when ``overlap_grad_reduce``), then the optimizer step
-  (memory-bound);
+  (memory-bound; devices sharing one host are stepped one after another by one process's
+  optimizer once the whole backward is done);
 * memory per device from ``partitioner.memory``.
 
 :mod:`partitioner.simulate` plays the same numbers out event by event.
@@ -37,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from partitioner.comm import all_gather_time, all_reduce_time
-from partitioner.cost import Workload, phase_times
-from partitioner.devices import Cluster
+from partitioner.cost import Workload, phase_times, shared_work
+from partitioner.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.errors import PartitionError
 from partitioner.memory import (
     CHECKPOINTS,
@@ -142,6 +143,9 @@ class StageProfile:
         buffer_bytes: buffer bytes per rank.
         activation_bytes: bytes one micro-batch's forward keeps, per rank.
         input_bytes: bytes of one micro-batch's stage input (what a checkpoint keeps).
+        sharing: on devices sharing one host's cores, for ``n = 1, 2, ...`` busy devices what
+            ``n`` of them running this stage's work gain over one
+            (:func:`partitioner.cost.shared_work`); empty: the device's reference figure.
     """
 
     first: int
@@ -157,6 +161,11 @@ class StageProfile:
     buffer_bytes: float
     activation_bytes: float
     input_bytes: float
+    sharing: tuple[float, ...] = ()
+
+    def speedup(self, spec: DeviceSpec, n: float) -> float:
+        """What ``n`` devices busy with this stage's kind of work gain over one."""
+        return interpolate_speedup(self.sharing, n) if self.sharing else spec.speedup(n)
 
 
 @dataclass(frozen=True)
@@ -385,6 +394,14 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
               times: list[tuple[float, float]], cuts: tuple[int, ...],
               samples: float) -> tuple[StageProfile, ...]:
     out = []
+    spec = cluster.spec(0)
+    shared: dict[str, tuple[float, ...]] = {}
+    if cluster.is_local and spec.shared_sizes:
+        for lay in workload.layers:
+            if lay.signature not in shared:
+                shared[lay.signature] = shared_work(lay, spec, samples,
+                                                    config.tp if lay.splittable else 1,
+                                                    workload.dtype)
     for k in range(config.stages):
         a, b = cuts[k], cuts[k + 1]
         layers = workload.layers[a:b]
@@ -398,8 +415,17 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                 workload.layers) else 0.0,
             out_bytes, params, params, sum(lay.buffer_bytes for lay in layers),
             sum(lay.activations_on(config.tp if lay.splittable else 1) for lay in layers)
-            * samples, workload.boundaries[a] * samples))
+            * samples, workload.boundaries[a] * samples, _sharing(
+                [shared[lay.signature] for lay in layers] if shared else [])))
     return tuple(out)
+
+
+def _sharing(works: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """A stage's gain from sharing a host, from its layers' :func:`shared_work`."""
+    totals = [sum(column) for column in zip(*works)]
+    if not totals or not all(t > 0 for t in totals):
+        return ()
+    return tuple(totals[0] / t for t in totals)
 
 
 def _assemble(workload: Workload, cluster: Cluster, config: Config,
@@ -422,12 +448,15 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     bubble = max(0.0, 1 - m * sum(per_device) / (p * (edges + steady))) \
         if edges + steady > 0 else 0.0
     spec = cluster.spec(0)
-    if spec.shared_speedup and cluster.is_local and config.devices > 1:
+    shared = bool(spec.shared_speedup) and cluster.is_local
+    if shared and config.devices > 1:
         # Devices sharing the host's cores: in the steady state the slowest device is always
         # busy and device j a share w_j / w_max of the time, in every replica and shard, so
         # n = dp * tp * sum of the shares compete.
+        # Each stage gains what its kind of work gains (small products more than large).
         busy = config.dp * config.tp * sum(per_device) / max(per_device)
-        steady *= busy / spec.speedup(busy)
+        slowed = sum(w / s.speedup(spec, busy) for w, s in zip(work, stages))
+        steady *= busy * slowed / sum(work) if sum(work) > 0 else 1.0
     pipeline = edges + steady
     memory, dp_times, opt_times, ends = [], [], [], []
     element = workload.param_bytes_per_element
@@ -453,11 +482,13 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
                                  cluster.group_link(ranks)) if config.dp > 1 else 0.0
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce else 0
         optimizer = params / element * traffic / cluster.spec(j).optimizer_rate
-        ends.append(pipeline - drained + max(reduce - window, 0.0) + optimizer)
+        ends.append(pipeline - drained + max(reduce - window, 0.0)
+                    + (0.0 if shared else optimizer))
         drained += stages[j].backward + share * stages[j].replay
         dp_times.append(reduce)
         opt_times.append(optimizer)
-    step = max(ends)
+    # Devices sharing a host are stepped by one process's optimizer, one after another.
+    step = max(ends) + (config.dp * config.tp * sum(opt_times) if shared else 0.0)
     breakdown = {"compute": m * max(per_device), "pipeline": pipeline,
                  "dp_all_reduce": max(dp_times), "optimizer": max(opt_times)}
     return Prediction(config, stages, step, pipeline, bubble, tuple(memory), capacity,

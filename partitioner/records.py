@@ -66,8 +66,10 @@ def from_record(record: dict[str, Any]) -> tuple[Prediction, Cluster | None]:
     if "stages" not in record:
         raise ConfigError("this candidate record has no stage costs (only the chosen "
                           "candidate of a plan keeps them)")
+    stages = tuple(StageProfile(**{**s, "sharing": tuple(s.get("sharing", ()))})
+                   for s in record["stages"])
     prediction = Prediction(
-        Config(**record["config"]), tuple(StageProfile(**s) for s in record["stages"]),
+        Config(**record["config"]), stages,
         record["step_time"], record["pipeline_time"], record["bubble"],
         tuple(MemoryBreakdown(**m) for m in record["memory"]), record["capacity"],
         tuple(record["dp_times"]), tuple(record["optimizer_times"]),

@@ -16,7 +16,8 @@ free and its inputs have arrived:
 * devices that share one host's cores (several ``"cpu"`` devices) share its compute: ``n``
   busy at once each progress at ``speedup(n) / n`` of their own speed (the runtime gives
   ``n`` busy stage workers ``1 / n`` of the intra-op threads each, as the calibration
-  measured them).
+  measured them); their optimizer steps run one after another once every stage's backward
+  is done (one process's optimizer, in the caller's thread).
 
 With equal stages and free communication GPipe's bubble comes out as ``(p - 1) / (m + p - 1)``
 exactly.
@@ -129,29 +130,34 @@ def device_actions(schedule: str, n_devices: int, n_microbatches: int,
 
 
 class _Host:
-    """Compute shared by the devices of one host (processor sharing)."""
+    """Compute shared by the devices of one host (processor sharing).
 
-    def __init__(self, speedup: Callable[[int], float]) -> None:
+    ``speedup(device, n)``: what ``n`` busy devices gain over one for the work ``device`` is
+    doing; each running device progresses at ``speedup / n`` of its speed alone.
+    """
+
+    def __init__(self, speedup: Callable[[int, int], float]) -> None:
         self.speedup = speedup
         self.running: dict[int, float] = {}  # device -> remaining work (seconds alone)
         self.updated = 0.0
         self.version = 0
 
-    def rate(self) -> float:
+    def rate(self, device: int) -> float:
         n = len(self.running)
-        return self.speedup(n) / n if n else 1.0
+        return self.speedup(device, n) / n if n else 1.0
 
     def advance(self, now: float) -> None:
-        done = (now - self.updated) * self.rate()
+        rates = {device: self.rate(device) for device in self.running}
         for device in self.running:
-            self.running[device] -= done
+            self.running[device] -= (now - self.updated) * rates[device]
         self.updated = now
 
     def next_finish(self) -> tuple[float, int] | None:
         if not self.running:
             return None
-        device = min(self.running, key=lambda d: (self.running[d], d))
-        return self.updated + max(self.running[device], 0.0) / self.rate(), device
+        left = {d: max(self.running[d], 0.0) / self.rate(d) for d in self.running}
+        device = min(left, key=lambda d: (left[d], d))
+        return self.updated + left[device], device
 
 
 class _Simulation:
@@ -163,8 +169,11 @@ class _Simulation:
         self.replay_below = replayed(c.checkpoint, c.chunks)
         spec = cluster.spec(0)
         shared = cluster.is_local and bool(spec.shared_speedup) and c.pp > 1
-        self.hosts = [_Host(spec.speedup)] if shared else [_Host(lambda n: float(n))
-                                                           for _ in range(c.pp)]
+        self.shared = shared
+        self.stepped: set[int] = set()
+        self.spec = spec
+        self.hosts = [_Host(self.gain)] if shared else [_Host(lambda j, n: float(n))
+                                                        for _ in range(c.pp)]
         self.host_of = [0 if shared else j for j in range(c.pp)]
         self.now = 0.0
         self.events: list[tuple[float, int, str, Any]] = []
@@ -184,6 +193,13 @@ class _Simulation:
         self.remaining_b = [sum(1 for a in acts if a.phase is Phase.BACKWARD)
                             for acts in self.order]
         self.tags: dict[int, tuple[str, Any]] = {}
+
+    def gain(self, j: int, n: int) -> float:
+        """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs."""
+        tag = self.tags.get(j)
+        if tag is None or tag[0] != "compute":
+            return self.spec.speedup(n)
+        return self.stages[tag[1].stage].speedup(self.spec, n)
 
     def push(self, time: float, kind: str, payload: Any) -> None:
         self.seq += 1
@@ -333,6 +349,16 @@ class _Simulation:
                 self.arrived.add(arrival)
                 self.start_link(key)
                 self.try_start(arrival[1] % self.config.pp)
+            elif self.shared:
+                # One process's optimizer steps every device's parameters, in the caller's
+                # thread with all of its intra-op threads, once backward has returned.
+                self.stepped.add(payload)
+                if len(self.stepped) == self.config.pp:
+                    begin = max(self.now, pipeline_end)
+                    for j in range(self.config.pp):
+                        end = begin + self.p.optimizer_times[j]
+                        self.transfers.append((f"optimizer device {j}", begin, end))
+                        finished[j], begin = end, end
             else:
                 self.run_on_host(payload, self.p.optimizer_times[payload],
                                  ("optimizer", self.now))

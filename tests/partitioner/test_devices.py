@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,6 +60,25 @@ def test_device_spec_accepts_a_mapping_and_is_hashable() -> None:
     spec = DeviceSpec("d", {"bf16": 2.0, "fp32": 1.0}, 1.0, 1.0)
     assert spec.peak_flops == (("bf16", 2.0), ("fp32", 1.0))
     assert hash(spec) == hash(DeviceSpec("d", {"fp32": 1.0, "bf16": 2.0}, 1.0, 1.0))
+
+
+def test_shared_sizes_are_checked_and_looked_up_by_size() -> None:
+    for rows, words in ((((1e6, 1.0, 2.0), (1e3, 1.0, 1.5)), "ascending"),
+                        (((1e6, 1.0),), "then 1 speedups"),
+                        (((1e6, 2.0, 2.0),), "1.0")):
+        with pytest.raises(DeviceError, match=words):
+            DeviceSpec("d", {"fp32": 1.0}, 1.0, 1.0, shared_speedup=(1.0, 1.2),
+                       shared_sizes=rows)
+    with pytest.raises(DeviceError, match="give both or neither"):
+        DeviceSpec("d", {"fp32": 1.0}, 1.0, 1.0, shared_sizes=((1e6, 1.0, 2.0),))
+    spec = DeviceSpec("d", {"fp32": 1.0}, 1.0, 1.0, shared_speedup=(1.0, 1.2),
+                      shared_sizes=((0.0, 1.0, 0.5), (1e6, 1.0, 2.0), (1e8, 1.0, 1.0)))
+    assert spec.speedup(2, 1e3) == 2.0 and spec.speedup(2, 1e10) == 1.0  # flat beyond
+    assert spec.speedup(2, 1e7) == pytest.approx(1.5)  # linear in log(flops)
+    assert spec.speedup(1.5, 0.0) == pytest.approx(0.75)  # memory-bound, 1.5 busy
+    assert spec.speedup(2) == 1.2 and spec.max_speedup == 2.0
+    products_only = replace(spec, shared_sizes=spec.shared_sizes[1:])
+    assert products_only.speedup(2, 0.0) == 1.2  # no element-wise row: the reference
 
 
 def test_shared_speedup_must_start_at_one() -> None:

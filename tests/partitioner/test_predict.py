@@ -96,5 +96,46 @@ def test_host_sharing_does_not_count_as_bubble() -> None:
     assert slowed.bubble == pytest.approx(3 / 11, abs=1e-12) == alone.bubble
 
 
+def _products(flops: float) -> Workload:
+    layers = tuple(LayerCost(f"l{k}", (Op("matmul", flops=flops),)) for k in range(4))
+    return Workload(layers, (0.0,) * 5, batch=8)
+
+
+def test_small_products_gain_more_from_sharing_a_host_than_large_ones() -> None:
+    # Two stage workers at once: 2x the work of one on products of 1e6 FLOPs, 1x on 1e9.
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1.0, 1.0, 0.0,
+                     shared_speedup=(1.0, 1.5),
+                     shared_sizes=((1e6, 1.0, 2.0), (1e9, 1.0, 1.0)))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=(), shared_sizes=()), devices_per_node=2)
+    config = Config(pp=2, chunks=2)
+    for flops, gain in ((1e6 / 4, 2.0), (1e9 / 4, 1.0)):  # per sample, 4 per micro-batch
+        shared, alone = predict(_products(flops), host, config), predict(_products(flops), own,
+                                                                         config)
+        assert [s.sharing for s in shared.stages] == [(1.0, gain)] * 2
+        steady = shared.pipeline_time - sum(s.forward + s.backward for s in shared.stages)
+        assert steady == pytest.approx(2 * (alone.stages[0].forward
+                                            + alone.stages[0].backward) / gain)
+    # Without a table by size, the device's reference figure.
+    plain = Cluster(replace(cpu, shared_sizes=()), devices_per_node=2, local=("cpu", "cpu"))
+    assert predict(_products(1e3), plain, config).stages[0].sharing == ()
+
+
+def test_devices_sharing_a_host_are_stepped_by_one_optimizer() -> None:
+    # The runtime's stages share one process: its optimizer steps every device's parameters,
+    # one after another, after the whole backward.
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1.0, 1.0))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    workload = Workload(tuple(LayerCost(f"l{k}", (Op("matmul", flops=1e6),), param_bytes=4e8)
+                              for k in range(4)), (0.0,) * 5, batch=8)
+    shared, separate = (predict(workload, c, Config(pp=2, chunks=4)) for c in (host, own))
+    assert shared.optimizer_times == separate.optimizer_times
+    assert shared.step_time == pytest.approx(shared.pipeline_time
+                                             + sum(shared.optimizer_times))
+    assert separate.step_time == pytest.approx(separate.pipeline_time
+                                               + separate.optimizer_times[0])
+
+
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.predict).failed == 0

@@ -169,3 +169,36 @@ def test_schedules_by_name() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.simulate).failed == 0
+
+
+def test_each_stage_gains_what_its_kind_of_work_gains_from_sharing() -> None:
+    # Two stages of 1 s + 2 s per micro-batch on one host: stage 0 runs work that two busy
+    # devices do 2x as fast (small products), stage 1 work that gains nothing (1x).
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 1.5))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    base = _equal_stages(Config(pp=2, chunks=8))
+    gains = replace(base, stages=(replace(base.stages[0], sharing=(1.0, 2.0)),
+                                  replace(base.stages[1], sharing=(1.0, 1.0))))
+    both_two = replace(base, stages=tuple(replace(s, sharing=(1.0, 2.0)) for s in base.stages))
+    reference = simulate(base, host).pipeline_time  # the device's own 1.5x for both
+    mixed = simulate(gains, host).pipeline_time
+    fast = simulate(both_two, host).pipeline_time
+    assert fast == pytest.approx(9 * 3.0)  # 2x on two devices: as if each had its own core
+    assert fast < mixed < 2 * 8 * 3.0
+    # 1.5x for both: all 48 s of work at 1.5x, but for the fill and drain (one stage alone).
+    assert 2 * 8 * 3.0 / 1.5 < reference < 2 * 8 * 3.0 / 1.5 + 2 * 3.0
+
+
+def test_devices_sharing_a_host_are_stepped_one_after_another_at_the_end() -> None:
+    # One process's optimizer steps every "cpu" device's parameters once backward returns;
+    # devices with their own compute step their own, each as soon as its backward is done.
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 2.0))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    prediction = replace(_equal_stages(Config(pp=2, chunks=4)), optimizer_times=(0.5, 0.25))
+    shared, separate = simulate(prediction, host), simulate(prediction, own)
+    assert shared.pipeline_time == separate.pipeline_time == pytest.approx(5 * 3.0)
+    assert shared.step_time == pytest.approx(5 * 3.0 + 0.75)
+    assert separate.step_time == pytest.approx(5 * 3.0 + 0.5)  # device 0's backward ends last
+    steps = [(start, end) for label, start, end in shared.transfers if "optimizer" in label]
+    assert steps == [pytest.approx((15.0, 15.5)), pytest.approx((15.5, 15.75))]
