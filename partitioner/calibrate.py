@@ -5,11 +5,12 @@
 as a model's are (the rate, and the per-call cost of repacking the weights that makes small
 micro-batches slow), a tiny product (the efficiency curve), an in-place add larger than the
 last-level cache (element-wise bandwidth), an Adam step right after a backward (the
-optimizer's), a chain of tiny ops with their backward (the fixed cost of one op), and several
-stage workers computing at once against one, for products of each size and for element-wise
-streams (``"cpu"`` devices share this machine's cores, and what sharing gains depends on the
-work). Each timing is the best of a few repeats (the Adam step: the median), and the spec
-takes the median of this run and the last runs on this machine (a small cache file).
+optimizer's), a chain of tiny ops with their backward (the fixed cost of one op), a pipeline
+of tiny stages (the runtime's cost per stage action), and several stage workers computing
+at once against one, for products of four sizes and for element-wise streams (``"cpu"``
+devices share this machine's cores, and what sharing gains depends on the work). Each
+timing is the median of a few repeats, and the spec takes the median of this run and the
+last runs on this machine (a small cache file).
 
 :func:`calibrate_layers` times forward + backward of every *distinct* layer once on the real
 device, with the example batch: layers with the same signature (the blocks of a transformer)
@@ -52,6 +53,8 @@ from partitioner.errors import PartitionError
 from partitioner.memory import optimizer_traffic
 from passes.group_layers import Layer
 from passes.split_stages import split_stages
+from runtime.host_memory import host_memory_kept, keep_freed_memory
+from runtime.local import LocalPipeline
 from runtime.worker import Worker, shared_threads
 
 __all__ = ["CalibrationError", "measure_cpu", "calibrate_layers", "Progress"]
@@ -61,7 +64,12 @@ class CalibrationError(PartitionError, ValueError):
     """Layers cannot be timed (e.g. the model has no real weights)."""
 
 
-def _best(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
+def _typical(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
+    """The median seconds of ``fn`` over ``repeats`` timings of ``inner`` calls, after one.
+
+    The median, not the best: a plan predicts the step time the machine usually gives (on
+    a shared VM the best of a few repeats runs 5-15% below the median of training steps).
+    """
     fn()
     times = []
     for _ in range(repeats):
@@ -69,7 +77,7 @@ def _best(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
         for _ in range(inner):
             fn()
         times.append((time.perf_counter() - start) / inner)
-    return min(times)
+    return statistics.median(times)
 
 
 def _warm_up(fn: Callable[[], Any], seconds: float = 0.1) -> None:
@@ -89,7 +97,7 @@ def _op_overhead() -> float:
             x = x * 1.0001
         x.sum().backward()
     # 16 forward + 16 backward launches (+ sum): the cost of one launch.
-    return _best(chain, repeats=7, inner=5) / 34
+    return _typical(chain, repeats=7, inner=5) / 34
 
 
 @contextmanager
@@ -113,8 +121,9 @@ def _together(work: Callable[[], None], n: int) -> Iterator[Callable[[], None]]:
 def measure_cpu() -> DeviceSpec:
     """This machine's CPU as a :class:`DeviceSpec`: measured once per process, kept per machine.
 
-    Each timing is the best of a few repetitions within a run (a burst of other work only
-    ever lengthens one), and the spec takes, per timing, the median of this run and the last
+    Each timing is the median of a few repetitions within a run (a plan predicts the step
+    time the machine usually gives, not its best), and the spec takes, per timing, the
+    median of this run and the last
     runs kept in the cache directory (``$PARTITIONER_CACHE_DIR``, else
     ``~/.cache/partitioner``; one file per CPU model, core count, torch version and thread
     count; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it). Not the best across runs: on a
@@ -130,10 +139,12 @@ def measure_cpu() -> DeviceSpec:
         Adam step over eight 1024 x 1024 weights after their backward (``optimizer_bandwidth``;
         the median of 3 steps), tiny ops with autograd (``op_overhead``), 2, 3 and 4 stage
         workers computing 64-row products at once, each with its share of the intra-op
-        threads (``shared_speedup``), and 2 workers computing 8-row and 256-row products
-        and element-wise streams (``shared_sizes``; 3 and 4 workers scaled from 2 as for
-        64 rows).
+        threads (``shared_speedup``), and 2 workers computing products of 8, 256 and 1024
+        rows and element-wise streams (``shared_sizes``; 3 and 4 workers scaled from 2 as
+        for 64 rows), and a 2-stage, 8-micro-batch pipeline of tiny stages against the same
+        stages called directly (``action_overhead``).
     """
+    keep_freed_memory()  # the runtime's CPU stages run so (runtime.host_memory)
     runs = [_timings()]
     path = _cache_path()
     if path is not None:
@@ -159,10 +170,11 @@ def _cache_path() -> Path | None:
     root = os.environ.get("PARTITIONER_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "partitioner")
     # "runs": a list of runs; "shared-by-size": stages running at once share the intra-op
-    # threads, timed for products of three sizes and element-wise streams; the Adam step is
-    # timed after a backward (runs timed otherwise must not be mixed in).
+    # threads, timed for products of four sizes and element-wise streams; the Adam step is
+    # timed after a backward; "kept": whether freed memory stays in the process
+    # (runtime.host_memory). Runs timed otherwise must not be mixed in.
     key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
-           "|runs|shared-by-size|adam-after-backward")
+           f"|runs|median|shared-by-size-1024|adam-after-backward|action|kept-{host_memory_kept()}")
     return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
@@ -184,6 +196,7 @@ def _peaks(rate: float) -> dict[str, float]:
 
 _WEIGHT, _SMALL, _COPY = 1024, 48, 16 * 2**20
 _ROWS = (8, 64, 256)
+_MOST = 1024  # rows of the largest products timed shared (as a transformer's at batch x seq)
 
 
 def _timings() -> dict[str, float]:
@@ -198,12 +211,13 @@ def _timings() -> dict[str, float]:
     x = torch.ones(_COPY)  # touched: untouched pages read as the shared zero page
     y = torch.zeros_like(x)
     found = {"overhead": _op_overhead(),
-             "few": _best(lambda: torch.mm(few, next(turn)), repeats=7, inner=24),
-             "some": _best(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
-             "many": _best(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
-             "small": _best(lambda: torch.mm(c, d), repeats=7, inner=50),
-             "add": _best(lambda: y.add_(x), repeats=5),
-             "adam": _adam_step()}
+             "few": _typical(lambda: torch.mm(few, next(turn)), repeats=7, inner=24),
+             "some": _typical(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
+             "many": _typical(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
+             "small": _typical(lambda: torch.mm(c, d), repeats=7, inner=50),
+             "add": _typical(lambda: y.add_(x), repeats=5),
+             "adam": _adam_step(),
+             "action": _action_overhead()}
     # What stages computing at once get done: products of 8, 64 and 256 rows with weights
     # streamed from memory (the smaller, the more sharing gains), and element-wise streams
     # (each worker its own tensors; the memory bus is shared).
@@ -216,7 +230,9 @@ def _timings() -> dict[str, float]:
             local.y.add_(local.x)
     found.update(_shared_timings(_products(some, weights[:16]), (2, 3, 4)))
     for suffix, work in (("_few", _products(few, weights[:16])),
-                         ("_many", _products(many, weights[:4])), ("_mem", stream)):
+                         ("_many", _products(many, weights[:4])),
+                         ("_most", _products(torch.randn(_MOST, _WEIGHT), weights[:2])),
+                         ("_mem", stream)):
         found.update({name + suffix: t
                       for name, t in _shared_timings(work, (2,), rounds=2).items()})
     return found
@@ -234,19 +250,47 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 
 def _shared_timings(work: Callable[[], None], counts: Sequence[int],
                     rounds: int = 3) -> dict[str, float]:
-    """The best time of ``work`` alone, and on ``n`` stage workers at once for each count."""
+    """The median time of ``work`` alone, and on ``n`` stage workers at once for each count,
+    over ``rounds`` rounds."""
     work()
-    alone = math.inf
-    best = dict.fromkeys((_COUNTS[n] for n in counts), math.inf)
+    times: dict[str, list[float]] = {"alone": [], **{_COUNTS[n]: [] for n in counts}}
     with ExitStack() as stack:
         teams = {_COUNTS[n]: stack.enter_context(_together(work, n)) for n in counts}
         for run in teams.values():
             run()  # each worker's first call (the element-wise stream allocates there)
-        for _ in range(rounds):  # alone and together in turn: a burst of load skews neither
-            alone = min(alone, _best(work, repeats=1))
+        for _ in range(rounds):  # alone and together in turn: load drifting skews neither
+            times["alone"].append(_typical(work, repeats=1))
             for name, run in teams.items():
-                best[name] = min(best[name], _best(run, repeats=1))
-    return {"alone": alone, **best}
+                times[name].append(_typical(run, repeats=1))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.linear(x),)
+
+
+def _action_overhead() -> float:
+    """Seconds the pipeline runtime adds per stage action: a 2-stage, 8-micro-batch pipeline
+    of tiny stages (32 actions) against the same stages called directly."""
+    stages = [fx.symbolic_trace(_Tiny()) for _ in range(2)]
+    x = torch.randn(8, 8)
+    pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=8)
+
+    def piped() -> None:
+        pipe.run([x])[0].sum().backward()
+
+    def direct() -> None:
+        stages[1](*stages[0](x))[0].sum().backward()
+    try:
+        overhead = (_typical(piped, repeats=7, inner=3) - _typical(direct, repeats=7, inner=3)) / 32
+    finally:
+        pipe.close()
+    return max(overhead, 0.0)
 
 
 _ADAM_LAYERS = 8
@@ -313,9 +357,10 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
         return (flops, 1.0, *(min(max(two * reference[n - 1] / reference[1], 1 / n),
                                   float(min(n, cores))) for n in _COUNTS))
     sizes = (row(0.0, "_mem"), row(2.0 * _ROWS[0] * _WEIGHT**2, "_few"),
-             (2.0 * _ROWS[1] * _WEIGHT**2, *reference), row(2.0 * _ROWS[2] * _WEIGHT**2, "_many"))
+             (2.0 * _ROWS[1] * _WEIGHT**2, *reference), row(2.0 * _ROWS[2] * _WEIGHT**2, "_many"),
+             row(2.0 * _MOST * _WEIGHT**2, "_most"))
     return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
-                      1.0, t["overhead"], pack, optimizer, reference, sizes)
+                      1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"])
 
 
 def _total_memory() -> float:
@@ -357,7 +402,7 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
         spec: the spec the prediction used.
         batch: samples in the example batch.
         progress: draw a progress bar on stderr.
-        repeats: timed runs per layer (the fastest counts), after one warm-up.
+        repeats: timed runs per layer (the median counts), after one warm-up.
 
     Returns:
         The costs with ``time_scale`` set to measured / predicted for each layer.
@@ -381,7 +426,7 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
         for signature, k in first.items():
             args = list(inputs) if k == 0 else _inputs_like(graphs[k], nodes)
             run = functools.partial(_forward_backward, graphs[k], args)
-            measured[signature] = _best(run, repeats)
+            measured[signature] = _typical(run, repeats)
             bar.step(f"{layers[k].name}: {measured[signature] * 1e3:.2f} ms")
     scaled = []
     for cost in costs:

@@ -88,6 +88,10 @@ class DeviceSpec:
             for memory-bound ops. Small products gain most from sharing (one product split
             over all the threads synchronises often), large ones least, and memory-bound ops
             can lose. Empty: ``shared_speedup`` for all work.
+        action_overhead: seconds the pipeline runtime spends per stage action (one
+            micro-batch's forward or backward on one stage: handing it to the stage's
+            worker, its stash, autograd bookkeeping), beyond the ops themselves. Measured
+            for ``"cpu"`` devices; 0 for the presets.
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -105,6 +109,7 @@ class DeviceSpec:
     optimizer_bandwidth: float = 0.0
     shared_speedup: tuple[float, ...] = field(default=())
     shared_sizes: tuple[tuple[float, ...], ...] = field(default=())
+    action_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -124,7 +129,7 @@ class DeviceSpec:
         for name in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
-        for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth"):
+        for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0

@@ -405,12 +405,13 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
     for k in range(config.stages):
         a, b = cuts[k], cuts[k + 1]
         layers = workload.layers[a:b]
-        forward = sum(times[i][0] for i in range(a, b))
-        backward = sum(times[i][1] for i in range(a, b))
+        # The runtime's own cost per action: one forward and one backward per micro-batch.
+        forward = sum(times[i][0] for i in range(a, b)) + spec.action_overhead
+        backward = sum(times[i][1] for i in range(a, b)) + spec.action_overhead
         out_bytes = workload.boundaries[b] * samples
         params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
         out.append(StageProfile(
-            a, b, k % config.pp, forward, backward, forward,
+            a, b, k % config.pp, forward, backward, forward - spec.action_overhead,
             _send(workload, cluster, config, out_bytes, k % config.pp) if b < len(
                 workload.layers) else 0.0,
             out_bytes, params, params, sum(lay.buffer_bytes for lay in layers),

@@ -51,9 +51,9 @@ def test_measured_cpu_spec_is_valid() -> None:
     assert spec.shared_speedup[0] == 1.0 and len(spec.shared_speedup) == 4
     assert all(1 / n <= s <= n for n, s in enumerate(spec.shared_speedup, start=1))
     assert measure_cpu() is spec  # once per process
-    # Sharing by kind of work: element-wise streams, then products of 8, 64 and 256 rows.
-    assert [row[0] for row in spec.shared_sizes] == [0.0, 2 * 8 * 2**20, 2 * 64 * 2**20,
-                                                    2 * 256 * 2**20]
+    # Sharing by kind of work: element-wise streams, then products of 8 to 1024 rows.
+    assert [row[0] for row in spec.shared_sizes] == [0.0] + [2 * n * 2**20
+                                                            for n in (8, 64, 256, 1024)]
     assert spec.shared_sizes[2][1:] == spec.shared_speedup  # the reference work
     for row in spec.shared_sizes:
         assert row[1] == 1.0 and all(1 / n <= s <= n for n, s in enumerate(row[1:], start=1))

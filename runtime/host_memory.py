@@ -1,0 +1,95 @@
+"""Keep freed host memory for the next step instead of page-faulting it back in.
+
+A training step frees and allocates the same tensors every step: activations, weight
+gradients (``zero_grad(set_to_none=True)``, PyTorch's default), the optimizer's temporaries.
+On the GPU, PyTorch's caching allocator keeps freed blocks for the next step. On the CPU,
+tensors come from the C library's ``malloc``. glibc's ``malloc`` serves allocations above a
+threshold (128 KiB, rising to 32 MiB as large blocks are freed) from fresh ``mmap`` pages.
+It also hands the free top of its heap back to the kernel. So every step pays again to fault
+in and zero the same memory (about 3.5 GB/s on the 2-core VM this was written on).
+
+Measured there, same process and model, with and without :func:`keep_freed_memory`:
+
+* an Adam step over 16.8M parameters after the pipeline's backward: 67 ms without, 28 ms with;
+* GPT-2-small (124M + untied head), 2 micro-batches of 4 x 64 tokens: forward + backward
+  2380 ms without, 2238 with; Adam 367 ms without, 252 with; peak RSS 3.4 GB without,
+  3.8 GB with.
+
+:func:`keep_freed_memory` raises glibc's mmap and trim thresholds (``mallopt``), so freed
+memory stays in the process for reuse, as on the GPU. The runtime calls it when it builds a
+stage on a ``"cpu"`` device. The CPU calibration (``partitioner.calibrate``) calls it too, so
+the cost model times the machine as the runtime runs it. The process then keeps its peak
+memory. :func:`release_host_memory` hands the free part back (``malloc_trim``), as
+``torch.cuda.empty_cache`` does on the GPU. ``PARTITIONER_KEEP_HOST_MEMORY=0`` turns it off.
+It does nothing where the C library is not glibc.
+
+Example:
+    >>> applied = keep_freed_memory()
+    >>> applied == host_memory_kept()
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+
+__all__ = ["keep_freed_memory", "release_host_memory", "host_memory_kept"]
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# 1 GiB: any tensor up to it is reused from the heap, and up to 2 GiB of free memory at the
+# top of the heap stays in the process (mallopt takes an int).
+_MMAP_THRESHOLD = 2**30
+_TRIM_THRESHOLD = 2**31 - 1
+
+_lock = threading.Lock()
+_kept = False
+
+
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Make freed host memory stay in the process for reuse (once per process).
+
+    Returns:
+        Whether freed memory is now kept: False where the C library is not glibc, or with
+        ``PARTITIONER_KEEP_HOST_MEMORY=0`` in the environment.
+    """
+    global _kept
+    with _lock:
+        if _kept or os.environ.get("PARTITIONER_KEEP_HOST_MEMORY", "1") == "0":
+            return _kept
+        libc = _libc()
+        if libc is None or not hasattr(libc, "mallopt"):
+            return False
+        _kept = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) \
+            & bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        return _kept
+
+
+def host_memory_kept() -> bool:
+    """Whether :func:`keep_freed_memory` is in effect in this process."""
+    return _kept
+
+
+def release_host_memory() -> bool:
+    """Hand the process's free heap memory back to the kernel (``malloc_trim(0)``).
+
+    Returns:
+        Whether any memory was released (False where the C library is not glibc).
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(0))
