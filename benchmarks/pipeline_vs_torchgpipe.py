@@ -13,6 +13,10 @@ has run a parallel op keeps an OpenMP team, and once a process has more OpenMP t
 cores every team's barriers sleep and wake instead of spinning, which slows *all* of them
 (``--same-process`` shows it).
 
+Every contender's process handles freed host memory alike: with glibc's defaults, or with
+``--allocator kept`` all keep it for reuse instead of page-faulting it back in each step
+(``runtime.host_memory``), so the ratio measures the pipelines, not the allocator.
+
 Run:
     python benchmarks/pipeline_vs_torchgpipe.py                 # defaults: 5 warm-up, 20 timed
     python benchmarks/pipeline_vs_torchgpipe.py --steps 40 --threads 1 --modes never
@@ -50,6 +54,10 @@ def parse_args() -> argparse.Namespace:
                              "(default: torch's default, one per core)")
     parser.add_argument("--same-process", action="store_true",
                         help="run all contenders in this process instead of one each")
+    parser.add_argument("--allocator", choices=("glibc", "kept"), default="glibc",
+                        help="glibc: every contender with glibc's defaults; kept: every "
+                             "contender keeps freed host memory for reuse "
+                             "(runtime.host_memory.keep_freed_memory)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
@@ -77,6 +85,7 @@ from torch import nn  # noqa: E402
 
 import partitioner  # noqa: E402
 from partitioner import partition  # noqa: E402
+from runtime.host_memory import keep_freed_memory  # noqa: E402
 from runtime.local import thread_plan  # noqa: E402
 from runtime.schedule import gpipe as gpipe_schedule  # noqa: E402
 from runtime.worker import thread_default  # noqa: E402
@@ -214,8 +223,15 @@ def _replay_first(first: tuple[float, float],
     return lambda: pending.pop() if pending else run()
 
 
+def same_allocator(args: argparse.Namespace) -> None:
+    """Every contender's process handles freed host memory alike (``--allocator``)."""
+    if args.allocator == "kept":
+        keep_freed_memory()
+
+
 def serve(conn: Connection, name: str, args: argparse.Namespace) -> None:
     """A contender process: build, run the first step, then one step per request."""
+    same_allocator(args)
     c = local_contender(name, args)
     conn.send((c.threads, c.warnings))
     while conn.recv() == "step":
@@ -310,7 +326,8 @@ def print_header(args: argparse.Namespace) -> None:
     print(f"intra-op threads {torch.get_num_threads()} (new threads {thread_default()}), "
           f"inter-op threads {torch.get_num_interop_threads()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; contenders "
-          f"{'share this process' if args.same_process else 'run in one process each'}")
+          f"{'share this process' if args.same_process else 'run in one process each'}; "
+          f"freed host memory: {args.allocator}")
     print(f"model: {args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch "
           f"{args.batch}, chunks {args.chunks}, balance [{args.blocks}, {args.blocks}], "
           f"{args.warmup} warm-up + {args.steps} timed steps, interleaved")
@@ -349,6 +366,8 @@ def print_results(args: argparse.Namespace, runners: list[Contender]) -> None:
 def main() -> None:
     args = ARGS or parse_args()
     print_header(args)
+    if args.same_process:
+        same_allocator(args)
     make = local_contender if args.same_process else remote_contender
     runners = [make(name, args) for name in contender_names(args)]
     try:

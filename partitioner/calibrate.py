@@ -30,7 +30,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import os
 import platform
 import statistics
@@ -53,7 +52,7 @@ from partitioner.errors import PartitionError
 from partitioner.memory import optimizer_traffic
 from passes.group_layers import Layer
 from passes.split_stages import split_stages
-from runtime.host_memory import host_memory_kept, keep_freed_memory
+from runtime.host_memory import host_memory_kept
 from runtime.local import LocalPipeline
 from runtime.worker import Worker, shared_threads
 
@@ -144,7 +143,6 @@ def measure_cpu() -> DeviceSpec:
         for 64 rows), and a 2-stage, 8-micro-batch pipeline of tiny stages against the same
         stages called directly (``action_overhead``).
     """
-    keep_freed_memory()  # the runtime's CPU stages run so (runtime.host_memory)
     runs = [_timings()]
     path = _cache_path()
     if path is not None:

@@ -1,4 +1,4 @@
-"""Keep freed host memory for the next step instead of page-faulting it back in.
+"""Opt-in: keep freed host memory for the next step instead of page-faulting it back in.
 
 A training step frees and allocates the same tensors every step: activations, weight
 gradients (``zero_grad(set_to_none=True)``, PyTorch's default), the optimizer's temporaries.
@@ -8,31 +8,29 @@ threshold (128 KiB, rising to 32 MiB as large blocks are freed) from fresh ``mma
 It also hands the free top of its heap back to the kernel. So every step pays again to fault
 in and zero the same memory (about 3.5 GB/s on the 2-core VM this was written on).
 
-Measured there, same process and model, with and without :func:`keep_freed_memory`:
-
-* an Adam step over 16.8M parameters after the pipeline's backward: 67 ms without, 28 ms with;
-* GPT-2-small (124M + untied head), 2 micro-batches of 4 x 64 tokens: forward + backward
-  2380 ms without, 2238 with; Adam 367 ms without, 252 with; peak RSS 3.4 GB without,
-  3.8 GB with.
-
 :func:`keep_freed_memory` raises glibc's mmap and trim thresholds (``mallopt``), so freed
-memory stays in the process for reuse, as on the GPU. The runtime calls it when it builds a
-stage on a ``"cpu"`` device. The CPU calibration (``partitioner.calibrate``) calls it too, so
-the cost model times the machine as the runtime runs it. The process then keeps its peak
-memory. :func:`release_host_memory` hands the free part back (``malloc_trim``), as
-``torch.cuda.empty_cache`` does on the GPU. ``PARTITIONER_KEEP_HOST_MEMORY=0`` turns it off.
-It does nothing where the C library is not glibc.
+memory stays in the process for reuse, as on the GPU. Measured on that VM (same process and
+model, without and with it):
+
+* an Adam step over 16.8M parameters after a pipeline's backward: 67 ms, then 28 ms;
+* GPT-2-small (124M + untied head), 2 micro-batches of 4 x 64 tokens: forward + backward
+  2380 ms, then 2238 ms; Adam 367 ms, then 252 ms; peak RSS 3.4 GB, then 3.8 GB.
+
+It is not the default, because the process then keeps its peak memory and more. A loop that
+allocates and frees one 64 MiB tensor settled at 731 MB resident: ``posix_memalign``'s
+padding keeps a freed block from fitting the next request until enough free blocks merge.
+:func:`release_host_memory` hands the free part back (``malloc_trim``), as
+``torch.cuda.empty_cache`` does on the GPU. The CPU calibration keeps its runs apart by this
+setting (``partitioner.calibrate``). Where the C library is not glibc, it does nothing.
 
 Example:
-    >>> applied = keep_freed_memory()
-    >>> applied == host_memory_kept()
-    True
+    >>> host_memory_kept()  # until keep_freed_memory() is called
+    False
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import threading
 
@@ -60,16 +58,16 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def keep_freed_memory() -> bool:
-    """Make freed host memory stay in the process for reuse (once per process).
+    """Make freed host memory stay in the process for reuse (once per process; call it
+    before training, in every process that trains).
 
     Returns:
-        Whether freed memory is now kept: False where the C library is not glibc, or with
-        ``PARTITIONER_KEEP_HOST_MEMORY=0`` in the environment.
+        Whether freed memory is now kept (False where the C library is not glibc).
     """
     global _kept
     with _lock:
-        if _kept or os.environ.get("PARTITIONER_KEEP_HOST_MEMORY", "1") == "0":
-            return _kept
+        if _kept:
+            return True
         libc = _libc()
         if libc is None or not hasattr(libc, "mallopt"):
             return False

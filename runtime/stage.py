@@ -22,7 +22,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner.errors import StageExecutionError
-from runtime.host_memory import keep_freed_memory
 from runtime.rng import fork, use_generator, use_shard_generator
 
 __all__ = ["StageRunner", "locate_node"]
@@ -72,8 +71,6 @@ class StageRunner:
         self.shard_generator = (torch.Generator(device=device) if shard is not None
                                 else None)
         self._stash: dict[int, _Stash] = {}
-        if device.type == "cpu":
-            keep_freed_memory()  # each step reuses the last one's memory (runtime.host_memory)
 
     def reset(self, seed: int) -> None:
         """Forget stashed micro-batches and reseed the stage's generator(s)."""

@@ -1,0 +1,91 @@
+"""Tests of runtime/host_memory.py: freed host memory kept for the next step.
+
+Each case runs in a fresh interpreter: the allocator's settings are process-wide.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import runtime.host_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _run(code: str, **env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                         capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# Page faults taken by five steps that each allocate, fill and free 64 MiB (a tensor above
+# glibc's largest mmap threshold), after 20 steps to warm up (kept, a freed block is reused
+# once enough freed blocks have merged: about ten steps).
+_FAULTS = """
+    import json, resource, torch
+    from runtime.host_memory import keep_freed_memory, host_memory_kept
+    kept = keep_freed_memory() if {keep} else False
+    def step():
+        torch.empty(16 * 2**20).fill_(1.0)
+    for _ in range(20):
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print(json.dumps({{"kept": kept, "state": host_memory_kept(), "faults": faults}}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="keeping freed memory needs glibc's mallopt")
+def test_kept_memory_is_reused_instead_of_faulted_in_again() -> None:
+    default = _run(_FAULTS.format(keep=False))
+    kept = _run(_FAULTS.format(keep=True))
+    assert not default["kept"] and not default["state"]
+    assert kept["kept"] and kept["state"]
+    pages = 5 * 64 * 2**20 // 4096
+    assert default["faults"] > pages / 2  # every step faults its 64 MiB in again
+    assert kept["faults"] < pages / 20  # reused: almost none
+
+
+@pytest.mark.skipif(not GLIBC, reason="keeping freed memory needs glibc's mallopt")
+def test_the_runtime_leaves_the_allocator_alone_unless_asked() -> None:
+    result = _run("""
+        import json, torch
+        from torch import fx, nn
+        from runtime.host_memory import (host_memory_kept, keep_freed_memory,
+                                         release_host_memory)
+        from runtime.local import LocalPipeline
+        class Stage(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = nn.Linear(4, 4)
+            def forward(self, x):
+                return (self.linear(x),)
+        pipe = LocalPipeline([fx.symbolic_trace(Stage()) for _ in range(2)],
+                             [torch.device("cpu")] * 2, chunks=2)
+        pipe.run([torch.randn(8, 4)])[0].sum().backward()
+        pipe.close()
+        untouched = host_memory_kept()
+        kept = keep_freed_memory() and keep_freed_memory()  # idempotent
+        big = torch.ones(64 * 2**20 // 4)
+        del big
+        print(json.dumps({"untouched": untouched, "kept": kept,
+                          "released": release_host_memory()}))
+    """)
+    assert result == {"untouched": False, "kept": True, "released": True}
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(runtime.host_memory).failed == 0
