@@ -30,6 +30,7 @@ import functools
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -52,7 +53,7 @@ from partitioner.errors import PartitionError
 from partitioner.memory import optimizer_traffic
 from passes.group_layers import Layer
 from passes.split_stages import split_stages
-from runtime.host_memory import host_memory_kept
+from runtime.host_memory import fresh_allocation_bytes, host_memory_kept
 from runtime.local import LocalPipeline
 from runtime.worker import Worker, shared_threads
 
@@ -172,7 +173,8 @@ def _cache_path() -> Path | None:
     # timed after a backward; "kept": whether freed memory stays in the process
     # (runtime.host_memory). Runs timed otherwise must not be mixed in.
     key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
-           f"|runs|median|shared-by-size-1024|adam-after-backward|action|kept-{host_memory_kept()}")
+           f"|runs|median|shared-by-size-1024|adam-after-backward|action|fresh"
+           f"|kept-{host_memory_kept()}")
     return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
@@ -214,6 +216,8 @@ def _timings() -> dict[str, float]:
              "many": _typical(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
              "small": _typical(lambda: torch.mm(c, d), repeats=7, inner=50),
              "add": _typical(lambda: y.add_(x), repeats=5),
+             "fill": _typical(lambda: y.fill_(1.0), repeats=5),
+             "fresh": _typical(_fresh_fill, repeats=3),
              "adam": _adam_step(),
              "action": _action_overhead()}
     # What stages computing at once get done: products of 8, 64 and 256 rows with weights
@@ -234,6 +238,15 @@ def _timings() -> dict[str, float]:
         found.update({name + suffix: t
                       for name, t in _shared_timings(work, (2,), rounds=2).items()})
     return found
+
+
+def _fresh_fill() -> None:
+    """Fill a newly mapped 64 MiB (an anonymous mapping: fresh pages whatever ``malloc``'s
+    settings), as a tensor too large for the allocator to reuse is."""
+    with mmap.mmap(-1, _COPY * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as memory:
+        tensor = torch.frombuffer(memory, dtype=torch.float32)
+        tensor.fill_(1.0)
+        del tensor
 
 
 def _products(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
@@ -357,8 +370,12 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     sizes = (row(0.0, "_mem"), row(2.0 * _ROWS[0] * _WEIGHT**2, "_few"),
              (2.0 * _ROWS[1] * _WEIGHT**2, *reference), row(2.0 * _ROWS[2] * _WEIGHT**2, "_many"),
              row(2.0 * _MOST * _WEIGHT**2, "_most"))
+    # First touch of new memory: a fill of fresh pages against a fill of touched ones.
+    threshold = fresh_allocation_bytes()
+    fresh = _COPY * 4 / max(t["fresh"] - t["fill"], 1e-9) if threshold else 0.0
     return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
-                      1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"])
+                      1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"],
+                      fresh, threshold or 0.0)
 
 
 def _total_memory() -> float:

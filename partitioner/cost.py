@@ -15,7 +15,10 @@ Time of one op on a :class:`~partitioner.devices.DeviceSpec` (roofline):
   size (input and weight gradients) plus writing the weight gradient;
 * a memory-bound op (element-wise, normalisation, softmax, copies) takes ``m / bw``, its
   backward ``backward`` times that; views move nothing;
-* each op launch adds ``op_overhead``.
+* each op launch adds ``op_overhead``;
+* on CPUs, a new tensor too large for ``malloc`` to reuse (glibc: above 32 MiB) is faulted
+  in at ``fresh_bandwidth``: an op's output, and in its backward the inputs' gradient and
+  the weight gradient.
 
 Under ``tp``-way tensor parallelism the ops marked ``split`` (Megatron's column/row parallel
 matrix products and what lies between them) are divided by ``tp``; the layer's
@@ -76,6 +79,8 @@ class Op:
         backward: for memory ops, backward bytes over forward bytes (reading the saved input
             and the output gradient, writing the input gradient: 1.5).
         count: how many identical ops this entry stands for.
+        out_bytes: bytes per sample of its output (a new tensor every call; part of
+            ``bytes``, whose rest is its inputs).
     """
 
     kind: str
@@ -86,10 +91,11 @@ class Op:
     split: bool = False
     backward: float = 1.5
     count: int = 1
+    out_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
-                    ("flops", "bytes", "weight_read", "weight_grad", "backward")
+                    ("flops", "bytes", "weight_read", "weight_grad", "backward", "out_bytes")
                     if not getattr(self, k) >= 0]
         if self.kind not in OP_KINDS:
             problems.append(f"kind={self.kind!r} (use one of {OP_KINDS})")
@@ -245,6 +251,12 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
     else:
         forward = (traffic + weights) / bandwidth + overhead
         backward = op.backward * traffic / bandwidth + grads / bandwidth + overhead
+    if spec.fresh_bandwidth:
+        # New tensors too large for the allocator to reuse are faulted in: the output, and in
+        # the backward the inputs' gradient and a new weight gradient (added to ``.grad``).
+        out = op.out_bytes * samples / share
+        forward += spec.fresh_time(out)
+        backward += spec.fresh_time(traffic - out) + spec.fresh_time(op.weight_grad / share)
     return forward * op.count, backward * op.count
 
 
@@ -338,14 +350,15 @@ def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int) -> tuple[Op, bool] |
                 if a.op != "get_attr")
         traffic = max(inputs, 0) + out
         return Op("matmul", cost.forward_flops / batch, traffic / batch, weight_bytes,
-                  param_bytes, split=param_bytes > 0), param_bytes > 0
+                  param_bytes, split=param_bytes > 0, out_bytes=out / batch), param_bytes > 0
     if _is_view(node):
         return None
     inputs = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
                  if a.op != "get_attr")
     # A gathered row of an embedding table is read once; its gradient is the whole table.
     read = min(weight_bytes, out)
-    return Op("memory", 0.0, (inputs + out) / batch, read, param_bytes), False
+    return Op("memory", 0.0, (inputs + out) / batch, read, param_bytes,
+              out_bytes=out / batch), False
 
 
 def layer_costs(gm: fx.GraphModule, layers: Sequence[Layer],

@@ -88,6 +88,11 @@ class DeviceSpec:
             for memory-bound ops. Small products gain most from sharing (one product split
             over all the threads synchronises often), large ones least, and memory-bound ops
             can lose. Empty: ``shared_speedup`` for all work.
+        fresh_bandwidth: bytes per second at which memory newly mapped for a tensor is first
+            written (page faults, the kernel zeroing pages); 0: allocations reuse memory (a
+            GPU's caching allocator).
+        fresh_threshold: tensors of at least this many bytes get newly mapped memory on
+            every allocation (glibc's ``malloc``: above 32 MiB, its largest mmap threshold).
         action_overhead: seconds the pipeline runtime spends per stage action (one
             micro-batch's forward or backward on one stage: handing it to the stage's
             worker, its stash, autograd bookkeeping), beyond the ops themselves. Measured
@@ -110,6 +115,8 @@ class DeviceSpec:
     shared_speedup: tuple[float, ...] = field(default=())
     shared_sizes: tuple[tuple[float, ...], ...] = field(default=())
     action_overhead: float = 0.0
+    fresh_bandwidth: float = 0.0
+    fresh_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -129,7 +136,8 @@ class DeviceSpec:
         for name in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
-        for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead"):
+        for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
+                     "fresh_bandwidth", "fresh_threshold"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0
@@ -149,6 +157,13 @@ class DeviceSpec:
         """Achievable FLOP/s of one matrix product of ``flops`` FLOPs."""
         size = max(flops, 1.0)
         return self.flops(dtype) * self.matmul_efficiency * size / (size + self.matmul_half_flops)
+
+    def fresh_time(self, nbytes: float) -> float:
+        """Seconds of first-touching a newly allocated tensor of ``nbytes`` (0 when the
+        allocator reuses memory of that size)."""
+        if not self.fresh_bandwidth or nbytes < max(self.fresh_threshold, 1.0):
+            return 0.0
+        return nbytes / self.fresh_bandwidth
 
     @property
     def achievable_bandwidth(self) -> float:

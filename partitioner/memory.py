@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from partitioner.errors import PartitionError
 
 __all__ = ["MemoryModelError", "OPTIMIZERS", "CHECKPOINTS", "MemoryBreakdown", "in_flight",
-           "per_parameter_bytes", "optimizer_traffic", "activation_memory", "device_memory"]
+           "per_parameter_bytes", "optimizer_traffic", "optimizer_temporaries",
+           "activation_memory", "device_memory"]
 
 OPTIMIZERS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2,
                                "fused_adam": 2}
@@ -106,6 +107,20 @@ def optimizer_traffic(optimizer: str, element: int, mixed_precision: bool) -> in
     traffic = {"sgd": 3 * e, "momentum": 3 * e + 5 * s, "adam": 4 * e + 16 * s,
                "adamw": 4 * e + 16 * s + 2 * e, "fused_adam": 3 * e + 4 * s}
     return traffic[optimizer] + master
+
+
+def optimizer_temporaries(optimizer: str) -> int:
+    """Parameter-sized temporaries the optimizer step allocates, per parameter tensor.
+
+    PyTorch's (unfused) Adam allocates two: the square root of the second moment and its
+    quotient by the bias correction; SGD and fused Adam work in place.
+
+    Example:
+        >>> optimizer_temporaries("adam"), optimizer_temporaries("momentum")
+        (2, 0)
+    """
+    _check("optimizer", optimizer, OPTIMIZERS)
+    return 2 if optimizer in ("adam", "adamw") else 0
 
 
 def activation_memory(checkpoint: str, held: int, full: float, stage_input: float) -> float:

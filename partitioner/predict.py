@@ -48,6 +48,7 @@ from partitioner.memory import (
     activation_memory,
     device_memory,
     in_flight,
+    optimizer_temporaries,
     optimizer_traffic,
 )
 from partitioner.solver import InfeasibleError, PartitionProblem, evaluate, solve
@@ -421,6 +422,18 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
     return tuple(out)
 
 
+def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[StageProfile],
+                       spec: DeviceSpec) -> float:
+    """Seconds of faulting in the optimizer's temporaries for weights too large for the
+    allocator to reuse (``spec.fresh_threshold``), on one device."""
+    temporaries = optimizer_temporaries(config.optimizer)
+    if not temporaries or not spec.fresh_bandwidth:
+        return 0.0
+    return sum(temporaries * spec.fresh_time(op.weight_grad / (config.tp if op.split else 1))
+               * op.count for s in stages for layer in workload.layers[s.first:s.last]
+               for op in layer.ops)
+
+
 def _sharing(works: list[tuple[float, ...]]) -> tuple[float, ...]:
     """A stage's gain from sharing a host, from its layers' :func:`shared_work`."""
     totals = [sum(column) for column in zip(*works)]
@@ -482,7 +495,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         reduce = all_reduce_time(sum(s.grad_bytes for s in mine), config.dp,
                                  cluster.group_link(ranks)) if config.dp > 1 else 0.0
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce else 0
-        optimizer = params / element * traffic / cluster.spec(j).optimizer_rate
+        optimizer = params / element * traffic / cluster.spec(j).optimizer_rate \
+            + _fresh_temporaries(workload, config, mine, cluster.spec(j))
         ends.append(pipeline - drained + max(reduce - window, 0.0)
                     + (0.0 if shared else optimizer))
         drained += stages[j].backward + share * stages[j].replay

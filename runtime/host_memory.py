@@ -34,7 +34,8 @@ import ctypes
 import platform
 import threading
 
-__all__ = ["keep_freed_memory", "release_host_memory", "host_memory_kept"]
+__all__ = ["keep_freed_memory", "release_host_memory", "host_memory_kept",
+           "fresh_allocation_bytes"]
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -74,6 +75,18 @@ def keep_freed_memory() -> bool:
         _kept = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) \
             & bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
         return _kept
+
+
+def fresh_allocation_bytes() -> float | None:
+    """Tensors of at least this many bytes get newly mapped memory on every allocation.
+
+    glibc's ``malloc`` maps blocks above its mmap threshold on their own and unmaps them when
+    freed; the threshold rises as such blocks are freed, up to 32 MiB. Kept
+    (:func:`keep_freed_memory`): 1 GiB. None where the C library is not glibc (unknown).
+    """
+    if _libc() is None:
+        return None
+    return float(_MMAP_THRESHOLD if _kept else 32 * 2**20)
 
 
 def host_memory_kept() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import platform
 
 import pytest
 import torch
@@ -55,6 +56,10 @@ def test_measured_cpu_spec_is_valid() -> None:
     assert [row[0] for row in spec.shared_sizes] == [0.0] + [2 * n * 2**20
                                                             for n in (8, 64, 256, 1024)]
     assert spec.shared_sizes[2][1:] == spec.shared_speedup  # the reference work
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        # glibc maps tensors of 32 MiB and more afresh: first touch costs, measured.
+        assert spec.fresh_threshold == 32 * 2**20 and spec.fresh_bandwidth > 1e8
+    assert spec.action_overhead >= 0.0
     for row in spec.shared_sizes:
         assert row[1] == 1.0 and all(1 / n <= s <= n for n, s in enumerate(row[1:], start=1))
 

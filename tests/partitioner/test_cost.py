@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import doctest
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -51,6 +53,20 @@ def test_weights_are_read_per_call_not_per_sample() -> None:
     one = sum(op_times(op, GPU, 64))
     eight = 8 * sum(op_times(op, GPU, 8))
     assert eight > 6 * one  # the weights are streamed eight times
+
+
+def test_tensors_too_large_for_the_allocator_to_reuse_are_faulted_in() -> None:
+    # A CPU whose malloc maps tensors of 32 MiB and more afresh, faulted in at 1 GB/s.
+    cpu = replace(CPU, fresh_bandwidth=1e9, fresh_threshold=32 * 2**20)
+    op = Op("memory", bytes=3e6, out_bytes=1e6, weight_grad=40 * 2**20)  # per sample
+    small_f, small_b = op_times(op, CPU, 8)
+    fresh_f, fresh_b = op_times(op, cpu, 8)
+    assert fresh_f == small_f  # an 8 MB output is reused
+    assert fresh_b - small_b == pytest.approx(40 * 2**20 / 1e9)  # the weight gradient is not
+    big_f, big_b = op_times(op, cpu, 64)  # 64 MB out, 128 MB of inputs' gradients
+    assert big_f - op_times(op, CPU, 64)[0] == pytest.approx(64e6 / 1e9)
+    assert big_b - op_times(op, CPU, 64)[1] == pytest.approx((128e6 + 40 * 2**20) / 1e9)
+    assert cpu.fresh_time(32 * 2**20 - 1) == 0.0 and CPU.fresh_time(1e12) == 0.0
 
 
 def test_accumulating_gradients_costs_three_more_passes() -> None:

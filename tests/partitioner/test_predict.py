@@ -137,5 +137,22 @@ def test_devices_sharing_a_host_are_stepped_by_one_optimizer() -> None:
                                                + separate.optimizer_times[0])
 
 
+def test_adam_faults_in_its_temporaries_for_large_weights() -> None:
+    # PyTorch's Adam allocates two weight-sized temporaries per tensor; above the allocator's
+    # reuse threshold they are faulted in every step. SGD works in place.
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e10, 1e10, fresh_bandwidth=1e9,
+                     fresh_threshold=32 * 2**20)
+    layers = (LayerCost("embed", (Op("memory", bytes=8.0, weight_grad=100e6),),
+                        param_bytes=100e6),
+              LayerCost("fc", (Op("matmul", flops=1e3, weight_grad=4e6),), param_bytes=4e6))
+    workload = Workload(layers, (0.0,) * 3, batch=8)
+    no_faults = Cluster(replace(cpu, fresh_bandwidth=0.0))
+    for optimizer, extra in (("adam", 2 * 100e6 / 1e9), ("momentum", 0.0)):
+        config = Config(optimizer=optimizer)
+        faulted = predict(workload, Cluster(cpu), config).optimizer_times[0]
+        assert faulted - predict(workload, no_faults, config).optimizer_times[0] \
+            == pytest.approx(extra)
+
+
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.predict).failed == 0
