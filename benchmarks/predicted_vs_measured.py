@@ -3,7 +3,9 @@
 Each case is a model, a number of ``"cpu"`` devices (2 to 4 pipeline stages, plus one
 single-device anchor), micro-batches and a checkpoint mode. ``partition(..., strategy=
 "pipeline")`` plans it with the cost model (the CPU spec measured by
-``partitioner.calibrate.measure_cpu`` at the start of the run), and the plan's predicted step
+``partitioner.calibrate.measure_cpu`` at the start of the run: the median of
+``--calibration-runs`` runs then, not the user's cache of the last hours' runs, since this
+VM's speed drifts by 20% over hours), and the plan's predicted step
 time is compared with the measured median of training steps: ``zero_grad``, forward, loss,
 backward, Adam step (the optimizer the planner assumes). Reported beside it: ``simulate``
 of the plan, and the prediction of ``make_plan(..., calibrate=True)``, which times each
@@ -30,6 +32,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +50,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-foreign", type=float, default=0.1,
                         help="discard a step if other processes kept more than this share "
                              "of the cores busy during it (1 keeps every step)")
+    parser.add_argument("--calibration-runs", type=int, default=3,
+                        help="CPU calibration runs at the start, of which the spec takes "
+                             "the median")
     parser.add_argument("--max-attempts", type=int, default=200,
                         help="give up after this many passes over the cases")
     ARGS = parser.parse_args()
@@ -139,22 +145,29 @@ def prepare(case: Case, limit: float, attempts: int) -> dict[str, Any]:
             "calibrated": calibrated.predicted_step_time}
 
 
-def quiet_calibration(limit: float, attempts: int) -> tuple[Any, float]:
-    """Measure the CPU spec during a quiet moment (``measure_cpu`` keeps the median over
-    its last runs)."""
+def quiet_calibration(limit: float, attempts: int, runs: int) -> tuple[Any, float]:
+    """Measure the CPU spec as the machine is during this run: ``runs`` quiet calibration
+    runs in a cache directory of their own, whose median ``measure_cpu`` returns (the
+    user's cache holds the last hours' runs; this VM's speed drifts by 20% over hours)."""
+    begin = time.perf_counter()
     for _ in range(attempts):
-        start, load = time.perf_counter(), cpu_sample()
-        measure_cpu.cache_clear()
-        spec = measure_cpu()
-        if (foreign_share(load) or 0.0) <= limit:
-            return spec, time.perf_counter() - start
+        os.environ["PARTITIONER_CACHE_DIR"] = tempfile.mkdtemp(prefix="calibration-")
+        for _ in range(runs):
+            load = cpu_sample()
+            measure_cpu.cache_clear()
+            spec = measure_cpu()
+            if (foreign_share(load) or 0.0) > limit:
+                break  # a disturbed run would stay in the median: start again
+        else:
+            return spec, (time.perf_counter() - begin) / runs
         time.sleep(2.0)
-    return spec, time.perf_counter() - start
+    return spec, (time.perf_counter() - begin) / runs
 
 
 def main(args: argparse.Namespace) -> None:
     chosen = [c for c in CASES if not args.cases or c.name.split()[0] in args.cases.split(",")]
-    spec, calibration = quiet_calibration(args.max_foreign, args.max_attempts)
+    spec, calibration = quiet_calibration(args.max_foreign, args.max_attempts,
+                                          args.calibration_runs)
     runs = [prepare(c, args.max_foreign, args.max_attempts) for c in chosen]
     for run in runs:
         for _ in range(args.warmup):
@@ -182,7 +195,8 @@ def report(runs: list[dict[str, Any]], spec: Any, calibration: float, discarded:
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, intra-op threads {torch.get_num_threads()}; "
           f"{args.rounds} timed rounds after {args.warmup} warm-up")
-    print(f"CPU spec (measured in {calibration:.2f} s): {spec.flops() / 1e9:.0f} GFLOP/s, "
+    print(f"CPU spec (median of {args.calibration_runs} runs at the start, "
+          f"{calibration:.2f} s each): {spec.flops() / 1e9:.0f} GFLOP/s, "
           f"element-wise {spec.memory_bandwidth / 1e9:.0f} GB/s, optimizer "
           f"{spec.optimizer_rate / 1e9:.0f} GB/s, weight repacking "
           f"{spec.pack_bandwidth / 1e9:.0f} GB/s, {spec.op_overhead * 1e6:.1f} us per op, "

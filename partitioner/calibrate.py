@@ -334,13 +334,17 @@ def _adam_step() -> float:
 
 def _spec(t: dict[str, float]) -> DeviceSpec:
     """The spec of a set of timings (see :func:`measure_cpu`)."""
-    # t = overhead + weight / pack + f / rate: a least-squares line through the products of
-    # 8, 64 and 256 rows; its slope is the rate, its intercept the repacking.
+    # t = overhead + weight / pack + f / rate: a line through the products of 8, 64 and 256
+    # rows, least squares in relative error (each size counts alike, not the slowest most);
+    # its slope is the rate, its intercept the repacking.
     flops = [2.0 * n * _WEIGHT**2 for n in _ROWS]
     times = [t["few"], t["some"], t["many"]]
-    mean_f, mean_t = sum(flops) / 3, sum(times) / 3
-    slope = sum((f - mean_f) * (s - mean_t) for f, s in zip(flops, times)) / sum(
-        (f - mean_f) ** 2 for f in flops)
+    weights = [1 / s**2 for s in times]
+    total = sum(weights)
+    mean_f = sum(w * f for w, f in zip(weights, flops)) / total
+    mean_t = sum(w * s for w, s in zip(weights, times)) / total
+    slope = sum(w * (f - mean_f) * (s - mean_t) for w, f, s in zip(weights, flops, times)) \
+        / sum(w * (f - mean_f) ** 2 for w, f in zip(weights, flops))
     rate = 1 / slope if slope > 0 else flops[-1] / times[-1]
     rate = min(max(rate, flops[-1] / times[-1]), 1.5 * flops[-1] / times[-1])
     pack_time = max(mean_t - mean_f / rate - t["overhead"], t["few"] * 0.01)
