@@ -143,3 +143,21 @@ def test_partition_with_calibrate_runs_and_stays_transparent(
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.calibrate).failed == 0
+
+
+def test_the_calibration_s_adam_step_is_torch_s_op_for_op() -> None:
+    # measure_cpu times Adam's element-wise ops without torch.optim (whose first step imports
+    # ~800 modules); they must stay the same update, bit for bit.
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(64, 32)) for _ in range(3)]
+    theirs = [nn.Parameter(w.detach().clone()) for w in ours]
+    state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in ours]
+    adam = torch.optim.Adam(theirs, lr=1e-3)
+    for step in range(1, 4):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        partitioner.calibrate._adam_update(ours, state, step, lr=1e-3)
+        adam.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
