@@ -1,6 +1,6 @@
 """Measuring this machine: the CPU's spec, and (``calibrate=True``) each distinct layer.
 
-:func:`measure_cpu` runs a short calibration (about 2 s) once per process: products of
+:func:`measure_cpu` runs a short calibration (about 3 s) once per process: products of
 1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
 as a model's are (the rate, and the per-call cost of repacking the weights that makes small
 micro-batches slow), a tiny product (the efficiency curve), an in-place add larger than the
@@ -200,7 +200,7 @@ _MOST = 1024  # rows of the largest products timed shared (as a transformer's at
 
 
 def _timings() -> dict[str, float]:
-    """One calibration run's timings, in seconds (about 2 s on an idle machine)."""
+    """One calibration run's timings, in seconds (about 3 s on an idle machine)."""
     # Weights from memory, not cache: a model's layers together outgrow the last-level cache,
     # so each product here takes the next of 96 MiB of weights.
     weights = [torch.randn(_WEIGHT, _WEIGHT) for _ in range(24)]
@@ -217,10 +217,10 @@ def _timings() -> dict[str, float]:
              "small": _typical(lambda: torch.mm(c, d), repeats=7, inner=50),
              "add": _typical(lambda: y.add_(x), repeats=5),
              "fill": _typical(lambda: y.fill_(1.0), repeats=5),
-             "fresh": _typical(_fresh_fill, repeats=3),
+             "fresh": _typical(_fresh_fill, repeats=3) if fresh_allocation_bytes() else 0.0,
              "adam": _adam_step(),
              "action": _action_overhead()}
-    # What stages computing at once get done: products of 8, 64 and 256 rows with weights
+    # What stages computing at once get done: products of 8 to 1024 rows with weights
     # streamed from memory (the smaller, the more sharing gains), and element-wise streams
     # (each worker its own tensors; the memory bus is shared).
     local = threading.local()

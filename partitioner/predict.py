@@ -466,8 +466,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     if shared and config.devices > 1:
         # Devices sharing the host's cores: in the steady state the slowest device is always
         # busy and device j a share w_j / w_max of the time, in every replica and shard, so
-        # n = dp * tp * sum of the shares compete.
-        # Each stage gains what its kind of work gains (small products more than large).
+        # n = dp * tp * sum of the shares compete, each stage gaining what its kind of work
+        # gains (small products more than large).
         busy = config.dp * config.tp * sum(per_device) / max(per_device)
         slowed = sum(w / s.speedup(spec, busy) for w, s in zip(work, stages))
         steady *= busy * slowed / sum(work) if sum(work) > 0 else 1.0
@@ -505,7 +505,9 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     # Devices sharing a host are stepped by one process's optimizer, one after another.
     step = max(ends) + (config.dp * config.tp * sum(opt_times) if shared else 0.0)
     breakdown = {"compute": m * max(per_device), "pipeline": pipeline,
-                 "dp_all_reduce": max(dp_times), "optimizer": max(opt_times)}
+                 "dp_all_reduce": max(dp_times),
+                 "optimizer": config.dp * config.tp * sum(opt_times) if shared
+                 else max(opt_times)}
     return Prediction(config, stages, step, pipeline, bubble, tuple(memory), capacity,
                       tuple(dp_times), tuple(opt_times),
                       workload.batch / step if step > 0 else math.inf, reason, breakdown)
