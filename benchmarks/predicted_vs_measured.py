@@ -3,9 +3,11 @@
 Each case is a model, a number of ``"cpu"`` devices (2 to 4 pipeline stages, plus one
 single-device anchor), micro-batches and a checkpoint mode. ``partition(..., strategy=
 "pipeline")`` plans it with the cost model (the CPU spec measured by
-``partitioner.calibrate.measure_cpu`` at the start of the run: the median of
-``--calibration-runs`` runs then, not the user's cache of the last hours' runs, since this
-VM's speed drifts by 20% over hours), and the plan's predicted step
+``partitioner.calibrate.measure_cpu`` in a cache of the run's own, not the user's cache of
+the last hours' runs, since this VM's speed drifts by 20% over hours: ``--calibration-runs``
+runs at the start plan the cases; one more run between the timed rounds, and the cases'
+plans, stages as measured, are predicted again at the end with the median of the last 9
+runs, the machine as it was while they ran), and the plan's predicted step
 time is compared with the measured median of training steps: ``zero_grad``, forward, loss,
 backward, Adam step (the optimizer the planner assumes). Reported beside it: ``simulate``
 of the plan, and the prediction of ``make_plan(..., calibrate=True)``, which times each
@@ -53,6 +55,10 @@ if __name__ == "__main__":
     parser.add_argument("--calibration-runs", type=int, default=3,
                         help="CPU calibration runs at the start, of which the spec takes "
                              "the median")
+    parser.add_argument("--no-track", dest="track", action="store_false",
+                        help="predict with the spec measured at the start only (default: "
+                             "one more calibration run between rounds, and the cases "
+                             "predicted again at the end with the median of the last runs)")
     parser.add_argument("--max-attempts", type=int, default=200,
                         help="give up after this many passes over the cases")
     ARGS = parser.parse_args()
@@ -71,6 +77,7 @@ from machine_load import cpu_sample, foreign_share  # noqa: E402
 from examples.models import ResNetish, gpt  # noqa: E402
 from partitioner import make_plan, partition  # noqa: E402
 from partitioner.calibrate import measure_cpu  # noqa: E402
+from partitioner.devices import spec_for  # noqa: E402
 from partitioner.simulate import simulate  # noqa: E402
 
 
@@ -139,8 +146,9 @@ def prepare(case: Case, limit: float, attempts: int) -> dict[str, Any]:
         if (foreign_share(load) or 0.0) <= limit:
             break
         time.sleep(2.0)
-    return {"case": case, "pm": pm, "step": step, "times": [],
+    return {"case": case, "pm": pm, "step": step, "times": [], "model": model, "x": x,
             "predicted": pm.plan.predicted_step_time,
+            "at_start": pm.plan.predicted_step_time,
             "simulated": simulate(pm.plan).step_time,
             "calibrated": calibrated.predicted_step_time}
 
@@ -178,6 +186,9 @@ def main(args: argparse.Namespace) -> None:
         if not waiting:
             break
         attempts += 1
+        if args.track:  # one more calibration run for the spec's median, between rounds
+            measure_cpu.cache_clear()
+            measure_cpu()
         for run in waiting[attempts % len(waiting):] + waiting[:attempts % len(waiting)]:
             load = cpu_sample()
             begin = time.perf_counter()
@@ -187,7 +198,24 @@ def main(args: argparse.Namespace) -> None:
                 discarded += 1
                 continue
             run["times"].append(seconds)
+    if args.track:
+        spec = repredict(runs)
     report(runs, spec, calibration, discarded, args)
+
+
+def repredict(runs: list[dict[str, Any]]) -> Any:
+    """Predict every case's plan (its stages as measured) again with the spec of the runs
+    taken between the timed rounds: the machine as it was while they ran."""
+    measure_cpu.cache_clear()
+    spec_for.cache_clear()
+    spec = measure_cpu()
+    for run in runs:
+        case, plan = run["case"], run["pm"].plan
+        again = make_plan(run["model"], ["cpu"] * case.devices, balance=list(plan.balance),
+                          example_inputs=(run["x"],), chunks=case.chunks,
+                          checkpoint=case.checkpoint)
+        run["predicted"], run["simulated"] = again.predicted_step_time, simulate(again).step_time
+    return spec
 
 
 def report(runs: list[dict[str, Any]], spec: Any, calibration: float, discarded: int,
@@ -195,8 +223,9 @@ def report(runs: list[dict[str, Any]], spec: Any, calibration: float, discarded:
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, intra-op threads {torch.get_num_threads()}; "
           f"{args.rounds} timed rounds after {args.warmup} warm-up")
-    print(f"CPU spec (median of {args.calibration_runs} runs at the start, "
-          f"{calibration:.2f} s each): {spec.flops() / 1e9:.0f} GFLOP/s, "
+    source = ("median of the last 9 runs, between the rounds" if args.track
+              else f"median of {args.calibration_runs} runs at the start")
+    print(f"CPU spec ({source}, {calibration:.2f} s each): {spec.flops() / 1e9:.0f} GFLOP/s, "
           f"element-wise {spec.memory_bandwidth / 1e9:.0f} GB/s, optimizer "
           f"{spec.optimizer_rate / 1e9:.0f} GB/s, weight repacking "
           f"{spec.pack_bandwidth / 1e9:.0f} GB/s, {spec.op_overhead * 1e6:.1f} us per op, "
@@ -224,9 +253,14 @@ def report(runs: list[dict[str, Any]], spec: Any, calibration: float, discarded:
               f"{measured * 1e3:.1f} | {min(times) * 1e3:.1f} | {run['predicted'] * 1e3:.1f} "
               f"| {error:+.0%} | {run['simulated'] * 1e3:.1f} | {sim_error:+.0%} | "
               f"{run['calibrated'] * 1e3:.1f} | {cal_error:+.0%} |")
+    starts = [abs(run["at_start"] / statistics.median(run["times"]) - 1)
+              for run in runs if run["times"]]
     print(f"\nmedian absolute error: predicted {statistics.median(errors):.1%}, simulated "
           f"{statistics.median(sim_errors):.1%}, calibrated (calibrate=True) "
           f"{statistics.median(cal_errors):.1%} (goal <= 20%)")
+    if args.track:
+        print(f"predicted with the spec measured at the start only: median absolute error "
+              f"{statistics.median(starts):.1%}")
     names = {run["case"].name: run for run in runs if run["times"]}
     one, eight = names.get("mlp 1 dev, 1 mb"), names.get("mlp 1 dev, 8 mb")
     if one and eight:
