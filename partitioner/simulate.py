@@ -195,11 +195,9 @@ class _Simulation:
         self.tags: dict[int, tuple[str, Any]] = {}
 
     def gain(self, j: int, n: int) -> float:
-        """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs."""
-        tag = self.tags.get(j)
-        if tag is None or tag[0] != "compute":
-            return self.spec.speedup(n)
-        return self.stages[tag[1].stage].speedup(self.spec, n)
+        """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
+        (on a shared host only compute runs there; the optimizers step after it)."""
+        return self.stages[self.tags[j][1].stage].speedup(self.spec, n)
 
     def push(self, time: float, kind: str, payload: Any) -> None:
         self.seq += 1

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import threading
 
@@ -49,6 +50,7 @@ _lock = threading.Lock()
 _kept = False
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
-def _run(code: str, **env: str) -> dict:
+def _run(code: str) -> dict:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
