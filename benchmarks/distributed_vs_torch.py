@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from partitioner.distributed import partition_distributed
-from runtime.mesh import init_distributed
+from partitioner.runtime.distributed.mesh import init_distributed
 
 
 def parse_args() -> argparse.Namespace:
@@ -211,9 +211,9 @@ def profile_a(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed.pipelining.schedules as their_schedules
     import torch.distributed.pipelining.stage as their_stage
 
-    import runtime.distributed as our_executor
-    import runtime.p2p as our_p2p
-    import runtime.stage as our_stage
+    import partitioner.runtime.distributed.p2p as our_p2p
+    import partitioner.runtime.distributed.pipeline as our_executor
+    import partitioner.runtime.stage as our_stage
 
     base = make_model(args.width, args.blocks)
     x, y = data(args.batch, args.width)

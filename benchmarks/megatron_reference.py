@@ -1,17 +1,17 @@
 """The cost model against Megatron-LM's weak-scaling table, and strategy="auto" on the same.
 
-For each row of ``tests/partitioner/data/megatron_table1_subset.csv`` (Narayanan et al.,
+For each row of ``tests/partitioner/cost/data/megatron_table1_subset.csv`` (Narayanan et al.,
 SC'21, Table 1), then for rows of the same table kept out of that file (``HELD_OUT`` in
-``tests/partitioner/test_megatron_reference.py``, plus two rows whose published figure is
+``tests/partitioner/cost/test_megatron_reference.py``, plus two rows whose published figure is
 quoted from the paper without a second source here, marked "unverified"): the published
 configuration run as Megatron-LM ran it (interleaved 1F1B, micro-batch 1, two chunks per
 device where the layers divide, full recomputation, blocking sends, gradient all-reduce
 after the backward; see the test) is predicted analytically and by the event simulation,
 and its throughput per GPU (the paper's FLOP count over the step time) compared with the
-published figure. Then ``partitioner.auto.search`` plans the same model, batch and cluster
+published figure. Then ``partitioner.planning.auto.search`` plans the same model, batch and cluster
 from scratch (same training settings), and its best configuration, throughput and planning
 time are reported. No device figure was chosen by looking at these rows
-(``partitioner/devices.py`` cites each).
+(``partitioner/cost/devices.py`` cites each).
 
 Run:
     python benchmarks/megatron_reference.py            # about 10 s on this 2-core machine
@@ -31,14 +31,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "partitioner"))
+sys.path.insert(0, str(ROOT / "tests" / "partitioner" / "cost"))
 
 from test_megatron_reference import HELD_OUT, ROWS, Row  # noqa: E402
 
-from partitioner.auto import search  # noqa: E402
-from partitioner.predict import predict  # noqa: E402
-from partitioner.simulate import simulate  # noqa: E402
-from partitioner.transformer_model import gpt_workload, megatron_boundaries  # noqa: E402
+from partitioner.cost.transformer_model import gpt_workload, megatron_boundaries  # noqa: E402
+from partitioner.planning.auto import search  # noqa: E402
+from partitioner.planning.predict import predict  # noqa: E402
+from partitioner.planning.simulate import simulate  # noqa: E402
 
 # Two more rows of Table 1 whose throughput is quoted from the paper (138 TFLOP/s, 44% of
 # peak, 8.8 PFLOP/s aggregate; 155, 50%, 297.4) with no second source at hand.

@@ -15,7 +15,7 @@ cores every team's barriers sleep and wake instead of spinning, which slows *all
 
 Every contender's process handles freed host memory alike: with glibc's defaults, or with
 ``--allocator kept`` all keep it for reuse instead of page-faulting it back in each step
-(``runtime.host_memory``), so the ratio measures the pipelines, not the allocator.
+(``partitioner.runtime.host_memory``), so the ratio measures the pipelines, not the allocator.
 
 Run:
     python benchmarks/pipeline_vs_torchgpipe.py                 # defaults: 5 warm-up, 20 timed
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--allocator", choices=("glibc", "kept"), default="glibc",
                         help="glibc: every contender with glibc's defaults; kept: every "
                              "contender keeps freed host memory for reuse "
-                             "(runtime.host_memory.keep_freed_memory)")
+                             "(partitioner.runtime.host_memory.keep_freed_memory)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
@@ -85,10 +85,10 @@ from torch import nn  # noqa: E402
 
 import partitioner  # noqa: E402
 from partitioner import partition  # noqa: E402
-from runtime.host_memory import keep_freed_memory  # noqa: E402
-from runtime.local import thread_plan  # noqa: E402
-from runtime.schedule import gpipe as gpipe_schedule  # noqa: E402
-from runtime.worker import thread_default  # noqa: E402
+from partitioner.runtime.host_memory import keep_freed_memory  # noqa: E402
+from partitioner.runtime.local import thread_plan  # noqa: E402
+from partitioner.runtime.schedule import gpipe as gpipe_schedule  # noqa: E402
+from partitioner.runtime.worker import thread_default  # noqa: E402
 
 
 def import_torchgpipe() -> type:
@@ -176,7 +176,7 @@ def build_step(name: str, args: argparse.Namespace) -> tuple[Callable[[], float]
 
 
 def worker_threads(pm: nn.Module) -> list[int]:
-    """The intra-op thread counts our stages' actions run with (``runtime.local``: the
+    """The intra-op thread counts our stages' actions run with (``partitioner.runtime.local``: the
     caller's threads shared by the stages busy at the action's time in the schedule)."""
     pipe = pm.pipeline(True)  # type: ignore[operator]
     plan = thread_plan(gpipe_schedule(len(pipe.workers), pipe.chunks),

@@ -50,12 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.models import ResNetish, gpt, mlp  # noqa: E402
-from partitioner.api import analyze  # noqa: E402
-from partitioner.cost import Workload  # noqa: E402
-from partitioner.devices import Cluster  # noqa: E402
-from partitioner.memory import device_memory  # noqa: E402
-from partitioner.predict import Config, layer_profile, stage_problem  # noqa: E402
-from partitioner.solver import PartitionProblem, evaluate, solve  # noqa: E402
+from partitioner.analysis import analyze  # noqa: E402
+from partitioner.cost.cost import Workload  # noqa: E402
+from partitioner.cost.devices import Cluster  # noqa: E402
+from partitioner.cost.memory import device_memory  # noqa: E402
+from partitioner.planning.predict import Config, layer_profile, stage_problem  # noqa: E402
+from partitioner.planning.solver import PartitionProblem, evaluate, solve  # noqa: E402
 
 GPT2 = {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16),
         "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}

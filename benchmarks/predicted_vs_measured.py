@@ -3,7 +3,7 @@
 Each case is a model, a number of ``"cpu"`` devices (2 to 4 pipeline stages, plus one
 single-device anchor), micro-batches and a checkpoint mode. ``partition(..., strategy=
 "pipeline")`` plans it with the cost model (the CPU spec measured by
-``partitioner.calibrate.measure_cpu`` in a cache of the run's own, not the user's cache of
+``partitioner.cost.measure.measure_cpu`` in a cache of the run's own, not the user's cache of
 the last hours' runs, since this VM's speed drifts by 20% over hours: ``--calibration-runs``
 runs at the start plan the cases; one more run between the timed rounds, and the cases'
 plans, stages as measured, are predicted again at the end with the median of the last 9
@@ -76,9 +76,8 @@ from machine_load import cpu_sample, foreign_share  # noqa: E402
 
 from examples.models import ResNetish, gpt  # noqa: E402
 from partitioner import make_plan, partition  # noqa: E402
-from partitioner.calibrate import measure_cpu  # noqa: E402
-from partitioner.devices import spec_for  # noqa: E402
-from partitioner.simulate import simulate  # noqa: E402
+from partitioner.cost.measure import measure_cpu  # noqa: E402
+from partitioner.planning.simulate import simulate  # noqa: E402
 
 
 @dataclass
@@ -207,7 +206,6 @@ def repredict(runs: list[dict[str, Any]]) -> Any:
     """Predict every case's plan (its stages as measured) again with the spec of the runs
     taken between the timed rounds: the machine as it was while they ran."""
     measure_cpu.cache_clear()
-    spec_for.cache_clear()
     spec = measure_cpu()
     for run in runs:
         case, plan = run["case"], run["pm"].plan

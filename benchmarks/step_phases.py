@@ -29,8 +29,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from partitioner import partition
-from partitioner.calibrate import measure_cpu
-from partitioner.records import from_record
+from partitioner.cost.measure import measure_cpu
+from partitioner.planning.records import from_record
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from partitioner.distributed import partition_distributed
-from runtime.sampler import ReplicaSampler
+from partitioner.runtime.distributed.sampler import ReplicaSampler
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root, for examples.models
 from examples.models import classifier

@@ -16,15 +16,15 @@ if TYPE_CHECKING:
     from partitioner.api import make_plan, partition
     from partitioner.apply import load_plan
     from partitioner.capture import TraceError
-    from partitioner.devices import Cluster, DeviceSpec
+    from partitioner.cost.devices import Cluster, DeviceSpec
     from partitioner.distributed import DistributedModel, partition_distributed
     from partitioner.errors import PartitionError
-    from partitioner.plan import Plan, Stage
-    from partitioner.simulate import simulate
-    from partitioner.spec import Spec
+    from partitioner.passes.flatten_sequential import flatten_sequential
+    from partitioner.planning.simulate import simulate
+    from partitioner.plans.plan import Plan, Stage
+    from partitioner.plans.spec import Spec
     from partitioner.tensor_parallel import parallelize
     from partitioner.viz import visualize
-    from passes.flatten_sequential import flatten_sequential
 
 __all__ = ["partition", "make_plan", "Plan", "Stage", "PartitionError", "TraceError",
            "flatten_sequential", "visualize", "load_plan", "Spec", "partition_distributed",
@@ -33,20 +33,20 @@ __all__ = ["partition", "make_plan", "Plan", "Stage", "PartitionError", "TraceEr
 _WHERE = {
     "partition": "partitioner.api",
     "make_plan": "partitioner.api",
-    "Plan": "partitioner.plan",
-    "Stage": "partitioner.plan",
+    "Plan": "partitioner.plans.plan",
+    "Stage": "partitioner.plans.plan",
     "PartitionError": "partitioner.errors",
     "TraceError": "partitioner.errors",
-    "flatten_sequential": "passes.flatten_sequential",
+    "flatten_sequential": "partitioner.passes.flatten_sequential",
     "visualize": "partitioner.viz",
     "load_plan": "partitioner.apply",
-    "Spec": "partitioner.spec",
+    "Spec": "partitioner.plans.spec",
     "partition_distributed": "partitioner.distributed",
     "DistributedModel": "partitioner.distributed",
     "parallelize": "partitioner.tensor_parallel",
-    "simulate": "partitioner.simulate",
-    "Cluster": "partitioner.devices",
-    "DeviceSpec": "partitioner.devices",
+    "simulate": "partitioner.planning.simulate",
+    "Cluster": "partitioner.cost.devices",
+    "DeviceSpec": "partitioner.cost.devices",
 }
 
 

@@ -3,11 +3,12 @@
 A full :class:`Plan` is applied as written: the same layers in the same stages on the same
 devices, with its chunks, checkpoint mode and schedule, after checking that the model is the
 one the plan was made for (its fingerprint) and refusing, with the differences listed, when
-it is not. A :class:`~partitioner.spec.Spec` is compiled: its globs resolved against the
+it is not. A :class:`~partitioner.plans.spec.Spec` is compiled: its globs resolved against the
 model's layers, the rest planned, and the result recorded like any other plan.
 
-Both paths, and plain planning, end in :func:`record`, which writes into the plan what the
-file format promises: the model's fingerprint, the planner's inputs and the bytes each stage
+Both paths, and plain planning, end in :func:`partitioner.planning.planner.record`, which
+writes into the plan what the file format promises: the model's fingerprint, the planner's inputs
+and the bytes each stage
 sends per micro-batch.
 
 Example:
@@ -23,21 +24,22 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from partitioner.api import Analysis, _Options, _plan, _validate, analyze
+from partitioner.analysis import Analysis, analyze
+from partitioner.cost.devices import parse_devices
 from partitioner.errors import PartitionError
-from partitioner.fingerprint import differences, fingerprint
-from partitioner.plan import FORMAT, Mesh, Plan, PlannerInputs
-from partitioner.spec import Spec, SpecError, read_document, resolve_spec
+from partitioner.planning.planner import plan_request, record
+from partitioner.plans.fingerprint import differences, fingerprint
+from partitioner.plans.plan import FORMAT, Mesh, Plan
+from partitioner.plans.spec import Spec, SpecError, read_document, resolve_spec
+from partitioner.request import PlanRequest
 
-__all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "record"]
+__all__ = ["PlanMismatchError", "load_plan", "resolve_plan"]
 
 PlanSource = str | Path | Plan | Spec | dict[str, Any]
 
@@ -62,20 +64,16 @@ def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
     return Spec.from_dict(data)
 
 
-def resolve_plan(model: nn.Module, source: PlanSource, devices: Any, *,
-                 example_inputs: tuple[Any, ...] | None,
-                 example_kwargs: dict[str, Any] | None,
-                 asked: dict[str, Any]) -> tuple[Analysis, Plan, _Options]:
-    """The analysis and plan ``partition`` builds from ``plan=``.
+def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest
+                 ) -> tuple[Analysis, Plan, PlanRequest]:
+    """The analysis, plan and settled request ``partition`` builds from ``plan=``.
 
     Args:
         model: the model to partition.
         source: a plan or spec, or a path to one, or a parsed spec dict.
-        devices: ``partition``'s devices (``None`` takes the plan's).
-        example_inputs: one batch, for costing and export capture.
-        example_kwargs: keyword inputs of that batch.
-        asked: ``partition``'s other keywords (strategy, chunks, checkpoint, balance,
-            split_points, memory_limit); ones that disagree with the plan are refused.
+        request: ``partition``'s other options. Its devices (none: the plan's) and the
+            settings given explicitly (``request.asked()``: strategy, chunks, checkpoint,
+            balance, split_points, memory_limit) must agree with the plan.
 
     Raises:
         PlanMismatchError: the plan was made for another model or disagrees with the call.
@@ -83,31 +81,13 @@ def resolve_plan(model: nn.Module, source: PlanSource, devices: Any, *,
     """
     given = source if isinstance(source, (Plan, Spec)) else load_plan(source)
     if isinstance(given, Spec):
-        return _compile(model, given, devices, example_inputs, example_kwargs, asked)
-    return _apply(model, given, devices, example_inputs, example_kwargs, asked)
+        return _compile(model, given, request)
+    return _apply(model, given, request)
 
 
-def record(plan: Plan, model: nn.Module, analysis: Analysis, options: _Options,
-           example_inputs: tuple[Any, ...] | None, asked_strategy: str,
-           spec: Spec | None = None) -> Plan:
-    """``plan`` with the fingerprint, planner inputs and per-stage send bytes filled in."""
-    stages = plan.stages
-    if analysis.boundaries is not None:
-        cut, sends = 0, []
-        for stage in stages:
-            cut += len(stage.layers)
-            sends.append(replace(stage, send_bytes=analysis.boundaries[cut] // plan.chunks))
-        stages = tuple(sends)
-    inputs = PlannerInputs(asked_strategy, options.balance, options.split_points,
-                           options.memory_limit, _describe(example_inputs),
-                           spec.source if spec is not None else None)
-    return replace(plan, stages=stages, planner=inputs, fingerprint=fingerprint(model))
-
-
-def _apply(model: nn.Module, plan: Plan, devices: Any, example_inputs: tuple[Any, ...] | None,
-           example_kwargs: dict[str, Any] | None,
-           asked: dict[str, Any]) -> tuple[Analysis, Plan, _Options]:
-    problems = _call_conflicts(plan, devices, asked)
+def _apply(model: nn.Module, plan: Plan, request: PlanRequest
+           ) -> tuple[Analysis, Plan, PlanRequest]:
+    problems = _call_conflicts(plan, request)
     if plan.fingerprint is not None:
         found = differences(plan.fingerprint, fingerprint(model))
         if found:
@@ -119,8 +99,8 @@ def _apply(model: nn.Module, plan: Plan, devices: Any, example_inputs: tuple[Any
     if problems:
         raise PlanMismatchError("the call disagrees with the plan it applies:\n"
                                 + "\n".join(f"  - {p}" for p in problems))
-    analysis = analyze(model, example_inputs, example_kwargs, need_costs=False)
-    names = [layer.name for layer in analysis.layers]
+    analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False)
+    names = analysis.layer_names
     if names != list(plan.layers):
         missing = [n for n in plan.layers if n not in names]
         extra = [n for n in names if n not in plan.layers]
@@ -129,18 +109,20 @@ def _apply(model: nn.Module, plan: Plan, devices: Any, example_inputs: tuple[Any
             f"plan {extra[:8]}{'' if missing or extra else ' (same names, other order)'}; "
             "re-plan the model")
     _check_executable(plan)
-    options = _validate(list(plan.devices), "auto", plan.chunks, plan.checkpoint,
-                        plan.balance, None, None)
-    return analysis, plan, options
+    settled = PlanRequest.make(list(plan.devices), "auto", chunks=plan.chunks,
+                               checkpoint=plan.checkpoint, balance=plan.balance,
+                               example_inputs=request.example_inputs,
+                               example_kwargs=request.example_kwargs)
+    return analysis, plan, settled
 
 
-def _call_conflicts(plan: Plan, devices: Any, asked: dict[str, Any]) -> list[str]:
+def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
     problems = []
-    if devices is not None:
-        from partitioner.devices import parse_devices
-        if parse_devices(devices) != parse_devices(list(plan.devices)):
-            problems.append(f"devices={devices!r} but the plan runs on {list(plan.devices)}; "
-                            "pass devices=None (or the plan's) to apply it as saved")
+    asked = request.asked()
+    if request.devices and list(request.devices) != parse_devices(list(plan.devices)):
+        problems.append(f"devices={[str(d) for d in request.devices]} but the plan runs on "
+                        f"{list(plan.devices)}; pass devices=None (or the plan's) to apply it "
+                        "as saved")
     for key in ("balance", "split_points", "memory_limit"):
         if asked.get(key) is not None:
             problems.append(f"{key}= is given but the plan fixes the split; drop {key}=")
@@ -163,37 +145,44 @@ def _check_executable(plan: Plan) -> None:
                                 "the 'gpipe' schedule; set schedule to 'gpipe'")
 
 
-def _compile(model: nn.Module, spec: Spec, devices: Any, example_inputs: tuple[Any, ...] | None,
-             example_kwargs: dict[str, Any] | None,
-             asked: dict[str, Any]) -> tuple[Analysis, Plan, _Options]:
-    chosen = _spec_devices(spec, devices)
+def _compile(model: nn.Module, spec: Spec, request: PlanRequest
+             ) -> tuple[Analysis, Plan, PlanRequest]:
+    asked = request.asked()
+    chosen = _spec_devices(spec, list(request.devices) or None)
     chunks = _merge(spec.chunks, asked.get("chunks", 1), 1, "chunks")
     checkpoint = _merge(spec.checkpoint, asked.get("checkpoint", "except_last"), "except_last",
                         "checkpoint")
     strategy = _merge(spec.strategy, asked.get("strategy", "auto"), "auto", "strategy")
-    memory = _merge(spec.memory_limit, asked.get("memory_limit"), None, "memory_limit")
+    limits = asked.get("memory_limit")
+    memory = _merge(_limits(spec.memory_limit), limits, None, "memory_limit")
     for key in ("balance", "split_points"):
         if asked.get(key) is not None:
             raise SpecError(f"{key}= is given with a spec; write it into the spec instead")
-    analysis = analyze(model, example_inputs, example_kwargs, need_costs=not spec.fixes_split)
-    names = [layer.name for layer in analysis.layers]
+    analysis = analyze(model, request.example_inputs, request.kwargs,
+                       need_costs=not spec.fixes_split)
+    names = analysis.layer_names
     cuts, notes, shards = resolve_spec(spec, names, model)
     balance = spec.balance
     if cuts is not None:
         balance = tuple(b - a for a, b in itertools.pairwise(cuts))
-    options = _validate(chosen, strategy, chunks, checkpoint, balance, spec.split_points, memory)
-    made = _plan(analysis, options)
+    settled = PlanRequest.make(chosen, strategy, example_inputs=request.example_inputs,
+                               example_kwargs=request.example_kwargs, chunks=chunks,
+                               checkpoint=checkpoint, balance=balance,
+                               split_points=spec.split_points,
+                               memory_limit=memory[0] if memory and len(set(memory)) == 1
+                               else memory,
+                               calibrate=request.calibrate)
+    made = plan_request(analysis, settled)
     mesh = Mesh(spec.mesh.get("dp", 1), len(made.stages), spec.mesh.get("tp", 1))
     made = replace(made, strategy="spec" if spec.fixes_split else made.strategy,
                    schedule=spec.schedule or made.schedule, notes=(*made.notes, *notes),
                    mesh=mesh, shard_specs=shards)
-    return analysis, record(made, model, analysis, options, example_inputs, "spec", spec), options
+    return analysis, record(made, model, analysis, settled, "spec", spec), settled
 
 
 def _spec_devices(spec: Spec, devices: Any) -> Any:
     named = spec.stage_devices
     if named is not None and devices is not None:
-        from partitioner.devices import parse_devices
         if parse_devices(list(named)) != parse_devices(devices):
             raise SpecError(f"devices: the spec names {list(named)} but devices={devices!r} was "
                             "passed; drop one of them")
@@ -214,8 +203,8 @@ def _merge(from_spec: Any, from_call: Any, default: Any, key: str) -> Any:
     return from_spec
 
 
-def _describe(example_inputs: Sequence[Any] | None) -> tuple[str, ...]:
-    if example_inputs is None:
-        return ()
-    return tuple(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
-                 if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs)
+def _limits(memory_limit: float | tuple[float, ...] | None) -> tuple[float, ...] | None:
+    """A spec's memory limit as a request holds it (one number: one per device, all equal)."""
+    if memory_limit is None or isinstance(memory_limit, tuple):
+        return memory_limit
+    return (float(memory_limit),)

@@ -31,6 +31,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+import partitioner.passes as _passes
+import partitioner.runtime as _runtime
 from partitioner.errors import ExampleInputsError, TraceError
 
 __all__ = ["Captured", "capture", "module_paths"]
@@ -181,13 +183,11 @@ def _trace_message(model: nn.Module, fx_error: BaseException, export_error: Base
             "or pass balance=/split_points= on an nn.Sequential of traceable children.")
 
 
+# partitioner.passes and partitioner.runtime live beside partitioner/ in a source checkout.
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (torch.__file__, __file__,
-                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "passes", "__init__.py"),
-                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "runtime", "__init__.py")))
+    os.path.abspath(folder) + os.sep
+    for folder in (os.path.dirname(torch.__file__), os.path.dirname(__file__),
+                   *_passes.__path__, *_runtime.__path__))
 
 
 def _first_user_line(error: BaseException) -> str | None:

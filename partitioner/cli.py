@@ -76,11 +76,12 @@ _EXAMPLES = {
     "simulate": """examples:
   partitioner simulate plan.json
   partitioner simulate gpt --devices 4 --chunks 8 -o timeline.svg
-  partitioner simulate plan.json --cluster a100x8
+  partitioner simulate plan.json --cluster A100-80GB:2
 
-Until partitioner.simulate (the discrete-event simulator) exists, this uses
-runtime.schedule's clock-tick order with each stage's predicted time per micro-batch
-(a third forward, two thirds backward, transfers free); --cluster is then ignored.""",
+The discrete-event simulator (partitioner.planning.simulate) replays the plan's schedule
+with its recorded stage costs; --cluster PRESET[:NODES] (8 devices a node) decides which
+devices share a host and the links between them. A plan without cost records (written by
+hand, or made without example inputs) is drawn by clock ticks instead.""",
     "run": """examples:
   partitioner run --nproc-per-node 2 train.py --steps 100
   partitioner run --nnodes 2 --nproc-per-node 8 --rdzv-endpoint host:29500 train.py
@@ -143,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     viz.add_argument("--detail", default="auto", choices=["auto", "nodes", "layers", "blocks"],
                      help="graph detail (auto: every node for small models, else layers)")
     simulate = sub.choices["simulate"]
-    simulate.add_argument("--cluster", help="a named cluster for partitioner.simulate")
+    simulate.add_argument("--cluster", help="a preset cluster, PRESET[:NODES] (e.g. A100-80GB:2)")
     simulate.add_argument("-o", "--out", help="draw the timeline to this file")
     run = sub.choices["run"]
     run.add_argument("--nproc-per-node", default="1", help="processes per node")
@@ -257,7 +258,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _make_plan(args: argparse.Namespace, target: str) -> Any:
     """Build the model and plan it, with a progress bar over the steps."""
-    from partitioner.devices import parse_devices, spec_for
+    from partitioner.cost.devices import parse_devices
+    from partitioner.cost.machine import spec_for
 
     steps = _Progress(["building the model", "calibrating devices",
                        "capturing, analysing and planning"])
@@ -280,12 +282,12 @@ def _build_plan(args: argparse.Namespace, model: nn.Module, example: Any, device
     """Plan ``model``; ``--spec`` may name a spec to compile or a saved plan to check."""
     from partitioner.api import make_plan
     from partitioner.apply import load_plan, resolve_plan
-    from partitioner.plan import Plan
+    from partitioner.plans.plan import Plan
+    from partitioner.request import PlanRequest
 
     source = load_plan(args.spec) if args.spec else None
     if isinstance(source, Plan):
-        return resolve_plan(model, source, None, example_inputs=example, example_kwargs=None,
-                            asked={})[1]
+        return resolve_plan(model, source, PlanRequest(example_inputs=example))[1]
     return make_plan(model, devices, args.strategy, example_inputs=example, chunks=args.chunks,
                      checkpoint=args.checkpoint, balance=_ints(args.balance),
                      split_points=_names(args.split_points), memory_limit=args.memory_limit,
@@ -293,7 +295,7 @@ def _build_plan(args: argparse.Namespace, model: nn.Module, example: Any, device
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from partitioner.plan import Plan
+    from partitioner.plans.plan import Plan
     plan = Plan.load(args.plan)
     if args.json:
         print(plan.to_json(), end="")
@@ -382,13 +384,13 @@ def _measure(args: argparse.Namespace, plan: Any) -> Any:
 
 def _plan_and_analysis(args: argparse.Namespace) -> tuple[Any, Any | None]:
     """The plan (loaded, or made from a model) and, when a model is at hand, its analysis."""
-    from partitioner.api import analyze
+    from partitioner.analysis import analyze
     target = args.target
     if Path(target).suffix.lower() in (".json", ".yaml", ".yml"):
         model_name = getattr(args, "model", None)
         if model_name is None:
             from partitioner.apply import load_plan
-            from partitioner.plan import Plan
+            from partitioner.plans.plan import Plan
             given = load_plan(target)
             if not isinstance(given, Plan):
                 raise CommandError(f"{target} is a spec; pass --model to compile it for a model")
@@ -401,22 +403,18 @@ def _plan_and_analysis(args: argparse.Namespace) -> tuple[Any, Any | None]:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from partitioner.planning.simulate import simulate
     from partitioner.viz import visualize_timeline
     from partitioner.viz.timeline import Timeline, predicted_timeline
 
+    cluster = _cluster(args.cluster)
     plan, _ = _plan_and_analysis(args)
-    simulator: Any = None
-    try:
-        from partitioner import simulate as simulator
-    except ImportError:
-        pass
-    if callable(simulator):
-        timeline = Timeline.of(simulator(plan, args.cluster), "s", "simulated")
-        how = f"simulated on {args.cluster or 'the default cluster'}"
+    if plan.candidates:
+        timeline = Timeline.of(simulate(plan, cluster), "s", "simulated")
+        how = f"simulated on {args.cluster or 'the cluster it was planned for'}"
     else:
         timeline = predicted_timeline(plan)
-        how = ("clock-tick model with the plan's predicted stage times (partitioner.simulate "
-               "is not available yet)")
+        how = "clock ticks (the plan has no cost records to simulate)"
     print(plan.table())
     print(f"\n{how}:")
     print(f"  step {timeline.makespan * 1e3:.2f} ms, bubble {timeline.bubble:.0%}"
@@ -460,6 +458,21 @@ def _ready(path: str) -> Path:
 
 
 # -- small parsers --------------------------------------------------------------------------
+
+def _cluster(text: str | None) -> Any:
+    """``--cluster PRESET[:NODES]`` as a Cluster (8 devices a node)."""
+    if text is None:
+        return None
+    from partitioner.cost.devices import DEVICES, Cluster
+
+    name, _, nodes = text.partition(":")
+    preset = {key.lower(): key for key in DEVICES}.get(name.lower())
+    if preset is None or (nodes and not (nodes.isdigit() and int(nodes) > 0)):
+        raise CommandError(f"--cluster {text!r}: pass PRESET[:NODES] with PRESET one of "
+                           f"{sorted(DEVICES)} and NODES a positive number, e.g. "
+                           "--cluster A100-80GB:2")
+    return Cluster.preset(preset, nodes=int(nodes or 1))
+
 
 def _devices(text: str | None) -> Any:
     if text is None:

@@ -13,11 +13,15 @@ same stage graphs, keeps only its own stage, and trains with :meth:`DistributedM
         optimizer.step()
     dpm.save("ckpt.pt", optimizer)                   # one file; ["model"] loads into `model`
 
-The wrapper only decides and hands off: it starts torch.distributed (``runtime.mesh``) and
-the failure watchdog (``runtime.failure``), makes the plan (``partitioner.api``), checks all
+The wrapper only decides and hands off: it starts torch.distributed
+(``partitioner.runtime.distributed.mesh``) and
+the failure watchdog (``partitioner.runtime.distributed.failure``), makes the plan
+(``partitioner.api``), checks all
 ranks agree on it, splits the graph, predicts the shapes crossing each boundary by
-fake-tensor propagation, and builds the rank's runtime (``runtime.distributed``,
-``runtime.p2p``, ``runtime.data_parallel``). Design: ``docs/design/004-distributed.md``.
+fake-tensor propagation, and builds the rank's runtime
+(``partitioner.runtime.distributed.pipeline``,
+``partitioner.runtime.distributed.p2p``, ``partitioner.runtime.distributed.data_parallel``).
+Design: ``docs/design/004-distributed.md``.
 """
 
 from __future__ import annotations
@@ -37,23 +41,33 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partitioner.api import Analysis, analyze, build_stage_graphs, make_plan
+from partitioner.analysis import Analysis, analyze, build_stage_graphs
+from partitioner.api import make_plan
 from partitioner.errors import StrategyError
-from partitioner.plan import Mesh as PlanMesh
-from partitioner.plan import Plan
+from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
+from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
+from partitioner.planning.tp_rules import ShardPlan
+from partitioner.plans.plan import Mesh as PlanMesh
+from partitioner.plans.plan import Plan
+from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, save_checkpoint
+from partitioner.runtime.distributed.data_parallel import (
+    DEFAULT_BUCKET_BYTES,
+    GradReducer,
+    TiedGradients,
+)
+from partitioner.runtime.distributed.failure import (
+    FailurePolicy,
+    Watchdog,
+    check_same_plan,
+    start_watchdog,
+)
+from partitioner.runtime.distributed.mesh import Coords, Mesh, MeshShape, init_distributed
+from partitioner.runtime.distributed.p2p import Boundary, BoundaryMismatchError, PipeLinks
+from partitioner.runtime.distributed.pipeline import DistributedPipeline, StageInterface
+from partitioner.runtime.stage import StageRunner
+from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
+from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.tensor_parallel import plan_tensor_parallel, shard_stage, stage_shardings
-from partitioner.tp_rules import ShardPlan
-from passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
-from passes.tp_rewrite import COMM_ATTR
-from runtime.checkpoint_io import load_checkpoint, save_checkpoint
-from runtime.collectives import ProcessGroupCommunicator
-from runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer, TiedGradients
-from runtime.distributed import DistributedPipeline, StageInterface
-from runtime.failure import FailurePolicy, Watchdog, check_same_plan, start_watchdog
-from runtime.mesh import Coords, Mesh, MeshShape, init_distributed
-from runtime.p2p import Boundary, BoundaryMismatchError, PipeLinks
-from runtime.shard_state import ShardState
-from runtime.stage import StageRunner
 
 __all__ = ["partition_distributed", "DistributedModel", "BoundaryPredictor", "find_ties"]
 
@@ -97,10 +111,12 @@ def partition_distributed(
         loss_reduction: how ``loss_fn`` reduces a micro-batch, ``"mean"`` or ``"sum"``.
         bucket_mb: data-parallel all-reduce bucket size, in MiB.
         seed: base seed of the stages' dropout generators.
-        failure: the watchdog's timings (see ``runtime.failure.FailurePolicy``).
+        failure: the watchdog's timings (see
+        ``partitioner.runtime.distributed.failure.FailurePolicy``).
         fuse_weight_grads: add Linear layers' weight gradients into ``.grad`` in place, one
             product per micro-batch instead of a new tensor plus a sum
-            (``runtime.fused_linear``; Linear modules with hooks, and weights with tensor
+            (``partitioner.runtime.fused_linear``; Linear modules with hooks, and weights with
+            tensor
             hooks, are left to autograd).
         backend: ``"gloo"`` or ``"nccl"`` if torch.distributed must be started.
 
@@ -280,7 +296,7 @@ def _agree_on_split_plan(model: nn.Module, given: Plan | None, shape: MeshShape,
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
     if plan.fingerprint is None:
         return
-    from partitioner.fingerprint import differences, fingerprint
+    from partitioner.plans.fingerprint import differences, fingerprint
 
     found = differences(plan.fingerprint, fingerprint(model))
     if found:

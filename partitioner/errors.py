@@ -59,7 +59,8 @@ class TraceError(PartitionError, TypeError):
 
 
 class ScheduleError(PartitionError, ValueError):
-    """A pipeline schedule breaks an ordering rule (see ``runtime.schedule.validate``)."""
+    """A pipeline schedule breaks an ordering rule (see
+    ``partitioner.runtime.schedule.validate``)."""
 
 
 class StageExecutionError(PartitionError, RuntimeError):

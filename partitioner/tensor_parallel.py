@@ -3,8 +3,9 @@
 ``partition(model, devices, tensor_parallel=...)`` comes here (one process, every rank a
 thread with its own device); :func:`parallelize` is the same for one rank of a
 ``torch.distributed`` process group. Both capture the model, resolve the rules and the
-automatic choice into a shard plan (``partitioner.tp_rules``), and build the runtime module
-from rank graphs (``passes.tensor_parallel``). :func:`shard_stage` gives one rank's graph of
+automatic choice into a shard plan (``partitioner.planning.tp_rules``), and build the runtime module
+from rank graphs (``partitioner.passes.tensor_parallel.shard_graph``). :func:`shard_stage` gives
+one rank's graph of
 one pipeline stage, for runtimes that place stages and ranks themselves.
 
 Devices: ``tensor_parallel=n`` groups ``devices`` by ``n`` consecutive entries, one group
@@ -31,7 +32,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,19 +40,26 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from partitioner import api
-from partitioner.devices import parse_devices
+from partitioner.analysis import Analysis, analyze, recapture
+from partitioner.build import (
+    TensorParallelSetup,
+    attr_shardings,
+    build_tensor_parallel,
+    first_names,
+)
+from partitioner.cost.devices import parse_devices
 from partitioner.errors import DeviceError, ExampleInputsError
-from partitioner.plan import Mesh, Plan, ShardSpec
-from partitioner.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
-from passes.group_layers import Layer
-from passes.private_rng import route_dropout
-from passes.tensor_parallel import merge_split_layers, shard_graph
-from runtime.collectives import ProcessGroupCommunicator
-from runtime.sharding import Sharding, TensorParallelError
-from runtime.tp_distributed import DistributedTensorParallel
-from runtime.tp_module import ShardStore, Source, TensorParallelModule
-from runtime.tp_stage import TensorParallelStage
+from partitioner.passes.group_layers import Layer
+from partitioner.passes.private_rng import route_dropout
+from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers, shard_graph
+from partitioner.planning.planner import plan_request, record
+from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
+from partitioner.plans.plan import Mesh, Plan, ShardSpec
+from partitioner.request import PlanRequest
+from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
+from partitioner.runtime.tensor_parallel.module import ShardStore, TensorParallelModule
+from partitioner.runtime.tensor_parallel.multiprocess import DistributedTensorParallel
+from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParallelError
 
 __all__ = ["partition_tensor_parallel", "plan_tensor_parallel", "TensorParallelSetup",
            "parallelize", "shard_stage", "stage_shardings", "device_groups"]
@@ -98,26 +106,6 @@ def device_groups(devices: Any, tensor_parallel: TensorParallelOption
     return [flat[k:k + tp] for k in range(0, len(flat), tp)], rules
 
 
-@dataclass(frozen=True)
-class TensorParallelSetup:
-    """What planning decided, before any runtime is built.
-
-    Attributes:
-        analysis: the captured model, its layers merged so no stage boundary cuts a
-            Megatron region.
-        plan: the plan (mesh, stages, shard specs of the split parameters).
-        shard_plan: the sharding of every parameter (``partitioner.tp_rules``).
-        groups: per stage, one device per tensor-parallel rank.
-        layer_names: per merged layer, the original layer names it holds.
-    """
-
-    analysis: api.Analysis
-    plan: Plan
-    shard_plan: ShardPlan
-    groups: list[list[torch.device]]
-    layer_names: list[list[str]]
-
-
 def plan_tensor_parallel(
         model: nn.Module, devices: Any, tensor_parallel: TensorParallelOption, *,
         strategy: str = "auto", example_inputs: tuple[Any, ...] | None = None,
@@ -128,7 +116,7 @@ def plan_tensor_parallel(
     """Capture, choose the shardings and plan the stages (``partition``'s first half).
 
     Runtimes that place stages and ranks themselves (one process per rank) build from the
-    result with ``partitioner.api.build_stage_graphs`` and :func:`shard_stage`.
+    result with ``partitioner.analysis.build_stage_graphs`` and :func:`shard_stage`.
 
     Raises:
         ExampleInputsError: without ``example_inputs`` (shapes decide the splits).
@@ -140,9 +128,12 @@ def plan_tensor_parallel(
         raise ExampleInputsError("tensor parallelism needs example_inputs: the shapes decide "
                                  "what splits; pass example_inputs=(x,) with one batch")
     # The stages' split is planned as a pipeline of the groups (each group one stage).
-    options = api._validate([g[0] for g in groups], "pipeline" if strategy == "auto"
-                            else strategy, 1 if chunks is None else chunks,
-                            checkpoint or "except_last", balance, split_points, memory_limit)
+    request = PlanRequest.make([g[0] for g in groups], "pipeline" if strategy == "auto"
+                               else strategy, example_inputs=example_inputs,
+                               example_kwargs=example_kwargs, chunks=1 if chunks is None
+                               else chunks, checkpoint=checkpoint or "except_last",
+                               balance=balance, split_points=split_points,
+                               memory_limit=memory_limit)
     found: dict[str, Any] = {}
 
     def regroup(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
@@ -151,12 +142,12 @@ def plan_tensor_parallel(
         found["names"] = _merged_names(layers, merged)
         return merged
 
-    analysis = api.analyze(model, example_inputs, example_kwargs, need_costs=False,
-                           regroup=regroup)
+    analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False,
+                       regroup=regroup)
     shard_plan: ShardPlan = found["plan"]
-    plan = _record(api._plan(analysis, options), model, analysis, options, example_inputs,
-                   shard_plan, groups)
-    return TensorParallelSetup(analysis, plan, shard_plan, groups, found["names"])
+    plan = _record(plan_request(analysis, request), model, analysis, request, shard_plan,
+                   groups)
+    return TensorParallelSetup(analysis, plan, shard_plan, groups, found["names"], request)
 
 
 def partition_tensor_parallel(
@@ -172,7 +163,8 @@ def partition_tensor_parallel(
     ``strategy="auto"`` plans the pipeline of the device groups (each group one stage).
 
     Returns:
-        A :class:`runtime.tp_module.TensorParallelModule`; ``.plan`` records the mesh and
+        A :class:`partitioner.runtime.tensor_parallel.module.TensorParallelModule`; ``.plan``
+        records the mesh and
         the shard spec of every split parameter.
 
     Raises:
@@ -183,7 +175,7 @@ def partition_tensor_parallel(
                                  example_inputs=example_inputs, example_kwargs=example_kwargs,
                                  chunks=chunks, checkpoint=checkpoint, balance=balance,
                                  split_points=split_points, memory_limit=memory_limit)
-    return _build(model, setup, example_inputs, example_kwargs)
+    return build_tensor_parallel(model, setup)
 
 
 def _merged_names(layers: tuple[Layer, ...], merged: tuple[Layer, ...]) -> list[list[str]]:
@@ -192,110 +184,15 @@ def _merged_names(layers: tuple[Layer, ...], merged: tuple[Layer, ...]) -> list[
     return [list(dict.fromkeys(of_node[n] for n in layer.nodes)) for layer in merged]
 
 
-def _record(plan: Plan, model: nn.Module, analysis: api.Analysis, options: Any,
-            example_inputs: tuple[Any, ...] | None, shard_plan: ShardPlan,
-            groups: list[list[torch.device]]) -> Plan:
-    recorded = getattr(api, "_recorded", None)
-    if recorded is not None:
-        plan = recorded(plan, model, analysis, options, example_inputs)
+def _record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanRequest,
+            shard_plan: ShardPlan, groups: list[list[torch.device]]) -> Plan:
+    plan = record(plan, model, analysis, request, request.strategy)
     specs = {name: ShardSpec(int(s.dim or 0), s.kind) for name, s in shard_plan.split().items()}
     notes = [*shard_plan.notes(),
              *(f"stage {j}: tensor-parallel devices {[str(d) for d in g]}"
                for j, g in enumerate(groups))]
     return replace(plan, mesh=Mesh(1, len(groups), shard_plan.tp), shard_specs=specs,
                    notes=(*plan.notes, *notes))
-
-
-def _build(model: nn.Module, setup: TensorParallelSetup, example_inputs: tuple[Any, ...] | None,
-           example_kwargs: dict[str, Any] | None) -> TensorParallelModule:
-    analysis, plan, shard_plan = setup.analysis, setup.plan, setup.shard_plan
-    groups, names = setup.groups, setup.layer_names
-    store = ShardStore(shard_plan.shardings)
-    ids = _first_names(model)
-
-    def stage_factory(training: bool) -> list[TensorParallelStage]:
-        current = analysis
-        if training != analysis.training and analysis.captured.method != "fx":
-            current = _recapture(model, training, names, example_inputs, example_kwargs)
-        stages = []
-        for j, gm in enumerate(api.build_stage_graphs(current, plan)):
-            shardings = _attr_shardings(gm, ids, shard_plan.shardings)
-            ranks = [shard_graph(gm, shardings, r, check=r == 0,
-                                 make_tensor=store.factory(r, groups[j][r], ids)).graph_module
-                     for r in range(len(groups[j]))]
-            stages.append(TensorParallelStage(ranks, groups[j]))
-        return stages
-
-    stages = stage_factory(analysis.training)
-    sources, unused = _sources(model, store, stages)
-    captured = analysis.captured
-    return TensorParallelModule(plan, stages, analysis.training, stage_factory,
-                                shard_plan.shardings, sources, unused, plan.chunks,
-                                plan.checkpoint, bind=captured.placeholder_values,
-                                restructure=captured.restructure)
-
-
-def _recapture(model: nn.Module, training: bool, names: list[list[str]],
-               example_inputs: tuple[Any, ...] | None,
-               example_kwargs: dict[str, Any] | None) -> api.Analysis:
-    """The model captured in the other train/eval mode, its layers merged the same way."""
-    def regroup(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
-        by_name = {layer.name: layer for layer in layers}
-        if sorted(by_name) != sorted(n for group in names for n in group):
-            raise TensorParallelError(
-                f"capturing {type(model).__name__} in {'train' if training else 'eval'} mode "
-                "gave other layers; partition the model again in the mode you will run it in")
-        return tuple(Layer(group[0], by_name[group[0]].path,
-                           tuple(n for name in group for n in by_name[name].nodes))
-                     for group in names)
-    previous = model.training
-    model.train(training)
-    try:
-        return api.analyze(model, example_inputs, example_kwargs, need_costs=False,
-                           regroup=regroup)
-    finally:
-        model.train(previous)
-
-
-def _first_names(model: nn.Module) -> dict[int, str]:
-    """The first state-dict name of every tensor of ``model``, by tensor id."""
-    names: dict[int, str] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(tensor), name)
-    return names
-
-
-def _attr_shardings(gm: fx.GraphModule, ids: dict[int, str],
-                    shardings: dict[str, Sharding]) -> dict[str, Sharding]:
-    """The shardings by ``gm``'s own attribute paths (stage graphs keep the model's)."""
-    out = {}
-    for path, tensor in [*gm.named_parameters(remove_duplicate=False),
-                         *gm.named_buffers(remove_duplicate=False)]:
-        name = ids.get(id(tensor))
-        if name is not None and name in shardings and shardings[name].is_split:
-            out[path] = shardings[name]
-    return out
-
-
-def _sources(model: nn.Module, store: ShardStore, stages: list[TensorParallelStage]
-             ) -> tuple[dict[str, Source], dict[str, torch.Tensor]]:
-    """Where each original state-dict entry lives (stage, path in rank 0's graph)."""
-    where: dict[int, Source] = {}
-    for j, stage in enumerate(stages):
-        rank0 = stage.ranks[0]
-        for path, tensor in [*rank0.named_parameters(remove_duplicate=False),
-                             *rank0.named_buffers(remove_duplicate=False)]:
-            where.setdefault(id(tensor), (j, path))
-    sources: dict[str, Source] = {}
-    unused: dict[str, torch.Tensor] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        made = store.made(tensor, 0)
-        if made is not None and id(made) in where:
-            sources[key] = where[id(made)]
-        else:
-            unused[key] = tensor
-    return sources, unused
 
 
 def parallelize(model: nn.Module, group: Any = None, *,
@@ -318,8 +215,9 @@ def parallelize(model: nn.Module, group: Any = None, *,
             under NCCL).
 
     Returns:
-        A :class:`runtime.tp_distributed.DistributedTensorParallel` (``.plan`` is the
-        :class:`~partitioner.tp_rules.ShardPlan`).
+        A :class:`partitioner.runtime.tensor_parallel.multiprocess.DistributedTensorParallel`
+        (``.plan`` is the
+        :class:`~partitioner.planning.tp_rules.ShardPlan`).
 
     Raises:
         ExampleInputsError: without ``example_inputs``.
@@ -335,23 +233,18 @@ def parallelize(model: nn.Module, group: Any = None, *,
     comm = ProcessGroupCommunicator(group)
     target = torch.device(device) if device is not None else _default_device(group)
     rules = TensorParallelRules.parse(tensor_parallel)
-    analysis = api.analyze(model, example_inputs, example_kwargs, need_costs=False)
+    analysis = analyze(model, example_inputs, example_kwargs, need_costs=False)
     shard_plan = resolve_shardings(analysis.captured.graph_module, model, comm.size, rules)
     store = ShardStore(shard_plan.shardings)
-    ids = _first_names(model)
+    ids = first_names(model)
 
     def graph_factory(training: bool) -> fx.GraphModule:
         current = analysis
-        if training != analysis.training and analysis.captured.method != "fx":
-            previous = model.training
-            model.train(training)
-            try:
-                current = api.analyze(model, example_inputs, example_kwargs, need_costs=False)
-            finally:
-                model.train(previous)
+        if training != analysis.training:
+            current = recapture(model, analysis, training, example_inputs, example_kwargs)
         gm = current.captured.graph_module
         route_dropout(gm)
-        shardings = _attr_shardings(gm, ids, shard_plan.shardings)
+        shardings = attr_shardings(gm, ids, shard_plan.shardings)
         out = shard_graph(gm, shardings, comm.rank,
                           make_tensor=store.factory(comm.rank, target, ids)).graph_module
         return out.train(training)
@@ -390,20 +283,20 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
     """Rank ``rank``'s graph of one pipeline stage (for runtimes placing stages themselves).
 
     Args:
-        stage: a stage graph of ``model`` (``partitioner.api.build_stage_graphs``), whose
+        stage: a stage graph of ``model`` (``partitioner.analysis.build_stage_graphs``), whose
             boundaries carry whole values (merge layers with ``merge_split_layers``).
         model: the model the stage graph was cut from (names its tensors).
-        shard_plan: from :func:`partitioner.tp_rules.resolve_shardings`.
+        shard_plan: from :func:`partitioner.planning.tp_rules.resolve_shardings`.
         rank: the tensor-parallel rank.
         device: where the rank's tensors go.
 
     Returns:
         The rank's graph; set its ``_tp_comm`` attribute to the rank's communicator
-        (``runtime.collectives.ProcessGroupCommunicator(tp_group)``).
+        (``partitioner.runtime.tensor_parallel.collectives.ProcessGroupCommunicator(tp_group)``).
     """
-    ids = _first_names(model)
+    ids = first_names(model)
     store = ShardStore(shard_plan.shardings)
-    shardings = _attr_shardings(stage, ids, shard_plan.shardings)
+    shardings = attr_shardings(stage, ids, shard_plan.shardings)
     return shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module
 
@@ -412,4 +305,4 @@ def stage_shardings(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPl
                     ) -> dict[str, Sharding]:
     """How each split tensor of an (unsplit) stage graph is split, by the stage's own
     state-dict keys: what a rank running :func:`shard_stage`'s graph holds a slice of."""
-    return _attr_shardings(stage, _first_names(model), shard_plan.shardings)
+    return attr_shardings(stage, first_names(model), shard_plan.shardings)

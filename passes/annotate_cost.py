@@ -11,7 +11,7 @@ double counted.
 
 Example:
     >>> import torch
-    >>> from passes.shape_prop import propagate_shapes
+    >>> from partitioner.passes.shape_prop import propagate_shapes
     >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 8))
     >>> _ = propagate_shapes(gm, (torch.randn(2, 4),))
     >>> _ = annotate_cost(gm)
@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from passes.base import PassResult, require_meta
-from passes.shape_prop import fake_mode_for, tensor_bytes
+from partitioner.passes.base import PassResult, require_meta
+from partitioner.passes.shape_prop import fake_mode_for, tensor_bytes
 
 __all__ = ["NodeCost", "annotate_cost", "total_flops"]
 
@@ -116,7 +116,7 @@ def annotate_cost(gm: fx.GraphModule) -> PassResult:
     """Write ``node.meta["cost"]`` (a :class:`NodeCost`) on every node.
 
     Args:
-        gm: a graph after :func:`passes.shape_prop.propagate_shapes`.
+        gm: a graph after :func:`partitioner.passes.shape_prop.propagate_shapes`.
 
     Returns:
         ``PassResult(gm, modified=False)``.

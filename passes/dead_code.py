@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.base import PassError, PassResult
-from passes.protect_inputs import mutates_first_argument
+from partitioner.passes.base import PassError, PassResult
+from partitioner.passes.protect_inputs import mutates_first_argument
 
 __all__ = ["eliminate_dead_code", "has_side_effect"]
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch.fx as fx
 from torch import nn
 
-from passes.base import PassResult
+from partitioner.passes.base import PassResult
 
 __all__ = ["flatten_sequential", "assign_layer_paths", "expanded_modules", "display_name"]
 

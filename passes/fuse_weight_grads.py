@@ -1,9 +1,11 @@
-"""Route Linear layers through ``runtime.fused_linear``: weight gradients added in place.
+"""Route Linear layers through ``partitioner.runtime.fused_linear``: weight gradients added in
+place.
 
 Rewrites every ``nn.Linear`` call (``call_module`` of an exact ``nn.Linear`` without
 module hooks: a hooked module must stay a module call so its hooks run), every
 ``F.linear`` call and every ``aten.linear`` node (what ``torch.export`` produces) into a
-call of ``runtime.fused_linear.linear_module`` / ``linear``, which compute the same values
+call of ``partitioner.runtime.fused_linear.linear_module`` / ``linear``, which compute the same
+values
 and the same gradients, but add each weight gradient into ``.grad`` with one in-place
 product instead of a fresh tensor plus an accumulation (see that module).
 
@@ -22,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from passes.base import PassError, PassResult
-from runtime import fused_linear
+from partitioner.passes.base import PassError, PassResult
+from partitioner.runtime import fused_linear
 
 __all__ = ["fuse_weight_grads"]
 

@@ -8,7 +8,7 @@ module) yields two layers, the second named ``name#2``.
 
 Example:
     >>> import torch
-    >>> from passes.flatten_sequential import assign_layer_paths
+    >>> from partitioner.passes.flatten_sequential import assign_layer_paths
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     >>> gm = torch.fx.symbolic_trace(model)
     >>> _ = assign_layer_paths(gm, model, {})
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from passes.base import PassError, PassResult, require_meta
+from partitioner.passes.base import PassError, PassResult, require_meta
 
 __all__ = ["Layer", "LayerGrouping", "group_layers", "compute_nodes"]
 

@@ -4,7 +4,7 @@ Stages of a pipeline run on several threads; dropout drawing from torch's global
 would make masks depend on thread timing, and a checkpointed stage could not replay them.
 This pass rewrites every dropout in a stage graph (``nn.Dropout`` modules, ``F.dropout``,
 ``torch.dropout`` and the ``aten`` dropout ops ``torch.export`` produces) into a call of
-``runtime.rng.dropout``, which draws from the generator the stage's worker installs.
+``partitioner.runtime.rng.dropout``, which draws from the generator the stage's worker installs.
 
 Example:
     >>> import torch
@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.base import PassError, PassResult
-from runtime import rng
+from partitioner.passes.base import PassError, PassResult
+from partitioner.runtime import rng
 
 __all__ = ["route_dropout"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.base import PassError, PassResult
+from partitioner.passes.base import PassError, PassResult
 
 __all__ = ["protect_inputs", "mutates_first_argument"]
 

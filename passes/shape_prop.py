@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes.base import PassError, PassResult
+from partitioner.passes.base import PassError, PassResult
 
 __all__ = ["propagate_shapes", "fake_mode_for", "tensor_bytes"]
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from passes.base import PassError, PassResult
-from passes.dead_code import has_side_effect
-from passes.liveness import live_values
+from partitioner.passes.base import PassError, PassResult
+from partitioner.passes.dead_code import has_side_effect
+from partitioner.passes.liveness import live_values
 
 __all__ = ["StageGraph", "StageSplit", "split_stages"]
 

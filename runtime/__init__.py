@@ -1,3 +1,12 @@
-"""Runtimes that execute a plan's stage graphs (schedules, workers, pipelines)."""
+"""Runtimes (``partitioner.runtime``): execute a plan's stage graphs, knowing no planner.
+
+Owns schedules as data (``schedule``), micro-batching, one stage's forward and backward
+(``stage``), workers and transfers, per-stage dropout generators (``rng``), the
+one-process pipeline (``local``) and the module the user holds (``module``); the
+multi-process runtime (``distributed/``) and tensor-parallel execution
+(``tensor_parallel/``). Installed as ``partitioner.runtime`` (pyproject's package-dir).
+
+May import: only itself and ``partitioner.errors``.
+"""
 
 __all__: list[str] = []

@@ -21,7 +21,7 @@ allocates and frees one 64 MiB tensor settled at 731 MB resident: ``posix_memali
 padding keeps a freed block from fitting the next request until enough free blocks merge.
 :func:`release_host_memory` hands the free part back (``malloc_trim``), as
 ``torch.cuda.empty_cache`` does on the GPU. The CPU calibration keeps its runs apart by this
-setting (``partitioner.calibrate``). Where the C library is not glibc, it does nothing.
+setting (``partitioner.cost.measure``). Where the C library is not glibc, it does nothing.
 
 Example:
     >>> host_memory_kept()  # until keep_freed_memory() is called

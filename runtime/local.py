@@ -2,7 +2,8 @@
 
 The forward of a mini-batch runs the forward actions of a GPipe schedule, the backward (when
 autograd reaches the pipeline's output) runs its backward actions; both are plain lists from
-``runtime.schedule``. The pipeline enters autograd as one ``torch.autograd.Function`` whose
+``partitioner.runtime.schedule``. The pipeline enters autograd as one ``torch.autograd.Function``
+whose
 backward drives the stages' backwards on their own workers, so the backward overlaps across
 devices too (autograd alone would run every CPU backward on one thread).
 
@@ -43,11 +44,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner.errors import ChunksError, StageExecutionError
-from runtime.microbatch import gather, scatter
-from runtime.schedule import Action, Schedule, clock_ticks, gpipe, split_phases
-from runtime.stage import StageRunner
-from runtime.transfer import Handoff, move_leaves, receive, send
-from runtime.worker import (
+from partitioner.runtime.microbatch import gather, scatter
+from partitioner.runtime.schedule import Action, Schedule, clock_ticks, gpipe, split_phases
+from partitioner.runtime.stage import StageRunner
+from partitioner.runtime.transfer import Handoff, move_leaves, receive, send
+from partitioner.runtime.worker import (
     Worker,
     restore_thread_default,
     shared_threads,

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from runtime.local import LocalPipeline
+from partitioner.runtime.local import LocalPipeline
 
 __all__ = ["PartitionedModule"]
 

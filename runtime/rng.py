@@ -8,7 +8,8 @@ call :func:`dropout` here, which draws from the generator the running worker ins
 the original forward, so it draws the very same mask.
 
 A tensor-parallel rank installs a second generator, its own, with :func:`use_shard_generator`:
-dropout on a split tensor draws from it (``runtime.tensor_parallel.sharded_dropout``), while
+dropout on a split tensor draws from it
+(``partitioner.runtime.tensor_parallel.ops.sharded_dropout``), while
 dropout on replicated tensors keeps drawing alike on every rank.
 
 Example:

@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner.errors import StageExecutionError
-from runtime.rng import fork, use_generator, use_shard_generator
+from partitioner.runtime.rng import fork, use_generator, use_shard_generator
 
 __all__ = ["StageRunner", "locate_node"]
 

@@ -11,7 +11,7 @@ import pytest
 
 def _modules() -> list[str]:
     names = []
-    for package in ("partitioner", "passes", "runtime"):
+    for package in ("partitioner", "partitioner.passes", "partitioner.runtime"):
         path = importlib.import_module(package).__path__
         names += [info.name for info in pkgutil.walk_packages(path, package + ".")]
     return sorted(names)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from runtime.collectives import ThreadGroup
+from partitioner.runtime.tensor_parallel.collectives import ThreadGroup
 
 
 def on_threads(tp: int, fn: Callable[[int, Any], Any], timeout: float = 60) -> list[Any]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import PartitionError
-from partitioner.plan import Plan
+from partitioner.plans.plan import Plan
 from partitioner.viz.dot import GraphvizNotFound, render, to_dot
 from partitioner.viz.graph import DETAILS, Diagram, diagram
 from partitioner.viz.report import report_html

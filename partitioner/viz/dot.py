@@ -8,7 +8,7 @@ Each stage is a DOT cluster filled with its device's colour; arrows between stag
 thick and red, labelled with the tensor shapes and the bytes they carry per micro-batch.
 
 Example:
-    >>> from partitioner.plan import Plan, Stage
+    >>> from partitioner.plans.plan import Plan, Stage
     >>> from partitioner.viz.graph import diagram
     >>> plan = Plan("balance", ("cpu",), (Stage(0, "cpu", ("fc",)),))
     >>> print(to_dot(diagram(None, plan)).splitlines()[0])

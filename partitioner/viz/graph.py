@@ -15,7 +15,7 @@ marked ``cross`` and carry the bytes they move per micro-batch. ``partitioner.vi
 turns a diagram into Graphviz.
 
 Example:
-    >>> from partitioner.plan import Plan, Stage
+    >>> from partitioner.plans.plan import Plan, Stage
     >>> stages = (Stage(0, "cpu", ("a", "b")), Stage(1, "cpu", ("c",)))
     >>> plan = Plan("balance", ("cpu", "cpu"), stages)
     >>> d = diagram(None, plan)
@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner.errors import PartitionError
-from partitioner.plan import Plan
+from partitioner.plans.plan import Plan
 
 __all__ = ["Box", "Arrow", "Diagram", "diagram", "DETAILS", "format_bytes", "format_shape"]
 

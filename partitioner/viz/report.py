@@ -5,7 +5,7 @@ Graphviz's SVG written into the page, so it can be mailed or attached to a ticke
 The sections carry ids (``plan-table``, ``graph``, ``timeline``) that tests look for.
 
 Example:
-    >>> from partitioner.plan import Plan, Stage
+    >>> from partitioner.plans.plan import Plan, Stage
     >>> plan = Plan("balance", ("cpu",), (Stage(0, "cpu", ("fc",)),))
     >>> '<table id="plan-table">' in plan_table_html(plan)
     True
@@ -17,7 +17,7 @@ import html
 import re
 from typing import Any
 
-from partitioner.plan import Plan
+from partitioner.plans.plan import Plan
 from partitioner.viz.dot import device_color, render, to_dot
 from partitioner.viz.graph import diagram, format_bytes
 from partitioner.viz.timeline import Timeline, timeline_dot

@@ -6,8 +6,9 @@ give one:
 
 - a measured run: ``pm.pipeline().timeline``, recorded by the last forward and backward
   (:func:`measured_timeline`);
-- a simulator returning such a list (``partitioner.simulate`` when it exists);
-- :func:`predicted_timeline`: the plan's schedule in ``runtime.schedule``'s clock-tick order,
+- a simulator returning such a list (``partitioner.planning.simulate`` when it exists);
+- :func:`predicted_timeline`: the plan's schedule in ``partitioner.runtime.schedule``'s clock-tick
+order,
   each action lasting its stage's predicted time (a third forward, two thirds backward,
   transfers free), or unit ticks when the plan has no predictions.
 
@@ -15,7 +16,7 @@ give one:
 stretches stay grey, so the bubble shows, and the title gives its share.
 
 Example:
-    >>> from runtime.schedule import Action
+    >>> from partitioner.runtime.schedule import Action
     >>> t = Timeline.of([(Action.parse("0F0"), 0.0, 1.0), (Action.parse("1F0"), 1.0, 2.0)])
     >>> t.makespan, t.bubble
     (2.0, 0.5)
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner.errors import PartitionError
-from partitioner.plan import Plan
+from partitioner.plans.plan import Plan
+from partitioner.runtime.schedule import Action, Phase, clock_ticks, make_schedule
 from partitioner.viz.dot import device_color, quote
-from runtime.schedule import Action, Phase, clock_ticks, make_schedule
 
 __all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "measured_timeline",
            "timeline_dot"]
@@ -111,7 +112,8 @@ class Timeline:
 def predicted_timeline(plan: Plan) -> Timeline:
     """The plan's schedule laid out in time from its stages' predicted times.
 
-    The order of actions is ``runtime.schedule.clock_ticks``'s; each then starts as soon as
+    The order of actions is ``partitioner.runtime.schedule.clock_ticks``'s; each then starts as
+    soon as
     its stage is free and its inputs are done (``F(j, i)`` after ``F(j-1, i)``, ``B(j, i)``
     after ``B(j+1, i)``), lasting a third (forward) or two thirds (backward) of its stage's
     predicted time. Without predictions every stage takes unit ticks, F = 1 and B = 2.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from partitioner.cli import BUNDLED, main
-from partitioner.plan import Plan
+from partitioner.plans.plan import Plan
 
 needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None,
                                     reason="Graphviz is not installed (apt-get install graphviz)")
@@ -84,9 +84,28 @@ def test_simulate_a_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     capsys.readouterr()
     assert main(["simulate", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "clock-tick model" in printed and "bubble" in printed
+    assert "simulated on the cluster it was planned for" in printed and "bubble" in printed
     rows = [line for line in printed.splitlines() if line.strip().startswith("stage 0 ")]
     assert rows and "F" in rows[0] and "B" in rows[0]
+
+
+def test_simulate_runs_the_simulator_on_a_named_cluster(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    main(["plan", "mlp", "--devices", "2", "--chunks", "4", "-o", str(out)])
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--cluster", "a100-80gb:2"]) == 0
+    assert "simulated on a100-80gb:2" in capsys.readouterr().out
+
+
+def test_simulate_refuses_an_unknown_cluster(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    main(["plan", "mlp", "--devices", "2", "-o", str(out)])
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--cluster", "nosuchcluster"]) != 0
+    err = capsys.readouterr().err
+    assert "nosuchcluster" in err and "A100-80GB" in err
 
 
 def test_viz_writes_dot_without_graphviz_needs(tmp_path: Path,

@@ -12,7 +12,7 @@ from distributed_harness import ROOT, TESTS, base_env, collect, describe, free_p
 
 from partitioner.launch import thread_env, torchrun_args
 
-WORKER = TESTS / "runtime" / "dist_worker.py"
+WORKER = TESTS / "runtime" / "distributed" / "dist_worker.py"
 
 
 def test_one_node_without_rendezvous_gets_standalone() -> None:

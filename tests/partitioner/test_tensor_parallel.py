@@ -14,9 +14,9 @@ from tp_models import Block, LlamaBlock, TinyGPT, batch_for, gpt2, mlp_pair
 
 from partitioner import PartitionError, partition
 from partitioner.errors import DeviceError, ExampleInputsError, StrategyError
-from partitioner.plan import Plan, ShardSpec
-from partitioner.tp_rules import TensorParallelRuleError
-from runtime.sharding import ShardSizeError
+from partitioner.planning.tp_rules import TensorParallelRuleError
+from partitioner.plans.plan import Plan, ShardSpec
+from partitioner.runtime.tensor_parallel.sharding import ShardSizeError
 
 
 def _logits(out: Any) -> torch.Tensor:

@@ -9,10 +9,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import passes.annotate_cost
-from passes.annotate_cost import NodeCost, annotate_cost, total_flops
-from passes.base import PassError
-from passes.shape_prop import propagate_shapes
+import partitioner.passes.annotate_cost
+from partitioner.passes.annotate_cost import NodeCost, annotate_cost, total_flops
+from partitioner.passes.base import PassError
+from partitioner.passes.shape_prop import propagate_shapes
 
 
 def costed(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
@@ -195,4 +195,4 @@ def test_node_cost_rejects_negative_values() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.annotate_cost).failed == 0
+    assert doctest.testmod(partitioner.passes.annotate_cost).failed == 0

@@ -9,8 +9,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-import passes.dead_code
-from passes.dead_code import eliminate_dead_code
+import partitioner.passes.dead_code
+from partitioner.passes.dead_code import eliminate_dead_code
 
 
 def ops(gm: fx.GraphModule) -> list[str]:
@@ -124,4 +124,4 @@ def test_eliminate_dead_code_keeps_inplace_keyword_calls() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.dead_code).failed == 0
+    assert doctest.testmod(partitioner.passes.dead_code).failed == 0

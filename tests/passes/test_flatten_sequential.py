@@ -9,8 +9,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import passes.flatten_sequential
-from passes.flatten_sequential import (
+import partitioner.passes.flatten_sequential
+from partitioner.passes.flatten_sequential import (
     assign_layer_paths,
     display_name,
     expanded_modules,
@@ -232,4 +232,4 @@ def test_assign_layer_paths_ignores_paths_naming_no_module() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.flatten_sequential).failed == 0
+    assert doctest.testmod(partitioner.passes.flatten_sequential).failed == 0

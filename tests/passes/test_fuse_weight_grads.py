@@ -1,4 +1,4 @@
-"""The pass routing Linear layers through ``runtime.fused_linear``."""
+"""The pass routing Linear layers through ``partitioner.runtime.fused_linear``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from passes.fuse_weight_grads import fuse_weight_grads
-from runtime import fused_linear
+from partitioner.passes.fuse_weight_grads import fuse_weight_grads
+from partitioner.runtime import fused_linear
 
 
 class _Functional(nn.Module):

@@ -9,10 +9,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import passes.group_layers
-from passes.base import PassError
-from passes.flatten_sequential import assign_layer_paths
-from passes.group_layers import Layer, compute_nodes, group_layers
+import partitioner.passes.group_layers
+from partitioner.passes.base import PassError
+from partitioner.passes.flatten_sequential import assign_layer_paths
+from partitioner.passes.group_layers import Layer, compute_nodes, group_layers
 
 
 def grouped(model: nn.Module) -> tuple[fx.GraphModule, tuple[Layer, ...]]:
@@ -148,4 +148,4 @@ def test_layer_repr_leaves_out_the_node_list() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.group_layers).failed == 0
+    assert doctest.testmod(partitioner.passes.group_layers).failed == 0

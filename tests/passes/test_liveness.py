@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import passes.liveness
-from passes.liveness import live_values, transported
+import partitioner.passes.liveness
+from partitioner.passes.liveness import live_values, transported
 
 
 class Chain(nn.Module):
@@ -103,4 +103,4 @@ def test_values_used_only_in_their_own_unit_cross_nothing() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.liveness).failed == 0
+    assert doctest.testmod(partitioner.passes.liveness).failed == 0

@@ -9,9 +9,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-import passes.private_rng
-from passes.private_rng import route_dropout
-from runtime import rng
+import partitioner.passes.private_rng
+from partitioner.passes.private_rng import route_dropout
+from partitioner.runtime import rng
 
 
 class Functional(nn.Module):
@@ -140,4 +140,4 @@ def test_route_dropout_rewrites_in_place_and_keeps_other_nodes() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.private_rng).failed == 0
+    assert doctest.testmod(partitioner.passes.private_rng).failed == 0

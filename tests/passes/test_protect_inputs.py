@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import passes.protect_inputs
-from passes.protect_inputs import mutates_first_argument, protect_inputs
+import partitioner.passes.protect_inputs
+from partitioner.passes.protect_inputs import mutates_first_argument, protect_inputs
 
 
 class AddInPlace(nn.Module):
@@ -80,4 +80,4 @@ def test_mutates_first_argument_recognises_each_spelling() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.protect_inputs).failed == 0
+    assert doctest.testmod(partitioner.passes.protect_inputs).failed == 0

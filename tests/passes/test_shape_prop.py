@@ -10,9 +10,9 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-import passes.shape_prop
-from passes.base import PassError
-from passes.shape_prop import propagate_shapes, tensor_bytes
+import partitioner.passes.shape_prop
+from partitioner.passes.base import PassError
+from partitioner.passes.shape_prop import propagate_shapes, tensor_bytes
 
 SEEN: list[object] = []
 
@@ -166,4 +166,4 @@ def test_tensor_bytes_counts_every_tensor_leaf() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.shape_prop).failed == 0
+    assert doctest.testmod(partitioner.passes.shape_prop).failed == 0

@@ -10,9 +10,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import passes.split_stages
-from passes.base import PassError
-from passes.split_stages import StageSplit, split_stages
+import partitioner.passes.split_stages
+from partitioner.passes.base import PassError
+from partitioner.passes.split_stages import StageSplit, split_stages
 
 
 class LongSkip(nn.Module):
@@ -218,4 +218,4 @@ def test_an_in_place_op_whose_result_is_unused_survives_the_split() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(passes.split_stages).failed == 0
+    assert doctest.testmod(partitioner.passes.split_stages).failed == 0

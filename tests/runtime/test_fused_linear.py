@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.fused_linear import linear, linear_module
+from partitioner.runtime.fused_linear import linear, linear_module
 
 
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5), (5,)])

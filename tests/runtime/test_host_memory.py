@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import runtime.host_memory
+import partitioner.runtime.host_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -34,7 +34,7 @@ def _run(code: str) -> dict:
 # once enough freed blocks have merged: about ten steps).
 _FAULTS = """
     import json, resource, torch
-    from runtime.host_memory import keep_freed_memory, host_memory_kept
+    from partitioner.runtime.host_memory import keep_freed_memory, host_memory_kept
     kept = keep_freed_memory() if {keep} else False
     def step():
         torch.empty(16 * 2**20).fill_(1.0)
@@ -64,9 +64,9 @@ def test_the_runtime_leaves_the_allocator_alone_unless_asked() -> None:
     result = _run("""
         import json, torch
         from torch import fx, nn
-        from runtime.host_memory import (host_memory_kept, keep_freed_memory,
+        from partitioner.runtime.host_memory import (host_memory_kept, keep_freed_memory,
                                          release_host_memory)
-        from runtime.local import LocalPipeline
+        from partitioner.runtime.local import LocalPipeline
         class Stage(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -88,4 +88,4 @@ def test_the_runtime_leaves_the_allocator_alone_unless_asked() -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(runtime.host_memory).failed == 0
+    assert doctest.testmod(partitioner.runtime.host_memory).failed == 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from partitioner.errors import ChunksError
-from runtime.microbatch import gather, scatter
+from partitioner.runtime.microbatch import gather, scatter
 
 
 def test_scatter_splits_batched_tensors_and_keeps_the_rest() -> None:

@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-import runtime.schedule
+import partitioner.runtime.schedule
 from partitioner.errors import ScheduleError
-from runtime.schedule import (
+from partitioner.runtime.schedule import (
     SCHEDULES,
     Action,
     Phase,
@@ -360,6 +360,6 @@ def test_split_phases_accepts_one_f_one_b_with_one_microbatch() -> None:
 
 
 def test_docstring_examples_run() -> None:
-    result = doctest.testmod(runtime.schedule)
+    result = doctest.testmod(partitioner.runtime.schedule)
     assert result.attempted > 0
     assert result.failed == 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from runtime import rng
-from runtime import tensor_parallel as tpops
-from runtime.stage import StageRunner
+from partitioner.runtime import rng
+from partitioner.runtime.stage import StageRunner
+from partitioner.runtime.tensor_parallel import ops as tpops
 
 
 class _TwoDropouts(nn.Module):

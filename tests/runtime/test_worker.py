@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from runtime.local import LocalPipeline, thread_plan
-from runtime.schedule import gpipe
-from runtime.worker import Worker, shared_threads
+from partitioner.runtime.local import LocalPipeline, thread_plan
+from partitioner.runtime.schedule import gpipe
+from partitioner.runtime.worker import Worker, shared_threads
 
 
 def _fresh_thread_count() -> int:

@@ -9,7 +9,7 @@ from models import LongSkip, ResidualCNN, mlp
 
 from partitioner import make_plan, partition, visualize
 from partitioner.cli import load_model
-from partitioner.plan import Plan, Stage
+from partitioner.plans.plan import Plan, Stage
 from partitioner.viz import GraphvizNotFound, diagram, to_dot
 from partitioner.viz import dot as dot_module
 
@@ -59,7 +59,7 @@ def test_a_bare_plan_is_drawn_layer_by_layer() -> None:
 def test_gpt2_xl_collapses_to_a_readable_block_view() -> None:
     model, example = load_model("gpt2-xl")
     plan = make_plan(model, ["cpu"] * 8, example_inputs=example, chunks=8)
-    from partitioner.api import analyze
+    from partitioner.analysis import analyze
     d = diagram(analyze(model, example, need_costs=False), plan)
     assert d.detail == "blocks"
     layers = [b for b in d.boxes if b.kind == "layer"]

@@ -9,7 +9,8 @@ import torch
 from models import mlp
 
 from partitioner import make_plan, partition
-from partitioner.plan import Plan, Stage
+from partitioner.plans.plan import Plan, Stage
+from partitioner.runtime.schedule import Action, bubble_fraction, gpipe
 from partitioner.viz import (
     Timeline,
     measured_timeline,
@@ -17,7 +18,6 @@ from partitioner.viz import (
     timeline_dot,
     visualize_timeline,
 )
-from runtime.schedule import Action, bubble_fraction, gpipe
 
 
 def _plan(times: list[float | None], chunks: int) -> Plan:
@@ -72,7 +72,7 @@ def test_measured_timeline_of_a_run() -> None:
 
 
 def _phase(letter: str) -> tuple:
-    from runtime.schedule import Phase
+    from partitioner.runtime.schedule import Phase
     return (Phase(letter),)
 
 

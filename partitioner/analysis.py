@@ -1,0 +1,169 @@
+"""From a model to what planning and the runtimes need: capture, analysis passes, stage graphs.
+
+:func:`analyze` captures the model (``partitioner.capture``) and runs the analysis passes:
+dead code, layer labels, layer grouping and, with example inputs, shapes and costs.
+:func:`build_stage_graphs` cuts the captured graph along a plan's stages and prepares each
+stage for a runtime. :func:`recapture` captures the same layers in the other train/eval mode
+(``torch.export`` bakes the mode into the graph).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> analysis = analyze(model, (torch.randn(4, 8),))
+    >>> [layer.name for layer in analysis.layers]
+    ['0', '1', '2']
+    >>> analysis.workload.batch
+    4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from partitioner.capture import Captured, capture, module_paths
+from partitioner.cost.cost import LayerCost, Workload, boundary_bytes, workload_from_graph
+from partitioner.errors import ExampleInputsError, PartitionError
+from partitioner.passes.annotate_cost import annotate_cost
+from partitioner.passes.dead_code import eliminate_dead_code
+from partitioner.passes.flatten_sequential import assign_layer_paths
+from partitioner.passes.group_layers import Layer, group_layers
+from partitioner.passes.private_rng import route_dropout
+from partitioner.passes.protect_inputs import protect_inputs
+from partitioner.passes.shape_prop import propagate_shapes
+from partitioner.passes.split_stages import split_stages
+from partitioner.plans.plan import Plan
+from partitioner.runtime.microbatch import batch_size
+
+__all__ = ["Analysis", "analyze", "recapture", "build_stage_graphs", "Regroup"]
+
+Regroup = Callable[[fx.GraphModule, tuple[Layer, ...]], tuple[Layer, ...]]
+
+
+@dataclass
+class Analysis:
+    """A captured model after the analysis passes.
+
+    Attributes:
+        captured: the capture (graph, method, how to bind call arguments).
+        layers: the layers, in order: the units a stage boundary may fall between.
+        costs: each layer's predicted cost (with example inputs).
+        boundaries: bytes crossing each boundary between layers (with example inputs).
+        training: the model's mode when it was captured.
+        workload: the costed layers as the planner reads them (with example inputs).
+        inputs: the graph's placeholder values for the example batch.
+    """
+
+    captured: Captured
+    layers: tuple[Layer, ...]
+    costs: list[LayerCost] | None
+    boundaries: list[int] | None
+    training: bool
+    workload: Workload | None = None
+    inputs: list[Any] | None = field(default=None, repr=False)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers' names, in order."""
+        return [layer.name for layer in self.layers]
+
+
+def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
+            example_kwargs: dict[str, Any] | None = None, *, need_costs: bool = True,
+            regroup: Regroup | None = None) -> Analysis:
+    """Capture ``model`` and run the analysis passes (costs only with example inputs).
+
+    ``regroup``, if given, may join layers once shapes are known and before they are costed
+    (tensor parallelism keeps Megatron regions inside one layer).
+
+    Raises:
+        ExampleInputsError: when costs are needed and ``example_inputs`` is missing.
+    """
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        raise ExampleInputsError(f"example_inputs must be a tuple of positional inputs, got "
+                                 f"{type(example_inputs).__name__}; pass example_inputs=(x,)")
+    if need_costs and example_inputs is None:
+        raise ExampleInputsError("planning needs example_inputs to cost the layers; pass "
+                                 "example_inputs=(x,) with one batch, or fix the split with "
+                                 "balance= or split_points=")
+    captured = capture(model, tuple(example_inputs) if example_inputs is not None else None,
+                       example_kwargs)
+    gm = captured.graph_module
+    eliminate_dead_code(gm)
+    assign_layer_paths(gm, model, {n: module_paths(n) for n in gm.graph.nodes})
+    layers = group_layers(gm).layers
+    costs = bounds = workload = values = None
+    if example_inputs is not None:
+        values = captured.placeholder_values(tuple(example_inputs), dict(example_kwargs or {}))
+        propagate_shapes(gm, values)
+        annotate_cost(gm)
+        if regroup is not None:
+            layers = regroup(gm, layers)
+        workload = workload_from_graph(gm, layers, batch_size(values) or 1,
+                                       type(model).__name__)
+        costs = list(workload.layers)
+        bounds = boundary_bytes(gm, layers)
+    return Analysis(captured, layers, costs, bounds, model.training, workload,
+                    list(values) if values is not None else None)
+
+
+def recapture(model: nn.Module, analysis: Analysis, training: bool,
+              example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
+              regroup: Regroup | None = None) -> Analysis:
+    """The same layers captured in the other train/eval mode (export bakes the mode in).
+
+    A ``torch.fx`` capture holds for both modes and is returned as it is.
+
+    Raises:
+        PartitionError: the other mode's capture gives other layers.
+    """
+    if analysis.captured.method == "fx":
+        return analysis
+    previous = model.training
+    model.train(training)
+    try:
+        fresh = analyze(model, example_inputs, example_kwargs, need_costs=False,
+                        regroup=regroup)
+    finally:
+        model.train(previous)
+    if fresh.layer_names != analysis.layer_names:
+        raise PartitionError(f"capturing {type(model).__name__} in "
+                             f"{'train' if training else 'eval'} mode gave other layers; "
+                             "partition the model again in the mode you will run it in")
+    return fresh
+
+
+def build_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
+    """One graph per stage of ``plan``, rewritten for the runtime and moved to its device."""
+    layer_stage = {name: stage.index for stage in plan.stages for name in stage.layers}
+    gm = analysis.captured.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of = {nodes[name]: layer_stage[layer.name]
+                for layer in analysis.layers for name in layer.nodes}
+    split = split_stages(gm, stage_of, len(plan.stages))
+    graphs = [stage.graph_module for stage in split.stages]
+    _check_tied_parameters(graphs, plan.devices)
+    for gm_j, device in zip(graphs, plan.devices):
+        route_dropout(gm_j)
+        protect_inputs(gm_j)
+        gm_j.to(torch.device(device))
+    return graphs
+
+
+def _check_tied_parameters(graphs: list[fx.GraphModule], devices: Sequence[str]) -> None:
+    owner: dict[int, int] = {}
+    for j, gm in enumerate(graphs):
+        for tensor in list(gm.parameters()) + list(gm.buffers()):
+            first = owner.setdefault(id(tensor), j)
+            if devices[first] != devices[j]:
+                raise PartitionError(
+                    f"a parameter of shape {tuple(tensor.shape)} is used by stage {first} on "
+                    f"{devices[first]} and stage {j} on {devices[j]}; tied weights across "
+                    "devices are not supported: keep their layers on one device with "
+                    "split_points=")

@@ -1,0 +1,134 @@
+"""Communication times by the alpha-beta model.
+
+A message of ``S`` bytes over a link of latency ``alpha`` and bandwidth ``beta`` takes
+``alpha + S / beta``. The ring collectives over ``n`` ranks move ``S / n`` per step:
+
+==================  ==========================================  ==================
+collective          time                                        ``S`` is
+==================  ==========================================  ==================
+point-to-point      ``alpha + S / beta``                        the message
+all-reduce          ``2 (n - 1) (alpha + S / (n beta))``        each rank's buffer
+all-gather          ``(n - 1) (alpha + S / (n beta))``          the gathered result
+reduce-scatter      ``(n - 1) (alpha + S / (n beta))``          each rank's input
+==================  ==========================================  ==================
+
+An all-reduce is a reduce-scatter then an all-gather, hence twice their time. ``beta`` is
+the link's *effective* bandwidth (datasheet times the efficiency collectives reach); which
+link a group of ranks uses, and how many of a node's NICs it gets, is
+:meth:`partitioner.cost.devices.Cluster.group_link`'s business.
+
+Example:
+    >>> link = LinkSpec("test", bandwidth=100e9, latency=5e-6)
+    >>> round(all_reduce_time(1e9, 8, link) * 1e3, 3)  # 2 * 7 * (5 us + 1.25 ms)
+    17.57
+    >>> all_reduce_time(1e9, 1, link)
+    0.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from partitioner.cost.devices import Cluster, LinkSpec
+from partitioner.errors import PartitionError
+
+__all__ = ["CommError", "COLLECTIVES", "p2p_time", "all_reduce_time", "all_gather_time",
+           "reduce_scatter_time", "collective_time"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+class CommError(PartitionError, ValueError):
+    """A communication cost was asked for a negative size or a group of fewer than 1 rank."""
+
+
+def _check(nbytes: float, n: int = 1) -> None:
+    problems = []
+    if not nbytes >= 0:
+        problems.append(f"nbytes={nbytes!r}; pass a size >= 0")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        problems.append(f"n={n!r}; pass the number of ranks, an int >= 1")
+    if problems:
+        raise CommError("; ".join(problems))
+
+
+def p2p_time(nbytes: float, link: LinkSpec) -> float:
+    """Seconds to send ``nbytes`` from one rank to another over ``link``.
+
+    Example:
+        >>> p2p_time(1e6, LinkSpec("l", 1e9, 1e-5))
+        0.00101
+    """
+    _check(nbytes)
+    return link.time(nbytes)
+
+
+def all_reduce_time(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` per rank over ``n`` ranks.
+
+    Example:
+        >>> all_reduce_time(8e9, 2, LinkSpec("l", 1e9, 0.0))  # 2 * 1 * (8e9 / 2e9)
+        8.0
+    """
+    _check(nbytes, n)
+    return 2 * _ring_steps(nbytes, n, link)
+
+
+def all_gather_time(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Seconds of a ring all-gather whose result is ``nbytes`` on every rank.
+
+    Example:
+        >>> all_gather_time(4e9, 4, LinkSpec("l", 1e9, 0.0))  # 3 steps of 1 GB
+        3.0
+    """
+    _check(nbytes, n)
+    return _ring_steps(nbytes, n, link)
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Seconds of a ring reduce-scatter of ``nbytes`` of input per rank.
+
+    Example:
+        >>> reduce_scatter_time(4e9, 4, LinkSpec("l", 1e9, 0.0))
+        3.0
+    """
+    _check(nbytes, n)
+    return _ring_steps(nbytes, n, link)
+
+
+def _ring_steps(nbytes: float, n: int, link: LinkSpec) -> float:
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return (n - 1) * (link.latency + nbytes / (n * link.effective_bandwidth))
+
+
+_TIMES = {"all_reduce": all_reduce_time, "all_gather": all_gather_time,
+          "reduce_scatter": reduce_scatter_time}
+
+
+def collective_time(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Seconds of collective ``kind`` over ``ranks`` of ``cluster``, on the link they share.
+
+    Args:
+        kind: one of :data:`COLLECTIVES`.
+        nbytes: ``S`` as in the module's table.
+        ranks: the group's ranks (their nodes decide the link).
+        cluster: the devices and links.
+
+    Raises:
+        CommError: for an unknown kind, a negative size or an empty group.
+
+    Example:
+        >>> from partitioner.cost.devices import Cluster
+        >>> c = Cluster.preset("A100-80GB", nodes=2)
+        >>> inside = collective_time("all_reduce", 1e8, range(8), c)
+        >>> across = collective_time("all_reduce", 1e8, [0, 8], c)
+        >>> inside < across
+        True
+    """
+    if kind not in _TIMES:
+        raise CommError(f"collective {kind!r} is unknown; use one of {COLLECTIVES}")
+    ranks = list(ranks)
+    if not ranks:
+        raise CommError("ranks is empty; a collective needs at least one rank")
+    return _TIMES[kind](nbytes, len(ranks), cluster.group_link(ranks))

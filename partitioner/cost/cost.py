@@ -1,0 +1,473 @@
+"""Per-operation and per-layer costs: what a plan's stages take on a device.
+
+A model becomes a :class:`Workload`: its layers in order, each a list of :class:`Op` costed
+*per sample* (one row of dim 0), the bytes live at each boundary between layers, and the
+batch. Costs per sample let the planner try any micro-batch size: an op on ``n`` samples has
+``n`` times the FLOPs and activation bytes, but reads its weights once, so small micro-batches
+pay the weight traffic (and the fixed cost per op) more often. That is the per-micro-batch
+overhead that makes 8 micro-batches of 8 rows slower than one of 64.
+
+Time of one op on a :class:`~partitioner.cost.devices.DeviceSpec` (roofline):
+
+* a matrix product of ``f`` FLOPs moving ``m`` bytes takes ``max(f / rate(f), m / bw)``,
+  where ``rate`` is the device's achievable-efficiency curve (small products reach less of
+  the peak), plus repacking its weights on CPUs; its backward is two products of the same
+  size (input and weight gradients) plus writing the weight gradient;
+* a memory-bound op (element-wise, normalisation, softmax, copies) takes ``m / bw``, its
+  backward ``backward`` times that; views move nothing;
+* each op launch adds ``op_overhead``;
+* on CPUs, a new tensor too large for ``malloc`` to reuse (glibc: above 32 MiB) is faulted
+  in at ``fresh_bandwidth``: an op's output, and in its backward the inputs' gradient and
+  the weight gradient.
+
+Under ``tp``-way tensor parallelism the ops marked ``split`` (Megatron's column/row parallel
+matrix products and what lies between them) are divided by ``tp``; the layer's
+``tp_all_reduces`` all-reduces of its output are charged by :mod:`partitioner.cost.comm`.
+
+Example:
+    >>> op = Op("matmul", flops=2 * 1024 * 1024, bytes=8 * 1024, weight_read=4 * 2**20)
+    >>> layer = LayerCost("fc", (op,), param_bytes=4 * 2**20)
+    >>> from partitioner.cost.devices import DeviceSpec
+    >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 8e9, 1e10, 0.9, 5e7, 1.0, 1e-5)
+    >>> one = sum(phase_times(layer, cpu, 64))
+    >>> eight = 8 * sum(phase_times(layer, cpu, 8))
+    >>> round(eight / one, 1)  # eight micro-batches read the weights eight times
+    2.9
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from partitioner.cost.devices import DeviceSpec, dtype_name
+from partitioner.errors import PartitionError
+from partitioner.passes.group_layers import Layer
+from partitioner.passes.liveness import live_values
+from partitioner.passes.shape_prop import tensor_bytes
+
+__all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
+           "workload_from_graph", "op_times", "phase_times", "layer_time", "shared_work",
+           "OP_KINDS"]
+
+OP_KINDS = ("matmul", "memory")
+
+
+class CostModelError(PartitionError, ValueError):
+    """A cost description is malformed (negative sizes, unknown op kind, wrong lengths)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a layer: its forward cost per sample.
+
+    Attributes:
+        kind: ``"matmul"`` (matrix products, convolutions, attention) or ``"memory"``.
+        flops: forward FLOPs per sample.
+        bytes: activation bytes read and written per sample in the forward.
+        weight_read: parameter bytes read per call, whatever the number of samples.
+        weight_grad: bytes of the parameters' gradient, written by each backward call (and
+            read, added and written again when it accumulates into an existing ``.grad``).
+        split: whether tensor parallelism divides this op ``tp`` ways.
+        backward: for memory ops, backward bytes over forward bytes (reading the saved input
+            and the output gradient, writing the input gradient: 1.5).
+        count: how many identical ops this entry stands for.
+        out_bytes: bytes per sample of its output (a new tensor every call; part of
+            ``bytes``, whose rest is its inputs).
+    """
+
+    kind: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    weight_read: float = 0.0
+    weight_grad: float = 0.0
+    split: bool = False
+    backward: float = 1.5
+    count: int = 1
+    out_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = [f"{k}={getattr(self, k)!r}" for k in
+                    ("flops", "bytes", "weight_read", "weight_grad", "backward", "out_bytes")
+                    if not getattr(self, k) >= 0]
+        if self.kind not in OP_KINDS:
+            problems.append(f"kind={self.kind!r} (use one of {OP_KINDS})")
+        if self.count < 1:
+            problems.append(f"count={self.count!r}")
+        if problems:
+            raise CostModelError("bad Op: " + ", ".join(problems) + "; sizes are >= 0")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """A layer's cost: its ops per sample, parameters and what it keeps for the backward.
+
+    Attributes:
+        name: the layer's name (the module's qualified name).
+        ops: its operations, forward costs per sample.
+        param_bytes: bytes of its parameters.
+        buffer_bytes: bytes of its buffers.
+        activation_bytes: bytes per sample autograd keeps for the backward.
+        split_param_bytes: the part of ``param_bytes`` tensor parallelism divides.
+        split_activation_bytes: the part of ``activation_bytes`` it divides.
+        output_bytes: bytes per sample of the layer's output (what a TP all-reduce sums).
+        tp_all_reduces: all-reduces of the output per forward (and per backward) under TP.
+        signature: equal for layers that cost the same (repeated blocks).
+        time_scale: measured over predicted time (``calibrate=True``); scales every phase.
+    """
+
+    name: str
+    ops: tuple[Op, ...] = ()
+    param_bytes: float = 0
+    buffer_bytes: float = 0
+    activation_bytes: float = 0.0
+    split_param_bytes: float = 0.0
+    split_activation_bytes: float = 0.0
+    output_bytes: float = 0.0
+    tp_all_reduces: int = 0
+    signature: str = ""
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = [f"{k}={getattr(self, k)!r}" for k in
+                    ("param_bytes", "buffer_bytes", "activation_bytes", "split_param_bytes",
+                     "split_activation_bytes", "output_bytes", "tp_all_reduces")
+                    if not getattr(self, k) >= 0]
+        if not self.time_scale > 0:
+            problems.append(f"time_scale={self.time_scale!r}")
+        if self.split_param_bytes > self.param_bytes:
+            problems.append(f"split_param_bytes={self.split_param_bytes} > param_bytes")
+        if problems:
+            raise CostModelError(f"bad LayerCost {self.name!r}: " + ", ".join(problems))
+        if not self.signature:
+            object.__setattr__(self, "signature", _digest(repr((self.ops, self.param_bytes,
+                                                                self.activation_bytes))))
+
+    @property
+    def forward_flops(self) -> float:
+        """Forward FLOPs per sample."""
+        return sum(op.flops * op.count for op in self.ops)
+
+    @property
+    def splittable(self) -> bool:
+        """Whether tensor parallelism can split this layer."""
+        return self.split_param_bytes > 0
+
+    def params_on(self, tp: int) -> float:
+        """Parameter bytes one tensor-parallel rank holds."""
+        return self.param_bytes - self.split_param_bytes + self.split_param_bytes / tp
+
+    def activations_on(self, tp: int) -> float:
+        """Activation bytes per sample one tensor-parallel rank keeps."""
+        return self.activation_bytes - self.split_activation_bytes \
+            + self.split_activation_bytes / tp
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model as the planner sees it: layers in order, boundaries, batch and precision.
+
+    Attributes:
+        layers: per-layer costs.
+        boundaries: ``L + 1`` bytes per sample live at each boundary (0 and ``L`` hold none).
+        batch: samples per training step.
+        dtype: the compute dtype name (``"fp32"``, ``"bf16"``, ...).
+        param_bytes_per_element: bytes of one parameter (4 for fp32, 2 for bf16).
+        mixed_precision: whether an fp32 master copy of low-precision weights is kept.
+        name: a label.
+        notes: remarks about the model the planner must respect (e.g. batch norm).
+        microbatch_safe: whether splitting the batch leaves the maths unchanged.
+    """
+
+    layers: tuple[LayerCost, ...]
+    boundaries: tuple[float, ...]
+    batch: int
+    dtype: str = "fp32"
+    param_bytes_per_element: int = 4
+    mixed_precision: bool = False
+    name: str = "model"
+    notes: tuple[str, ...] = field(default=())
+    microbatch_safe: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "boundaries", tuple(float(b) for b in self.boundaries))
+        problems = []
+        if not self.layers:
+            problems.append("no layers")
+        if len(self.boundaries) != len(self.layers) + 1:
+            problems.append(f"{len(self.boundaries)} boundaries for {len(self.layers)} layers "
+                            f"(need {len(self.layers) + 1})")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            problems.append(f"batch={self.batch!r} (need an int >= 1)")
+        if problems:
+            raise CostModelError(f"bad Workload {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def max_tp(self) -> int:
+        """1 when no layer can be split by tensor parallelism, else unbounded (0)."""
+        return 0 if any(layer.splittable for layer in self.layers) else 1
+
+    @property
+    def param_bytes(self) -> float:
+        """Bytes of every parameter."""
+        return sum(layer.param_bytes for layer in self.layers)
+
+
+def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str = "fp32",
+             accumulate: float = 0.0) -> tuple[float, float]:
+    """Seconds of ``op``'s forward and backward for ``samples`` samples on one rank.
+
+    ``accumulate`` is the share of backward calls whose weight gradient is added to an
+    existing ``.grad`` (``(m - 1) / m`` with ``m`` micro-batches): three more passes over it.
+
+    Example:
+        >>> from partitioner.cost.devices import DEVICES
+        >>> f, b = op_times(Op("memory", bytes=1e6), DEVICES["A100-80GB"], 1000)
+        >>> round(b / f, 2)
+        1.5
+    """
+    share = tp if op.split else 1
+    flops = op.flops * samples / share
+    traffic = op.bytes * samples / share
+    weights = op.weight_read / share
+    grads = op.weight_grad / share * (1 + 3 * accumulate)
+    bandwidth, overhead = spec.achievable_bandwidth, spec.op_overhead
+    if op.kind == "matmul":
+        product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
+        pack = weights / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
+        forward = max(product, (traffic + weights) / bandwidth) + pack + overhead
+        # Two products: the input gradient (which repacks the weights again) and the weight
+        # gradient (whose output is weight-sized: the gradient traffic below).
+        backward = 2 * (max(product, (traffic + weights) / bandwidth) + overhead) + pack \
+            + grads / bandwidth
+    else:
+        forward = (traffic + weights) / bandwidth + overhead
+        backward = op.backward * traffic / bandwidth + grads / bandwidth + overhead
+    if spec.fresh_bandwidth:
+        # New tensors too large for the allocator to reuse are faulted in: the output, and in
+        # the backward the inputs' gradient and a new weight gradient (added to ``.grad``).
+        out = op.out_bytes * samples / share
+        forward += spec.fresh_time(out)
+        backward += spec.fresh_time(traffic - out) + spec.fresh_time(op.weight_grad / share)
+    return forward * op.count, backward * op.count
+
+
+def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
+                dtype: str = "fp32", accumulate: float = 0.0) -> tuple[float, float]:
+    """Seconds of a layer's forward and backward for a micro-batch of ``samples``.
+
+    Tensor-parallel communication is not included (see :mod:`partitioner.cost.comm`).
+    """
+    forward = backward = 0.0
+    for op in layer.ops:
+        f, b = op_times(op, spec, samples, tp, dtype, accumulate)
+        forward += f
+        backward += b
+    return forward * layer.time_scale, backward * layer.time_scale
+
+
+def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
+                dtype: str = "fp32") -> tuple[float, ...]:
+    """How a layer's forward + backward fares on devices sharing one host's cores.
+
+    Returns:
+        For ``n = 1 .. len(spec.shared_speedup)`` busy devices, the layer's seconds divided
+        by what ``n`` devices gain when each of its ops is on all of them at once
+        (``spec.speedup(n, flops)``: small products gain most, memory-bound ops least). Entry
+        0 is the layer's time alone; ``entry[0] / entry[n - 1]`` is the layer's gain.
+        Empty for devices with their own compute.
+
+    Example:
+        >>> from partitioner.cost.devices import DeviceSpec
+        >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1e3, 1.0, 0.0,
+        ...                  shared_speedup=(1.0, 1.2), shared_sizes=((1e6, 1.0, 2.0),))
+        >>> alone, two = shared_work(LayerCost("fc", (Op("matmul", flops=1e4),)), cpu, 10)
+        >>> round(alone / two, 6)  # products of 1e5 FLOPs: as the smallest row, 2x
+        2.0
+    """
+    if not spec.shared_speedup:
+        return ()
+    width = len(spec.shared_speedup)
+    out = [0.0] * width
+    for op in layer.ops:
+        seconds = sum(op_times(op, spec, samples, tp, dtype)) * layer.time_scale
+        size = op.flops * samples / (tp if op.split else 1) if op.kind == "matmul" else 0.0
+        for n in range(1, width + 1):
+            out[n - 1] += seconds / spec.speedup(n, size)
+    return tuple(out)
+
+
+def layer_time(layer: LayerCost, spec: DeviceSpec, samples: float, *, tp: int = 1,
+               checkpoint: bool = False, dtype: str = "fp32", accumulate: float = 0.0) -> float:
+    """Seconds of forward + backward (+ replayed forward when checkpointed) of one layer."""
+    forward, backward = phase_times(layer, spec, samples, tp, dtype, accumulate)
+    return forward * (2 if checkpoint else 1) + backward
+
+
+def _weights(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return list(module.parameters()) + list(module.buffers())
+    found = []
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = _fetch(gm, str(arg.target))
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether the node moves no data: every tensor it returns is a view (or none at all)."""
+    leaves = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return all(v._base is not None for v in leaves)
+
+
+def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int) -> tuple[Op, bool] | None:
+    """The op of one call node (per sample) and whether it multiplies by a weight."""
+    cost = node.meta["cost"]
+    weights = _weights(gm, node)
+    param_bytes = sum(t.numel() * t.element_size() for t in weights if t.requires_grad
+                      or isinstance(t, torch.nn.Parameter))
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+    out = cost.activation_bytes
+    if cost.forward_flops > 0:
+        inputs = cost.input_bytes - weight_bytes if node.op == "call_module" else \
+            sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+                if a.op != "get_attr")
+        traffic = max(inputs, 0) + out
+        return Op("matmul", cost.forward_flops / batch, traffic / batch, weight_bytes,
+                  param_bytes, split=param_bytes > 0, out_bytes=out / batch), param_bytes > 0
+    if _is_view(node):
+        return None
+    inputs = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+                 if a.op != "get_attr")
+    # A gathered row of an embedding table is read once; its gradient is the whole table.
+    read = min(weight_bytes, out)
+    return Op("memory", 0.0, (inputs + out) / batch, read, param_bytes,
+              out_bytes=out / batch), False
+
+
+def layer_costs(gm: fx.GraphModule, layers: Sequence[Layer],
+                batch: int | None = None) -> list[LayerCost]:
+    """Per-layer costs from a graph annotated by ``partitioner.passes.annotate_cost``.
+
+    Args:
+        gm: the captured graph after shape propagation and cost annotation.
+        layers: its layers (``partitioner.passes.group_layers``).
+        batch: samples in the example inputs (default: dim 0 of the first placeholder).
+
+    Returns:
+        One :class:`LayerCost` per layer, per sample; parameters reached through
+        ``get_attr`` are charged to their first user's layer (tied weights once).
+    """
+    if batch is None:
+        batch = _batch_of(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    attr_layer: dict[str, int] = {}
+    for index, layer in enumerate(layers):
+        for name in layer.nodes:
+            for used in nodes[name].all_input_nodes:
+                if used.op == "get_attr":
+                    attr_layer.setdefault(used.name, index)
+    return [_layer_cost(gm, index, layer, nodes, attr_layer, batch)
+            for index, layer in enumerate(layers)]
+
+
+def _batch_of(gm: fx.GraphModule) -> int:
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            for leaf in pytree.tree_leaves(node.meta.get("val")):
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                    return int(leaf.shape[0])
+    return 1
+
+
+def _layer_cost(gm: fx.GraphModule, index: int, layer: Layer, nodes: dict[str, fx.Node],
+                attr_layer: dict[str, int], batch: int) -> LayerCost:
+    members = [nodes[n] for n in layer.nodes]
+    owned = members + [nodes[a] for a, k in attr_layer.items() if k == index]
+    node_costs = [n.meta["cost"] for n in owned]
+    ops, weight_products = [], 0
+    for node in members:
+        made = _node_op(gm, node, batch)
+        if made is not None:
+            ops.append(made[0])
+            weight_products += made[1]
+    params = sum(c.param_bytes for c in node_costs)
+    split = sum(op.weight_grad for op in ops if op.split)
+    kept = sum(tensor_bytes(n.meta.get("val")) for n in members if not _is_view(n)) / batch
+    kept_split = sum(op.bytes for op in ops if op.split) / 2
+    output = tensor_bytes(members[-1].meta.get("val")) / batch
+    return LayerCost(layer.name, tuple(ops), params, sum(c.buffer_bytes for c in node_costs),
+                     kept, min(split, params), kept_split, output,
+                     math.ceil(weight_products / 2), _signature(gm, members))
+
+
+def _signature(gm: fx.GraphModule, members: list[fx.Node]) -> str:
+    parts = []
+    for node in members:
+        target = type(gm.get_submodule(str(node.target))).__name__ \
+            if node.op == "call_module" else str(getattr(node.target, "__name__", node.target))
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+        weights = tuple(tuple(t.shape) for t in _weights(gm, node))
+        parts.append((node.op, target, shape, weights))
+    return _digest(repr(parts))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def boundary_bytes(gm: fx.GraphModule, layers: Sequence[Layer]) -> list[int]:
+    """Bytes live at each boundary ``b`` in ``0..L`` for the example batch (0 and L hold none)."""
+    index = {name: k for k, layer in enumerate(layers) for name in layer.nodes}
+    unit_of = {n: index[n.name] for n in gm.graph.nodes if n.name in index}
+    live = live_values(gm, unit_of, len(layers))
+    return [0] + [sum(tensor_bytes(n.meta.get("val")) for n in values) for values in live] + [0]
+
+
+_NORMS = ("batch_norm", "BatchNorm", "SyncBatchNorm")
+
+
+def workload_from_graph(gm: fx.GraphModule, layers: Sequence[Layer], batch: int,
+                        name: str = "model") -> Workload:
+    """The :class:`Workload` of a captured, shape-propagated, cost-annotated graph.
+
+    Args:
+        gm: the graph (``partitioner.passes.annotate_cost`` has run).
+        layers: its layers.
+        batch: samples in the example inputs (dim 0).
+        name: a label.
+
+    Returns:
+        The workload; its dtype is that of the first floating-point parameter, and
+        ``microbatch_safe`` is false when the graph has batch norm (micro-batches would
+        change its statistics).
+    """
+    costs = layer_costs(gm, layers, batch)
+    bounds = [b / batch for b in boundary_bytes(gm, layers)]
+    floats = [p for p in gm.parameters() if p.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.float32
+    norms = [n.name for n in gm.graph.nodes if any(
+        word in (type(gm.get_submodule(str(n.target))).__name__ if n.op == "call_module"
+                 else str(n.target)) for word in _NORMS)]
+    notes = (f"batch norm at {norms[0]}: micro-batches would change its statistics",) \
+        if norms else ()
+    return Workload(tuple(costs), tuple(bounds), batch, dtype_name(dtype),
+                    torch.empty((), dtype=dtype).element_size(), dtype != torch.float32,
+                    name, notes, microbatch_safe=not norms)

@@ -1,0 +1,129 @@
+"""This machine's devices: a GPU's spec from its name, a CPU's pinned, cached or measured once.
+
+Planning for ``"cpu"`` devices needs the CPU's spec. Where it comes from, first match wins:
+
+1. a spec pinned in this process (:func:`pin_cpu_spec`);
+2. ``PARTITIONER_CPU_SPEC=reference``: the fixed
+   :data:`~partitioner.cost.devices.REFERENCE_CPU` (tests, and anyone who wants plans that
+   do not depend on this machine's timings); ``=measure``: measure in this process;
+3. the calibration cache of this machine (``~/.cache/partitioner``, keyed by the CPU model,
+   core count, torch version and thread count; see
+   :func:`partitioner.cost.measure.measure_cpu`): the median of the runs kept there;
+4. otherwise measure now (about 3 s), saying so on stderr, and keep the run in the cache.
+
+Example:
+    >>> with pinned_cpu_spec(REFERENCE_CPU):
+    ...     local_cluster(["cpu", "cpu"]).device.name
+    'cpu (reference)'
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from partitioner.cost.devices import DEVICES, REFERENCE_CPU, Cluster, DeviceSpec, parse_devices
+from partitioner.cost.measure import cache_file, cached_cpu_spec, measure_cpu
+from partitioner.errors import DeviceError
+
+__all__ = ["cpu_spec", "pin_cpu_spec", "pinned_cpu_spec", "spec_for", "local_cluster",
+           "as_cluster"]
+
+_GiB = float(2**30)
+_PINNED: list[DeviceSpec] = []
+_SOURCES = ("reference", "measure")
+
+
+def pin_cpu_spec(spec: DeviceSpec | None) -> None:
+    """Plan every ``"cpu"`` device of this process with ``spec`` (``None`` unpins)."""
+    _PINNED.clear()
+    if spec is not None:
+        _PINNED.append(spec)
+
+
+@contextmanager
+def pinned_cpu_spec(spec: DeviceSpec) -> Iterator[DeviceSpec]:
+    """:func:`pin_cpu_spec` for the duration of a ``with`` block."""
+    before = list(_PINNED)
+    pin_cpu_spec(spec)
+    try:
+        yield spec
+    finally:
+        _PINNED[:] = before
+
+
+def cpu_spec() -> DeviceSpec:
+    """The spec ``"cpu"`` devices are planned with (see the module docstring).
+
+    Raises:
+        DeviceError: ``PARTITIONER_CPU_SPEC`` names no known source.
+    """
+    if _PINNED:
+        return _PINNED[0]
+    source = os.environ.get("PARTITIONER_CPU_SPEC", "")
+    if source == "reference":
+        return REFERENCE_CPU
+    if source not in ("", *_SOURCES):
+        raise DeviceError(f"PARTITIONER_CPU_SPEC={source!r}; set it to one of {_SOURCES} "
+                          "or unset it (the cached calibration of this machine)")
+    if source == "":
+        cached = cached_cpu_spec()
+        if cached is not None:
+            return cached
+    return _measure_announced()
+
+
+@functools.cache
+def _measure_announced() -> DeviceSpec:
+    where = cache_file()
+    sys.stderr.write("partitioner: measuring this machine's CPU for the cost model (about "
+                     "3 s, once per machine"
+                     + (f"; kept in {where}" if where is not None else "") + ")\n")
+    sys.stderr.flush()
+    start = time.perf_counter()
+    spec = measure_cpu(progress=True)
+    sys.stderr.write(f"partitioner: CPU measured in {time.perf_counter() - start:.1f} s\n")
+    return spec
+
+
+def spec_for(device: torch.device) -> DeviceSpec:
+    """The :class:`DeviceSpec` of a local device (a CPU's from :func:`cpu_spec`, a GPU's
+    from its name)."""
+    if device.type != "cuda":
+        return cpu_spec()
+    props = torch.cuda.get_device_properties(device)
+    preset = _preset_named(props.name, props.total_memory / _GiB)
+    if preset is not None:
+        return replace(DEVICES[preset], name=f"{device} {props.name}",
+                       memory_bytes=float(props.total_memory))
+    # Without a datasheet entry, assume a mid-range accelerator.
+    return DeviceSpec(f"{device} {props.name}", {"fp32": 20e12, "bf16": 100e12},
+                      float(props.total_memory), 1e12)
+
+
+def _preset_named(name: str, gib: float) -> str | None:
+    for family, preset in (("H200", "H200"), ("H100", "H100-SXM"), ("V100", "V100")):
+        if family in name:
+            return preset
+    if "A100" in name:
+        return "A100-80GB" if gib > 48 else "A100-40GB"
+    return None
+
+
+def local_cluster(devices: Any) -> Cluster:
+    """This machine's ``devices`` as a one-node :class:`Cluster`, each with its spec."""
+    parsed = parse_devices(devices)
+    return Cluster.local_devices(parsed, [spec_for(d) for d in parsed])
+
+
+def as_cluster(devices: Any) -> Cluster:
+    """``devices=`` as a :class:`Cluster` (a cluster as given, else this machine's)."""
+    return devices if isinstance(devices, Cluster) else local_cluster(devices)

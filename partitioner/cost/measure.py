@@ -1,0 +1,556 @@
+"""Measuring this machine: the CPU's spec, and (``calibrate=True``) each distinct layer.
+
+:func:`measure_cpu` runs a short calibration (about 3 s) once per process: products of
+1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
+as a model's are (the rate, and the per-call cost of repacking the weights that makes small
+micro-batches slow), a tiny product (the efficiency curve), an in-place add larger than the
+last-level cache (element-wise bandwidth), an Adam step right after a backward (the
+optimizer's), a chain of tiny ops with their backward (the fixed cost of one op), a pipeline
+of tiny stages (the runtime's cost per stage action), and several stage workers computing
+at once against one, for products of four sizes and for element-wise streams (``"cpu"``
+devices share this machine's cores, and what sharing gains depends on the work). Each
+timing is the median of a few repeats, and the spec takes the median of this run and the
+last runs on this machine (a small cache file).
+
+:func:`calibrate_layers` times forward + backward of every *distinct* layer once on the real
+device, with the example batch: layers with the same signature (the blocks of a transformer)
+are measured once, and no stage combination is ever timed. The ratio of measured to
+predicted time then scales that layer's cost at every micro-batch size, so the model keeps
+its shape (weight traffic, per-op costs) while its level comes from the machine.
+
+Example:
+    >>> spec = measure_cpu()
+    >>> spec.flops("fp32") > 1e9 and spec.shared_speedup[0] == 1.0
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from partitioner.cost.cost import LayerCost, phase_times
+from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.memory import optimizer_traffic
+from partitioner.errors import PartitionError
+from partitioner.passes.group_layers import Layer
+from partitioner.passes.split_stages import split_stages
+from partitioner.runtime.host_memory import fresh_allocation_bytes, host_memory_kept
+from partitioner.runtime.local import LocalPipeline
+from partitioner.runtime.worker import Worker, shared_threads
+
+__all__ = ["CalibrationError", "measure_cpu", "calibrate_layers", "Progress"]
+
+
+class CalibrationError(PartitionError, ValueError):
+    """Layers cannot be timed (e.g. the model has no real weights)."""
+
+
+def _typical(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
+    """The median seconds of ``fn`` over ``repeats`` timings of ``inner`` calls, after one.
+
+    The median, not the best: a plan predicts the step time the machine usually gives (on
+    a shared VM the best of a few repeats runs 5-15% below the median of training steps).
+    """
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def _warm_up(fn: Callable[[], Any], seconds: float = 0.1) -> None:
+    """Run ``fn`` for a while first: a cold thread pool and clock run far below speed."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
+
+
+def _op_overhead() -> float:
+    """Seconds per op of a chain of tiny ops, forward + backward, per op launch."""
+    w = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        x = w
+        for _ in range(16):
+            x = x * 1.0001
+        x.sum().backward()
+    # 16 forward + 16 backward launches (+ sum): the cost of one launch.
+    return _typical(chain, repeats=7, inner=5) / 34
+
+
+@contextmanager
+def _together(work: Callable[[], None], n: int) -> Iterator[Callable[[], None]]:
+    """``work`` on ``n`` stage workers at once, each with the intra-op threads the pipeline
+    runtime gives it (``partitioner.runtime.worker.shared_threads``: the caller's threads
+    shared)."""
+    cpu = torch.device("cpu")
+    workers = [Worker(cpu, shared_threads([cpu] * n)) for _ in range(n)]
+
+    def run() -> None:
+        for future in [w.submit(work) for w in workers]:
+            future.result()
+    try:
+        yield run
+    finally:
+        for w in workers:
+            w.close()
+
+
+@functools.cache
+def measure_cpu(progress: bool = False) -> DeviceSpec:
+    """This machine's CPU as a :class:`DeviceSpec`: measured once per process, kept per machine.
+
+    Each timing is the median of a few repetitions within a run (a plan predicts the step
+    time the machine usually gives, not its best), and the spec takes, per timing, the
+    median of this run and the last
+    runs kept in the cache directory (``$PARTITIONER_CACHE_DIR``, else
+    ``~/.cache/partitioner``; one file per CPU model, core count, torch version and thread
+    count; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it). Not the best across runs: on a
+    shared VM memory-bound timings swing by 2x from run to run (an Adam step measured 16 ms in
+    one run and 35 ms in the next three), and a plan should expect the machine as it usually
+    is. Plans on one machine then agree from run to run.
+
+    Returns:
+        A spec from float32 products of a ``1024 x 1024`` weight with 8, 64 and 256 rows (the
+        asymptotic rate, ``peak_flops`` with ``matmul_efficiency`` 1, and the weight
+        repacking cost, ``pack_bandwidth``), a 48 x 48 product (``matmul_half_flops``), an
+        in-place add of 64 MiB tensors (``memory_bandwidth``, ``memory_efficiency`` 1), an
+        Adam step over eight 1024 x 1024 weights after their backward (``optimizer_bandwidth``;
+        the median of 3 steps), tiny ops with autograd (``op_overhead``), 2, 3 and 4 stage
+        workers computing 64-row products at once, each with its share of the intra-op
+        threads (``shared_speedup``), and 2 workers computing products of 8, 256 and 1024
+        rows and element-wise streams (``shared_sizes``; 3 and 4 workers scaled from 2 as
+        for 64 rows), and a 2-stage, 8-micro-batch pipeline of tiny stages against the same
+        stages called directly (``action_overhead``).
+
+    Args:
+        progress: show a progress bar on stderr while measuring.
+    """
+    runs = [_timings(Progress("partitioner: measuring the CPU", _PHASES, enabled=progress))]
+    path = cache_file()
+    if path is not None:
+        try:
+            kept = json.loads(path.read_text())
+            runs += [{k: float(run[k]) for k in runs[0]} for run in kept[-(_KEPT_RUNS - 1):]]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(runs[1:] + runs[:1]))  # oldest first
+        except OSError:
+            pass
+    return _spec({k: statistics.median(run[k] for run in runs) for k in runs[0]})
+
+
+_KEPT_RUNS = 9
+
+
+def cached_cpu_spec() -> DeviceSpec | None:
+    """The spec of the runs kept in this machine's cache (their median), without measuring;
+    ``None`` when there are none (or the cache is disabled)."""
+    path = cache_file()
+    if path is None:
+        return None
+    try:
+        kept = json.loads(path.read_text())
+        runs = [{k: float(v) for k, v in run.items()} for run in kept[-_KEPT_RUNS:]]
+        if not runs:
+            return None
+        return _spec({k: statistics.median(run[k] for run in runs) for k in runs[0]})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def cache_file() -> Path | None:
+    """Where this machine's calibration runs are kept (``None``: the cache is disabled)."""
+    if os.environ.get("PARTITIONER_CALIBRATION_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("PARTITIONER_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "partitioner")
+    # "runs": a list of runs; "shared-by-size": stages running at once share the intra-op
+    # threads, timed for products of four sizes and element-wise streams; the Adam step is
+    # timed after a backward; "kept": whether freed memory stays in the process
+    # (partitioner.runtime.host_memory). Runs timed otherwise must not be mixed in.
+    key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+           f"|runs|median|shared-by-size-1024|adam-after-backward|action|fresh"
+           f"|kept-{host_memory_kept()}")
+    return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _peaks(rate: float) -> dict[str, float]:
+    # One matmul rate measured in float32; the CPU has no faster low-precision path we use.
+    return {"fp32": rate, "bf16": rate, "fp16": rate, "fp64": rate / 2}
+
+
+_WEIGHT, _SMALL, _COPY = 1024, 48, 16 * 2**20
+_ROWS = (8, 64, 256)
+_MOST = 1024  # rows of the largest products timed shared (as a transformer's at batch x seq)
+
+
+_PHASES = 7  # what _timings reports to its progress bar
+
+
+def _timings(progress: Progress) -> dict[str, float]:
+    """One calibration run's timings, in seconds (about 3 s on an idle machine)."""
+    # Weights from memory, not cache: a model's layers together outgrow the last-level cache,
+    # so each product here takes the next of 96 MiB of weights.
+    weights = [torch.randn(_WEIGHT, _WEIGHT) for _ in range(24)]
+    turn = itertools.cycle(weights)
+    few, some, many = (torch.randn(n, _WEIGHT) for n in _ROWS)
+    _warm_up(lambda: torch.mm(many, next(turn)))
+    c, d = torch.randn(_SMALL, _SMALL), torch.randn(_SMALL, _SMALL)
+    x = torch.ones(_COPY)  # touched: untouched pages read as the shared zero page
+    y = torch.zeros_like(x)
+    found = {"overhead": _op_overhead(),
+             "few": _typical(lambda: torch.mm(few, next(turn)), repeats=7, inner=24),
+             "some": _typical(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
+             "many": _typical(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
+             "small": _typical(lambda: torch.mm(c, d), repeats=7, inner=50)}
+    progress.step("matrix products")
+    found.update(add=_typical(lambda: y.add_(x), repeats=5),
+                 fill=_typical(lambda: y.fill_(1.0), repeats=5),
+                 fresh=_typical(_fresh_fill, repeats=3) if fresh_allocation_bytes() else 0.0)
+    progress.step("memory bandwidth")
+    found["adam"] = _adam_step()
+    progress.step("optimizer step")
+    found["action"] = _action_overhead()
+    progress.step("pipeline actions")
+    # What stages computing at once get done: products of 8 to 1024 rows with weights
+    # streamed from memory (the smaller, the more sharing gains), and element-wise streams
+    # (each worker its own tensors; the memory bus is shared).
+    local = threading.local()
+
+    def stream() -> None:
+        if not hasattr(local, "x"):
+            local.x, local.y = torch.ones(_COPY), torch.ones(_COPY)
+        for _ in range(4):
+            local.y.add_(local.x)
+    found.update(_shared_timings(_products(some, weights[:16]), (2, 3, 4)))
+    progress.step("stages sharing the cores")
+    for k, (suffix, work) in enumerate( (("_few", _products(few, weights[:16])),
+                         ("_many", _products(many, weights[:4])),
+                         ("_most", _products(torch.randn(_MOST, _WEIGHT), weights[:2])),
+                         ("_mem", stream))):
+        found.update({name + suffix: t
+                      for name, t in _shared_timings(work, (2,), rounds=2).items()})
+        if k % 2:
+            progress.step("sharing by size of work")
+    return found
+
+
+def _fresh_fill() -> None:
+    """Fill a newly mapped 64 MiB (an anonymous mapping: fresh pages whatever ``malloc``'s
+    settings), as a tensor too large for the allocator to reuse is."""
+    with mmap.mmap(-1, _COPY * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as memory:
+        tensor = torch.frombuffer(memory, dtype=torch.float32)
+        tensor.fill_(1.0)
+        del tensor
+
+
+def _products(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
+    def work() -> None:
+        for w in weights:
+            torch.mm(rows, w)
+    return work
+
+
+_COUNTS = {2: "two", 3: "three", 4: "four"}
+
+
+def _shared_timings(work: Callable[[], None], counts: Sequence[int],
+                    rounds: int = 3) -> dict[str, float]:
+    """The median time of ``work`` alone, and on ``n`` stage workers at once for each count,
+    over ``rounds`` rounds."""
+    work()
+    times: dict[str, list[float]] = {"alone": [], **{_COUNTS[n]: [] for n in counts}}
+    with ExitStack() as stack:
+        teams = {_COUNTS[n]: stack.enter_context(_together(work, n)) for n in counts}
+        for run in teams.values():
+            run()  # each worker's first call (the element-wise stream allocates there)
+        for _ in range(rounds):  # alone and together in turn: load drifting skews neither
+            times["alone"].append(_typical(work, repeats=1))
+            for name, run in teams.items():
+                times[name].append(_typical(run, repeats=1))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.linear(x),)
+
+
+def _action_overhead() -> float:
+    """Seconds the pipeline runtime adds per stage action: a 2-stage, 8-micro-batch pipeline
+    of tiny stages (32 actions) against the same stages called directly."""
+    stages = [fx.symbolic_trace(_Tiny()) for _ in range(2)]
+    x = torch.randn(8, 8)
+    pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=8)
+
+    def piped() -> None:
+        pipe.run([x])[0].sum().backward()
+
+    def direct() -> None:
+        stages[1](*stages[0](x))[0].sum().backward()
+    try:
+        overhead = (_typical(piped, repeats=7, inner=3) - _typical(direct, repeats=7, inner=3)) / 32
+    finally:
+        pipe.close()
+    return max(overhead, 0.0)
+
+
+_ADAM_LAYERS = 8
+
+
+def _adam_step() -> float:
+    """The median time of an Adam step over ``_ADAM_LAYERS`` 1024 x 1024 weights, each step
+    right after a forward and backward that made their gradients, as in training.
+
+    Not repeated steps on their own: how the allocator hands out the step's temporaries after
+    a backward (fresh pages or reused ones) changes its time by up to 2x, and repeated steps
+    only ever see the reused case. The step is the element-wise ops of ``torch.optim.Adam``'s
+    CPU path (:func:`_adam_update`): the first ``torch.optim`` step in a process imports
+    about 800 modules (1 s), which planning should not pay.
+    """
+    weights = [torch.nn.Parameter(torch.randn(_WEIGHT, _WEIGHT) / _WEIGHT**0.5)
+               for _ in range(_ADAM_LAYERS)]
+    state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in weights]
+    x = torch.randn(64, _WEIGHT)
+    times = []
+    for step in range(1, 5):  # the first step's pages are new to the process
+        for w in weights:
+            w.grad = None
+        y = x
+        for w in weights:
+            y = torch.mm(y, w)
+        y.sum().backward()
+        start = time.perf_counter()
+        _adam_update(weights, state, step)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+@torch.no_grad()
+def _adam_update(weights: list[torch.nn.Parameter],
+                 state: list[tuple[torch.Tensor, torch.Tensor]], step: int,
+                 lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+    """One step of ``torch.optim.Adam``'s single-tensor path (its default on CPU), op for op:
+    ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_``, ``addcdiv_``."""
+    beta1, beta2 = betas
+    correction1, correction2 = 1 - beta1**step, 1 - beta2**step
+    for w, (exp_avg, exp_avg_sq) in zip(weights, state):
+        grad = w.grad
+        assert grad is not None
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / correction2**0.5).add_(eps)
+        w.addcdiv_(exp_avg, denom, value=-lr / correction1)
+
+
+def _spec(t: dict[str, float]) -> DeviceSpec:
+    """The spec of a set of timings (see :func:`measure_cpu`)."""
+    # t = overhead + weight / pack + f / rate: a line through the products of 8, 64 and 256
+    # rows, least squares in relative error (each size counts alike, not the slowest most);
+    # its slope is the rate, its intercept the repacking.
+    flops = [2.0 * n * _WEIGHT**2 for n in _ROWS]
+    times = [t["few"], t["some"], t["many"]]
+    weights = [1 / s**2 for s in times]
+    total = sum(weights)
+    mean_f = sum(w * f for w, f in zip(weights, flops)) / total
+    mean_t = sum(w * s for w, s in zip(weights, times)) / total
+    slope = sum(w * (f - mean_f) * (s - mean_t) for w, f, s in zip(weights, flops, times)) \
+        / sum(w * (f - mean_f) ** 2 for w, f in zip(weights, flops))
+    rate = 1 / slope if slope > 0 else flops[-1] / times[-1]
+    rate = min(max(rate, flops[-1] / times[-1]), 1.5 * flops[-1] / times[-1])
+    pack_time = max(mean_t - mean_f / rate - t["overhead"], t["few"] * 0.01)
+    pack = _WEIGHT * _WEIGHT * 4 / pack_time
+    f_small = 2.0 * _SMALL**3
+    # rate * f / (f + half) = f / t  =>  half = rate * t - f (the launch cost taken out)
+    half = max(rate * max(t["small"] - t["overhead"], 0.0) - f_small, f_small / 100)
+    bandwidth = 3 * _COPY * 4 / t["add"]  # an in-place add reads two tensors, writes one
+    # PyTorch's Adam: seven element-wise passes and two temporaries, 80 bytes per float32
+    # parameter (partitioner.cost.memory.optimizer_traffic), at the rate its kernels reach.
+    optimizer = optimizer_traffic("adam", 4, False) * _ADAM_LAYERS * _WEIGHT**2 / t["adam"]
+    # n workers sharing the caller's threads (as the runtime's stages do) get at most
+    # min(n, cores) times the work of one worker done: a lone team of several threads is at
+    # least as fast as one thread.
+    cores = os.cpu_count() or 1
+
+    def gain(n: int, suffix: str = "") -> float:
+        return min(max(n * t["alone" + suffix] / t[_COUNTS[n] + suffix], 1 / n),
+                   float(min(n, cores)))
+    reference = (1.0, *(gain(n) for n in _COUNTS))
+
+    def row(flops: float, suffix: str) -> tuple[float, ...]:
+        # Timed for 2 workers; 3 and 4 scaled as the reference work scales from 2.
+        two = gain(2, suffix)
+        return (flops, 1.0, *(min(max(two * reference[n - 1] / reference[1], 1 / n),
+                                  float(min(n, cores))) for n in _COUNTS))
+    sizes = (row(0.0, "_mem"), row(2.0 * _ROWS[0] * _WEIGHT**2, "_few"),
+             (2.0 * _ROWS[1] * _WEIGHT**2, *reference), row(2.0 * _ROWS[2] * _WEIGHT**2, "_many"),
+             row(2.0 * _MOST * _WEIGHT**2, "_most"))
+    # First touch of new memory: a fill of fresh pages against a fill of touched ones.
+    threshold = fresh_allocation_bytes()
+    fresh = _COPY * 4 / max(t["fresh"] - t["fill"], 1e-9) if threshold else 0.0
+    return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
+                      1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"],
+                      fresh, threshold or 0.0)
+
+
+def _total_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
+
+
+class Progress:
+    """A one-line progress bar on stderr (``label  3/7 ####.....``); silent if disabled."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = enabled and total > 0
+
+    def step(self, note: str = "") -> None:
+        """Mark one more item done."""
+        self.done += 1
+        if self.enabled:
+            filled = round(20 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} {self.done}/{self.total} "
+                             f"[{'#' * filled}{'.' * (20 - filled)}] {note[:40]:<40}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
+                     inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
+                     progress: bool = True, repeats: int = 3) -> list[LayerCost]:
+    """Time each distinct layer once on this machine; scale its cost to match.
+
+    Args:
+        gm: the captured graph, with real weights, after shape propagation.
+        layers: its layers.
+        costs: their predicted costs (:func:`partitioner.cost.cost.layer_costs`).
+        inputs: one value per placeholder of ``gm`` (the example batch).
+        spec: the spec the prediction used.
+        batch: samples in the example batch.
+        progress: draw a progress bar on stderr.
+        repeats: timed runs per layer (the median counts), after one warm-up.
+
+    Returns:
+        The costs with ``time_scale`` set to measured / predicted for each layer.
+
+    Raises:
+        CalibrationError: the model's weights are on the meta device.
+    """
+    if any(p.is_meta for p in gm.parameters()):
+        raise CalibrationError("calibrate=True times the layers on this machine, but the "
+                               "model's weights are on the meta device; build it with real "
+                               "weights or pass calibrate=False")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of = {nodes[name]: k for k, layer in enumerate(layers) for name in layer.nodes}
+    graphs = [s.graph_module for s in split_stages(gm, stage_of, len(layers)).stages]
+    first: dict[str, int] = {}
+    for k, cost in enumerate(costs):
+        first.setdefault(cost.signature, k)
+    bar = Progress("calibrating layers", len(first), progress)
+    measured: dict[str, float] = {}
+    with _preserved(gm):
+        for signature, k in first.items():
+            args = list(inputs) if k == 0 else _inputs_like(graphs[k], nodes)
+            run = functools.partial(_forward_backward, graphs[k], args)
+            measured[signature] = _typical(run, repeats)
+            bar.step(f"{layers[k].name}: {measured[signature] * 1e3:.2f} ms")
+    scaled = []
+    for cost in costs:
+        forward, backward = phase_times(replace(cost, time_scale=1.0), spec, batch)
+        scale = measured[cost.signature] / max(forward + backward, 1e-12)
+        scaled.append(replace(cost, time_scale=scale))
+    return scaled
+
+
+def _inputs_like(stage: fx.GraphModule, nodes: dict[str, fx.Node]) -> list[Any]:
+    values = []
+    for placeholder in (n for n in stage.graph.nodes if n.op == "placeholder"):
+        source = nodes.get(str(placeholder.target), nodes.get(placeholder.name))
+        fake = source.meta.get("val") if source is not None else None
+        values.append(pytree.tree_map(_real_like, fake))
+    return values
+
+
+def _real_like(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape, dtype = tuple(value.shape), value.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _forward_backward(stage: fx.GraphModule, args: list[Any]) -> None:
+    leaves, spec = pytree.tree_flatten(args)
+    leaves = [v.detach().requires_grad_() if isinstance(v, torch.Tensor)
+              and v.is_floating_point() else v for v in leaves]
+    out = stage(*pytree.tree_unflatten(leaves, spec))
+    tensors = [t for t in pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+class _preserved:
+    """Restore parameter gradients and buffers after timing (calibration leaves no trace)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+
+    def __enter__(self) -> None:
+        self.grads = {p: p.grad for p in self.gm.parameters()}
+        self.buffers = {b: b.detach().clone() for b in self.gm.buffers()}
+        for p in self.grads:
+            p.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        for p, g in self.grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in self.buffers.items():
+                b.copy_(saved)

@@ -1,0 +1,351 @@
+"""``strategy="auto"``: search data x tensor x pipeline parallelism for the fastest plan.
+
+For ``n`` devices the search enumerates every ``dp x tp x pp = n`` (tensor parallelism only
+inside a node and only when some layer can be split), the micro-batch counts, the schedule
+(GPipe, 1F1B, and Megatron's interleaved 1F1B with ``v`` chunks per device) and the
+checkpoint mode. Each configuration gets a lower bound on its step time from the per-layer
+costs alone (perfect balance, the schedule's unavoidable fill and drain) and a cheap memory
+bound; configurations are then predicted (:func:`partitioner.planning.predict.predict`, which runs
+the
+exact stage-split solver) in order of their bound, a branch and bound that stops when no
+bound beats the best prediction, or when the planning budget (5 s by default) runs out --
+then the best found is returned with its gap to the smallest bound not yet explored. The
+order is deterministic: equal inputs give equal plans.
+
+When the plan will run here, only configurations the runtime can execute are chosen:
+:func:`executable` is that predicate, and :data:`LOCAL_RUNTIME` says what the runtime can do
+today (one process, pipeline only, GPipe). Widening it is one line.
+
+Example:
+    >>> from partitioner.cost.devices import Cluster
+    >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
+    >>> w = gpt_workload(GPTShape(8, 1024, 16, 1024, 50304), batch=64)
+    >>> result = search(w, Cluster.preset("A100-80GB"), executable_only=False)
+    >>> result.best.config.devices, result.gap
+    (8, 0.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from partitioner.cost.cost import Workload
+from partitioner.cost.devices import Cluster
+from partitioner.cost.memory import device_memory, in_flight
+from partitioner.errors import MemoryLimitError, PartitionError
+from partitioner.planning.predict import Config, Prediction, layer_profile, predict, replayed
+from partitioner.planning.records import to_record
+from partitioner.planning.simulate import refine
+from partitioner.plans.explain import format_bytes
+
+__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "executable", "SearchResult", "search",
+           "configurations", "CHECKPOINT_ORDER"]
+
+CHECKPOINT_ORDER = ("never", "except_last", "always")
+
+
+@dataclass(frozen=True)
+class RuntimeSupport:
+    """What a runtime can execute.
+
+    Attributes:
+        name: shown in explanations.
+        schedules: schedule names it runs.
+        data_parallel: whether it runs ``dp > 1``.
+        tensor_parallel: whether it runs ``tp > 1``.
+    """
+
+    name: str
+    schedules: tuple[str, ...] = ("gpipe",)
+    data_parallel: bool = False
+    tensor_parallel: bool = False
+
+
+LOCAL_RUNTIME = RuntimeSupport("the one-process runtime (runtime/local.py)")
+"""Today's runtime: pipeline stages in one process, GPipe schedule."""
+
+
+def executable(config: Config, cluster: Cluster,
+               support: RuntimeSupport = LOCAL_RUNTIME) -> str | None:
+    """Why ``config`` cannot run on ``cluster`` with ``support``, or ``None`` if it can.
+
+    Example:
+        >>> from partitioner.cost.devices import REFERENCE_CPU, Cluster
+        >>> here = Cluster.local_devices(["cpu", "cpu"], [REFERENCE_CPU] * 2)
+        >>> print(executable(Config(pp=2), here))
+        None
+        >>> executable(Config(dp=2), here)
+        'dp=2: the one-process runtime (runtime/local.py) has no data parallelism'
+    """
+    if not cluster.is_local:
+        return f"the cluster ({cluster.describe()}) is not this machine"
+    if config.dp > 1 and not support.data_parallel:
+        return f"dp={config.dp}: {support.name} has no data parallelism"
+    if config.tp > 1 and not support.tensor_parallel:
+        return f"tp={config.tp}: {support.name} has no tensor parallelism"
+    if config.schedule not in support.schedules:
+        return f"schedule {config.schedule!r}: {support.name} runs {list(support.schedules)}"
+    return None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The outcome of :func:`search`.
+
+    Attributes:
+        best: the chosen configuration's prediction.
+        ranked: the fastest fitting candidates found, best first (``best`` included).
+        considered: configurations enumerated.
+        evaluated: configurations predicted in full.
+        not_executable: configurations the runtime cannot run here (skipped).
+        not_fitting: configurations with no split fitting the memory.
+        lower_bound: a step time no configuration can beat (seconds).
+        gap: ``best.step_time / lower_bound_of_the_unexplored - 1``; 0 when exhausted.
+        elapsed: seconds spent.
+        timed_out: whether the budget ran out.
+        excluded: the excluded configurations with the smallest bounds:
+            ``(label, why, bound)``.
+        excluded_faster: how many excluded configurations have a bound below the best.
+    """
+
+    best: Prediction
+    ranked: tuple[Prediction, ...]
+    considered: int
+    evaluated: int
+    not_executable: int
+    not_fitting: int
+    lower_bound: float
+    gap: float
+    elapsed: float
+    timed_out: bool
+    excluded: tuple[tuple[str, str, float], ...] = field(default=())
+    excluded_faster: int = 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
+                   checkpoint: str | None = None, schedules: Sequence[str] | None = None,
+                   optimizer: str = "adam", overlap_grad_reduce: bool = True,
+                   overlap_p2p: bool = True, max_microbatches: int = 64) -> Iterator[Config]:
+    """Every configuration the search considers, in a fixed order.
+
+    ``chunks`` and ``checkpoint`` fix those choices when given; micro-batches split the
+    batch evenly (``chunks`` divides each replica's batch) and stay at 1 when the workload
+    is not micro-batch safe (batch norm) unless ``chunks`` is given.
+    """
+    n, layers = cluster.size, len(workload.layers)
+    splittable = workload.max_tp != 1
+    tps = [t for t in _divisors(min(n, cluster.devices_per_node))
+           if t == 1 or (splittable and t in workload_tp_degrees(workload, cluster))]
+    names = tuple(schedules) if schedules is not None else ("gpipe", "1f1b", "interleaved")
+    modes = (checkpoint,) if checkpoint is not None else CHECKPOINT_ORDER
+    for tp in tps:
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp > layers or workload.batch % dp:
+                continue
+            per_replica = workload.batch // dp
+            if chunks is not None:
+                counts = [chunks] if chunks <= per_replica else []
+            elif not workload.microbatch_safe:
+                counts = [1]
+            else:
+                counts = [m for m in _divisors(per_replica) if m <= max_microbatches
+                          or per_replica // m <= 8]
+            for m, name, mode in itertools.product(counts, names, modes):
+                if mode == "except_last" and m == 1 and mode != checkpoint:
+                    continue  # replays nothing: "never" at no less memory
+                for v in _chunk_counts(name, pp, m, layers):
+                    yield Config(dp, tp, pp, m, name, v, mode, optimizer, overlap_grad_reduce,
+                                 overlap_p2p)
+
+
+def workload_tp_degrees(workload: Workload, cluster: Cluster) -> tuple[int, ...]:
+    """Tensor-parallel degrees the workload allows (powers of two within a node)."""
+    limit = min(cluster.devices_per_node, 64)
+    return tuple(2**k for k in range(int(math.log2(limit)) + 1))
+
+
+def _chunk_counts(schedule: str, pp: int, m: int, layers: int) -> list[int]:
+    if pp == 1:
+        return [1] if schedule == "gpipe" else []
+    if schedule != "interleaved":
+        return [1]
+    if m % pp:
+        return []
+    return [v for v in range(2, layers // pp + 1) if v <= 8]
+
+
+class _Bounds:
+    """Lower bounds per configuration from cached per-layer costs."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, capacity: float) -> None:
+        self.workload, self.cluster, self.capacity = workload, cluster, capacity
+        self.cache: dict[tuple[float, int, int], list[tuple[float, float]]] = {}
+
+    def times(self, samples: float, tp: int, chunks: int) -> list[tuple[float, float]]:
+        key = (samples, tp, chunks)
+        if key not in self.cache:
+            self.cache[key] = layer_profile(self.workload, self.cluster, samples, tp, chunks)
+        return self.cache[key]
+
+    def step(self, c: Config) -> float:
+        samples = self.workload.batch / (c.dp * c.chunks)
+        share = replayed(c.checkpoint, c.chunks) / c.chunks
+        work = sum(f * (1 + share) + b for f, b in self.times(samples, c.tp, c.chunks))
+        bound = (c.chunks + (c.pp - 1) / c.virtual) * work / c.pp
+        spec = self.cluster.spec(0)
+        if spec.shared_speedup and self.cluster.is_local:
+            # Every device's work goes through one host, at best max(speedup) times as fast.
+            bound = max(bound, c.devices * c.chunks * work / c.pp / spec.max_speedup)
+        return bound
+
+    def may_fit(self, c: Config) -> bool:
+        w = self.workload
+        samples = w.batch / (c.dp * c.chunks)
+        static = sum(device_memory(lay.params_on(c.tp if lay.splittable else 1),
+                                   lay.buffer_bytes, 0.0, optimizer=c.optimizer,
+                                   element=w.param_bytes_per_element,
+                                   mixed_precision=w.mixed_precision).total
+                     for lay in w.layers)
+        acts = sum(lay.activations_on(c.tp if lay.splittable else 1) for lay in w.layers)
+        held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)
+        least = acts * samples / c.pp if c.checkpoint != "never" else \
+            acts * samples * held / (c.pp * c.virtual)
+        return (static / c.pp + least) <= self.capacity
+
+
+def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
+           checkpoint: str | None = None, schedules: Sequence[str] | None = None,
+           optimizer: str = "adam", overlap_grad_reduce: bool = True,
+           overlap_p2p: bool = True, executable_only: bool | None = None,
+           support: RuntimeSupport = LOCAL_RUNTIME,
+           budget: float | None = 5.0, capacity: float | None = None,
+           keep: int = 10) -> SearchResult:
+    """The fastest configuration of ``workload`` on ``cluster`` that fits.
+
+    Args:
+        workload: the model's costs.
+        cluster: the devices.
+        chunks: fix the micro-batches per replica.
+        checkpoint: fix the checkpoint mode.
+        schedules: the schedules to try (default all three).
+        optimizer: the optimizer whose state is held (``partitioner.cost.memory.OPTIMIZERS``).
+        overlap_grad_reduce: whether gradient all-reduces overlap the last backward.
+        overlap_p2p: whether sends between stages overlap compute.
+        executable_only: keep only configurations ``support`` can run (default: when the
+            cluster is this machine).
+        support: what the runtime can execute.
+        budget: seconds of planning before returning the best found (None: no limit).
+        capacity: bytes a device may use (default: its memory).
+        keep: how many ranked candidates to return.
+
+    Returns:
+        The :class:`SearchResult`.
+
+    Raises:
+        MemoryLimitError: no configuration fits; the message is the solver's (how many
+            devices of that size would).
+    """
+    start = time.perf_counter()
+    local_only = cluster.is_local if executable_only is None else executable_only
+    cap = capacity if capacity is not None else cluster.spec(0).memory_bytes
+    bounds = _Bounds(workload, cluster, cap)
+    # Devices sharing this machine's cores: the simulation decides (see simulate.refine).
+    shared = cluster.is_local and bool(cluster.spec(0).shared_speedup)
+    configs = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
+                                  schedules=schedules, optimizer=optimizer,
+                                  overlap_grad_reduce=overlap_grad_reduce,
+                                  overlap_p2p=overlap_p2p))
+    queue, excluded, not_executable = [], [], 0
+    for c in configs:
+        why = executable(c, cluster, support) if local_only else None
+        bound = bounds.step(c)
+        if why is not None:
+            not_executable += 1
+            excluded.append((c.label(), why, bound))
+        else:
+            queue.append((bound, _key(c), c))
+    queue.sort(key=lambda entry: (entry[0], entry[1]))
+    ranked: list[Prediction] = []
+    evaluated = not_fitting = 0
+    timed_out, frontier = False, math.inf
+    for bound, _, c in queue:
+        if ranked and bound >= ranked[0].step_time:
+            break
+        if budget is not None and ranked and time.perf_counter() - start > budget:
+            timed_out, frontier = True, bound
+            break
+        if not bounds.may_fit(c):
+            not_fitting += 1
+            continue
+        evaluated += 1
+        prediction = predict(workload, cluster, c, capacity=cap)
+        if shared:
+            prediction = refine(prediction, cluster)
+        if not prediction.fits:
+            not_fitting += 1
+            excluded.append((c.label(), "does not fit memory", bound))
+            continue
+        ranked.append(prediction)
+        ranked.sort(key=lambda p: (p.step_time, _key(p.config)))
+        del ranked[keep:]
+    if not ranked:
+        raise _nothing_fits(workload, cluster, [c for _, _, c in queue], cap, not_executable)
+    best = ranked[0]
+    lowest = min((b for b, _, _ in queue), default=best.step_time)
+    gap = best.step_time / frontier - 1 if timed_out else 0.0
+    excluded.sort(key=lambda e: e[2])
+    faster = sum(1 for e in excluded if e[2] < best.step_time)
+    return SearchResult(best, tuple(ranked), len(configs), evaluated, not_executable,
+                        not_fitting, lowest, max(gap, 0.0), time.perf_counter() - start,
+                        timed_out, tuple(excluded[:5]), faster)
+
+
+def _key(c: Config) -> tuple[Any, ...]:
+    return (c.dp, c.tp, c.pp, c.chunks, c.schedule, c.virtual,
+            CHECKPOINT_ORDER.index(c.checkpoint))
+
+
+def _nothing_fits(workload: Workload, cluster: Cluster, queue: list[Config], capacity: float,
+                  not_executable: int) -> PartitionError:
+    """The solver's own message for the most frugal configuration (how many devices would)."""
+    if not queue:
+        return MemoryLimitError(f"none of the configurations for {cluster.size} devices can run "
+                                f"here ({not_executable} need a runtime this machine lacks)")
+    frugal = max(queue, key=lambda c: (c.pp, c.checkpoint == "always", c.chunks, -c.dp))
+    reason = predict(workload, cluster, frugal, capacity=capacity).reason
+    message = reason or (f"no configuration of {workload.name} fits {cluster.describe()}; "
+                         "use more or larger devices")
+    if cluster.is_local and cluster.device.shared_speedup \
+            and capacity == cluster.device.memory_bytes:
+        message += (f". The {cluster.size} 'cpu' devices share this machine's "
+                    f"{format_bytes(capacity)} of memory, so more 'cpu' devices add none; plan a "
+                    "smaller model or batch, or use a machine with more memory")
+    return MemoryLimitError(message)
+
+
+def records(result: SearchResult, cluster: Cluster) -> tuple[dict[str, Any], ...]:
+    """Plan records: the winner in detail (first), then the other ranked candidates."""
+    out = []
+    for rank, prediction in enumerate(result.ranked, start=1):
+        chosen = prediction is result.best
+        record = to_record(prediction, cluster, detail=chosen)
+        record.update(rank=rank, chosen=chosen)
+        out.append(record)
+    summary = {"considered": result.considered, "evaluated": result.evaluated,
+               "not_executable": result.not_executable, "not_fitting": result.not_fitting,
+               "lower_bound": result.lower_bound, "gap": result.gap,
+               "elapsed": result.elapsed, "timed_out": result.timed_out,
+               "excluded": [list(e) for e in result.excluded],
+               "excluded_faster": result.excluded_faster}
+    out[0]["search"] = summary
+    return tuple(out)

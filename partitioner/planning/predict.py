@@ -1,0 +1,514 @@
+"""Predicting one parallel configuration: its stage split, step time, bubble and memory.
+
+A :class:`Config` says how a :class:`~partitioner.cost.cost.Workload` is spread over a
+:class:`~partitioner.cost.devices.Cluster`: ``dp x tp x pp`` devices, ``chunks`` micro-batches per
+replica, the schedule (``gpipe``, ``1f1b``, or Megatron's ``interleaved`` 1F1B with
+``virtual`` model chunks per device) and the checkpoint mode. :func:`predict` finds the
+optimal stage split (``partitioner.planning.solver``, unless boundaries are given) and costs it:
+
+* per stage and micro-batch: forward, backward and replayed forward of its layers on one
+  tensor-parallel rank (``partitioner.cost.cost``), plus the layers' tensor-parallel all-reduces
+  inside the node, plus sending the boundary activations (and their gradients) to the next
+  stage, ``1 / tp`` of them per rank, then an all-gather (Megatron's scatter-gather);
+* the pipeline: ``sum_j t_j + (m - 1) max_j t_j`` for GPipe and 1F1B (fill, steady state,
+  drain), ``m max_j W_j + (p - 1) max_k t_k`` for the interleaved schedule (``W_j`` all
+  chunks of device ``j``, ``t_k`` one chunk), and never faster than the host can get
+  through the work when devices share one host's cores;
+* after each device's last backward: the data-parallel all-reduce of its gradients
+  (overlapped with that backward when ``overlap_grad_reduce``), then the optimizer step
+  (memory-bound; devices sharing one host are stepped one after another by one process's
+  optimizer once the whole backward is done);
+* memory per device from ``partitioner.cost.memory``.
+
+:mod:`partitioner.planning.simulate` plays the same numbers out event by event.
+
+Example:
+    >>> from partitioner.cost.devices import Cluster
+    >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
+    >>> w = gpt_workload(GPTShape(8, 1024, 16, 1024, 50304), batch=64)
+    >>> p = predict(w, Cluster.preset("A100-80GB"), Config(dp=2, tp=2, pp=2, chunks=8))
+    >>> p.fits, len(p.stages), round(p.bubble, 2)
+    (True, 2, 0.11)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from partitioner.cost.comm import all_gather_time, all_reduce_time
+from partitioner.cost.cost import Workload, phase_times, shared_work
+from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
+from partitioner.cost.memory import (
+    CHECKPOINTS,
+    OPTIMIZERS,
+    MemoryBreakdown,
+    activation_memory,
+    device_memory,
+    in_flight,
+    optimizer_temporaries,
+    optimizer_traffic,
+)
+from partitioner.errors import PartitionError
+from partitioner.planning.solver import InfeasibleError, PartitionProblem, evaluate, solve
+
+__all__ = ["ConfigError", "SCHEDULE_NAMES", "Config", "StageProfile", "Prediction", "predict",
+           "layer_profile", "replayed", "stage_problem"]
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+
+
+class ConfigError(PartitionError, ValueError):
+    """A parallel configuration does not fit the cluster or the workload."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """How a workload is spread over a cluster.
+
+    Attributes:
+        dp: data-parallel replicas.
+        tp: tensor-parallel ranks per stage (inside one node).
+        pp: pipeline stages (devices along the pipeline).
+        chunks: micro-batches per replica per step (``m``).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        virtual: model chunks per device (``v``; interleaved only, else 1).
+        checkpoint: ``"never"``, ``"always"`` or ``"except_last"``.
+        optimizer: a key of :data:`partitioner.cost.memory.OPTIMIZERS`.
+        overlap_grad_reduce: whether the gradient all-reduce overlaps the last backward.
+        overlap_p2p: whether sending activations and gradients between stages overlaps
+            compute; when not (Megatron-LM 2021's blocking send/receive), a stage waits for
+            its sends.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    chunks: int = 1
+    schedule: str = "gpipe"
+    virtual: int = 1
+    checkpoint: str = "never"
+    optimizer: str = "adam"
+    overlap_grad_reduce: bool = True
+    overlap_p2p: bool = True
+
+    def __post_init__(self) -> None:
+        problems = [f"{k}={getattr(self, k)!r}" for k in ("dp", "tp", "pp", "chunks", "virtual")
+                    if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int)
+                    or getattr(self, k) < 1]
+        if self.schedule not in SCHEDULE_NAMES:
+            problems.append(f"schedule={self.schedule!r} (use one of {SCHEDULE_NAMES})")
+        elif (self.schedule == "interleaved") != (self.virtual > 1):
+            problems.append(f"virtual={self.virtual} with schedule={self.schedule!r} "
+                            "(interleaved needs virtual >= 2, the others 1)")
+        if self.checkpoint not in CHECKPOINTS:
+            problems.append(f"checkpoint={self.checkpoint!r} (use one of {CHECKPOINTS})")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer={self.optimizer!r} (use one of {sorted(OPTIMIZERS)})")
+        if problems:
+            raise ConfigError("bad Config: " + "; ".join(problems))
+
+    @property
+    def devices(self) -> int:
+        """``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Virtual stages: ``pp * virtual``."""
+        return self.pp * self.virtual
+
+    def label(self) -> str:
+        """A short description: ``"dp=2 tp=1 pp=4 m=8 1f1b ckpt=always"``."""
+        schedule = self.schedule + (f"(v={self.virtual})" if self.virtual > 1 else "")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.chunks} {schedule} "
+                f"ckpt={self.checkpoint}")
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One (virtual) stage's costs per micro-batch, on one of its ranks.
+
+    Attributes:
+        first: its first layer.
+        last: one past its last layer.
+        device: its position ``j`` along the pipeline (virtual stage ``k`` is on ``k % pp``).
+        forward: seconds of forward, tensor-parallel all-reduces included.
+        backward: seconds of backward, likewise.
+        replay: seconds of a checkpointed micro-batch's replayed forward.
+        send: seconds to hand its output to the next stage (its gradient comes back alike).
+        send_bytes: bytes of that output per micro-batch (all ranks of the stage).
+        grad_bytes: gradient bytes per rank (what data parallelism all-reduces).
+        param_bytes: parameter bytes per rank.
+        buffer_bytes: buffer bytes per rank.
+        activation_bytes: bytes one micro-batch's forward keeps, per rank.
+        input_bytes: bytes of one micro-batch's stage input (what a checkpoint keeps).
+        sharing: on devices sharing one host's cores, for ``n = 1, 2, ...`` busy devices what
+            ``n`` of them running this stage's work gain over one
+            (:func:`partitioner.cost.cost.shared_work`); empty: the device's reference figure.
+    """
+
+    first: int
+    last: int
+    device: int
+    forward: float
+    backward: float
+    replay: float
+    send: float
+    send_bytes: float
+    grad_bytes: float
+    param_bytes: float
+    buffer_bytes: float
+    activation_bytes: float
+    input_bytes: float
+    sharing: tuple[float, ...] = ()
+
+    def speedup(self, spec: DeviceSpec, n: float) -> float:
+        """What ``n`` devices busy with this stage's kind of work gain over one."""
+        return interpolate_speedup(self.sharing, n) if self.sharing else spec.speedup(n)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a configuration is predicted to cost.
+
+    Attributes:
+        config: the configuration.
+        stages: per virtual stage, its profile.
+        step_time: seconds per training step.
+        pipeline_time: seconds from the first forward to the last backward.
+        bubble: idle fraction of the devices during the pipeline, as the schedule leaves
+            it (devices slowed by others sharing their host count as busy).
+        memory: per device along the pipeline, the peak bytes by kind.
+        capacity: bytes each device may use.
+        dp_times: per device, seconds of its gradient all-reduce.
+        optimizer_times: per device, seconds of its optimizer step.
+        samples_per_second: the whole cluster's throughput.
+        reason: why it cannot run (no split fits the memory), else empty.
+    """
+
+    config: Config
+    stages: tuple[StageProfile, ...]
+    step_time: float
+    pipeline_time: float
+    bubble: float
+    memory: tuple[MemoryBreakdown, ...]
+    capacity: float
+    dp_times: tuple[float, ...]
+    optimizer_times: tuple[float, ...]
+    samples_per_second: float
+    reason: str = ""
+    breakdown: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device's peak memory is within its capacity."""
+        return not self.reason and all(m.total <= self.capacity for m in self.memory)
+
+    @property
+    def dp_time(self) -> float:
+        """Seconds of the slowest device's gradient all-reduce."""
+        return max(self.dp_times, default=0.0)
+
+    @property
+    def optimizer_time(self) -> float:
+        """Seconds of the slowest optimizer step."""
+        return max(self.optimizer_times, default=0.0)
+
+    @property
+    def peak_memory(self) -> float:
+        """The largest device's peak bytes."""
+        return max((m.total for m in self.memory), default=0.0)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """The virtual stages' cuts over the layers."""
+        return (*(s.first for s in self.stages), self.stages[-1].last) if self.stages else ()
+
+
+def replayed(checkpoint: str, chunks: int) -> int:
+    """Micro-batches whose forward is replayed in the backward (torchgpipe's rule)."""
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+
+
+def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
+                  chunks: int = 1, rank: int = 0) -> list[tuple[float, float]]:
+    """Per layer, (forward, backward) seconds on one TP rank, all-reduces included.
+
+    With ``chunks`` micro-batches all but the first backward accumulate weight gradients.
+    """
+    spec = cluster.spec(rank)
+    link = cluster.group_link(range(rank, rank + tp)) if tp > 1 else cluster.intra_node
+    cache: dict[str, tuple[float, float]] = {}
+    out = []
+    for layer in workload.layers:
+        if layer.signature not in cache:
+            f, b = phase_times(layer, spec, samples, tp if layer.splittable else 1,
+                               workload.dtype, (chunks - 1) / chunks)
+            comm = layer.tp_all_reduces * all_reduce_time(layer.output_bytes * samples, tp,
+                                                           link) if tp > 1 else 0.0
+            cache[layer.signature] = (f + comm, b + comm)
+        out.append(cache[layer.signature])
+    return out
+
+
+def _check_fit(workload: Workload, cluster: Cluster, config: Config) -> None:
+    problems = []
+    if config.devices != cluster.size:
+        problems.append(f"dp*tp*pp = {config.devices} but the cluster has {cluster.size} "
+                        "devices; make the product the device count")
+    if config.tp > cluster.devices_per_node:
+        problems.append(f"tp={config.tp} exceeds the {cluster.devices_per_node} devices of a "
+                        "node (tensor parallelism stays inside a node); lower tp")
+    if workload.batch % config.dp:
+        problems.append(f"batch {workload.batch} does not split over dp={config.dp}; use a "
+                        "dp dividing the batch")
+    elif config.chunks > workload.batch // config.dp:
+        problems.append(f"chunks={config.chunks} exceeds the {workload.batch // config.dp} "
+                        "samples of a replica; pass fewer chunks or a larger example batch")
+    if config.stages > len(workload.layers):
+        problems.append(f"{config.stages} stages for {len(workload.layers)} layers; use at "
+                        f"most {len(workload.layers)}")
+    if problems:
+        raise ConfigError(f"{config.label()} does not fit: " + "; ".join(problems))
+
+
+def stage_problem(workload: Workload, cluster: Cluster, config: Config,
+                  times: list[tuple[float, float]], samples: float,
+                  capacity: float) -> PartitionProblem:
+    """The solver's problem: per layer its time (replays included) and memory, per
+    boundary the time to receive it, on ``config.stages`` stages of ``capacity`` bytes."""
+    replay = replayed(config.checkpoint, config.chunks) / config.chunks
+    compute = [f * (1 + replay) + b for f, b in times]
+    transfer = [2 * _send(workload, cluster, config, bound * samples, 0)
+                for bound in workload.boundaries]
+    held = in_flight(config.schedule, config.pp, config.chunks, 0, config.virtual)
+    element = workload.param_bytes_per_element
+    memory = []
+    for layer in workload.layers:
+        tp = config.tp if layer.splittable else 1
+        static = device_memory(layer.params_on(tp), layer.buffer_bytes, 0.0,
+                               optimizer=config.optimizer, element=element,
+                               mixed_precision=workload.mixed_precision).total
+        act = layer.activations_on(tp) * samples
+        memory.append(static + (act * held / config.virtual if config.checkpoint == "never"
+                                else act))
+    n = config.stages
+    return PartitionProblem((tuple(compute),) * n, (tuple(transfer),) * n, tuple(memory),
+                            (capacity / config.virtual,) * n)
+
+
+def _send(workload: Workload, cluster: Cluster, config: Config, nbytes: float,
+          device: int) -> float:
+    """Seconds for a stage's ranks to hand ``nbytes`` to the next stage's ranks."""
+    if nbytes <= 0:
+        return 0.0
+    stride = config.dp * config.tp  # rank = (stage * dp + replica) * tp + shard
+    src = device * stride
+    dst = ((device + 1) % config.pp) * stride
+    link = cluster.link(src, dst) if config.pp > 1 else cluster.intra_node
+    part = link.time(nbytes / config.tp)
+    if config.tp > 1:
+        part += all_gather_time(nbytes, config.tp, cluster.group_link(range(config.tp)))
+    return part
+
+
+def predict(workload: Workload, cluster: Cluster, config: Config,
+            boundaries: Sequence[int] | None = None, capacity: float | None = None) -> Prediction:
+    """Cost ``config`` on ``cluster`` (optimal split unless ``boundaries`` are given).
+
+    Args:
+        workload: the model's costs.
+        cluster: the devices and links.
+        config: the parallel configuration.
+        boundaries: ``pp * virtual + 1`` cuts over the layers; the solver's optimum if None.
+        capacity: bytes a device may use (default: the device's memory).
+
+    Returns:
+        The :class:`Prediction`; when no split fits the memory its ``reason`` says so.
+
+    Raises:
+        ConfigError: the configuration does not match the cluster or the workload.
+    """
+    _check_fit(workload, cluster, config)
+    samples = workload.batch / (config.dp * config.chunks)
+    cap = capacity if capacity is not None else cluster.spec(0).memory_bytes
+    times = layer_profile(workload, cluster, samples, config.tp, config.chunks)
+    problem = stage_problem(workload, cluster, config, times, samples, cap)
+    reason = ""
+    if boundaries is None:
+        try:
+            best = solve(problem)
+            boundaries = best.boundaries if config.virtual == 1 else _balanced(
+                problem, best.bottleneck)
+        except InfeasibleError as error:
+            reason = str(error)
+            boundaries = evaluate(problem, _even(len(workload.layers), config.stages)).boundaries
+    else:
+        evaluate(problem, boundaries)  # validates the cuts
+    stages = _profiles(workload, cluster, config, times, tuple(boundaries), samples)
+    return _assemble(workload, cluster, config, stages, cap, reason)
+
+
+def _balanced(problem: PartitionProblem, limit: float) -> tuple[int, ...]:
+    """Cuts with every stage time within ``limit`` that minimise the sum of squared stage times.
+
+    For the interleaved schedule a device's load is the sum of its chunks, and the solver's
+    optimum only bounds the largest chunk (its ties leave the first chunks nearly empty);
+    spreading the layers evenly over all chunks balances the devices too.
+    """
+    n, layers = problem.n_stages, problem.n_layers
+    limit *= 1 + 1e-9
+    prefix = [0.0]
+    for t in problem.compute[0]:
+        prefix.append(prefix[-1] + t)
+    mem = [0.0]
+    for b in problem.memory:
+        mem.append(mem[-1] + b)
+    best = [[math.inf] * (layers + 1) for _ in range(n + 1)]
+    choice = [[0] * (layers + 1) for _ in range(n + 1)]
+    best[n][layers] = 0.0
+    for k in reversed(range(n)):
+        for a in range(k, layers - (n - k) + 1):
+            arrival = problem.transfer[k][a] if k and a else 0.0
+            for b in range(a + 1, layers - (n - k - 1) + 1):
+                time = prefix[b] - prefix[a] + arrival
+                if time > limit or mem[b] - mem[a] > problem.capacity[k]:
+                    break
+                cost = time * time + best[k + 1][b]
+                if cost < best[k][a]:
+                    best[k][a], choice[k][a] = cost, b
+    if math.isinf(best[0][0]):
+        return solve(problem).boundaries
+    cuts = [0]
+    for k in range(n):
+        cuts.append(choice[k][cuts[-1]])
+    return tuple(cuts)
+
+
+def _even(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    return tuple(round(k * n_layers / n_stages) for k in range(n_stages + 1))
+
+
+def _profiles(workload: Workload, cluster: Cluster, config: Config,
+              times: list[tuple[float, float]], cuts: tuple[int, ...],
+              samples: float) -> tuple[StageProfile, ...]:
+    out = []
+    spec = cluster.spec(0)
+    shared: dict[str, tuple[float, ...]] = {}
+    if cluster.is_local and spec.shared_sizes:
+        for lay in workload.layers:
+            if lay.signature not in shared:
+                shared[lay.signature] = shared_work(lay, spec, samples,
+                                                    config.tp if lay.splittable else 1,
+                                                    workload.dtype)
+    for k in range(config.stages):
+        a, b = cuts[k], cuts[k + 1]
+        layers = workload.layers[a:b]
+        # The runtime's own cost per action: one forward and one backward per micro-batch.
+        forward = sum(times[i][0] for i in range(a, b)) + spec.action_overhead
+        backward = sum(times[i][1] for i in range(a, b)) + spec.action_overhead
+        out_bytes = workload.boundaries[b] * samples
+        params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
+        out.append(StageProfile(
+            a, b, k % config.pp, forward, backward, forward - spec.action_overhead,
+            _send(workload, cluster, config, out_bytes, k % config.pp) if b < len(
+                workload.layers) else 0.0,
+            out_bytes, params, params, sum(lay.buffer_bytes for lay in layers),
+            sum(lay.activations_on(config.tp if lay.splittable else 1) for lay in layers)
+            * samples, workload.boundaries[a] * samples, _sharing(
+                [shared[lay.signature] for lay in layers] if shared else [])))
+    return tuple(out)
+
+
+def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[StageProfile],
+                       spec: DeviceSpec) -> float:
+    """Seconds of faulting in the optimizer's temporaries for weights too large for the
+    allocator to reuse (``spec.fresh_threshold``), on one device."""
+    temporaries = optimizer_temporaries(config.optimizer)
+    if not temporaries or not spec.fresh_bandwidth:
+        return 0.0
+    return sum(temporaries * spec.fresh_time(op.weight_grad / (config.tp if op.split else 1))
+               * op.count for s in stages for layer in workload.layers[s.first:s.last]
+               for op in layer.ops)
+
+
+def _sharing(works: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """A stage's gain from sharing a host, from its layers' :func:`shared_work`."""
+    totals = [sum(column) for column in zip(*works)]
+    if not totals or not all(t > 0 for t in totals):
+        return ()
+    return tuple(totals[0] / t for t in totals)
+
+
+def _assemble(workload: Workload, cluster: Cluster, config: Config,
+              stages: tuple[StageProfile, ...], capacity: float, reason: str) -> Prediction:
+    p, m, v = config.pp, config.chunks, config.virtual
+    share = replayed(config.checkpoint, m) / m
+    blocked = 0.0 if config.overlap_p2p else 1.0
+    work = [s.forward + s.backward + share * s.replay
+            + blocked * (s.send + (stages[k - 1].send if k else 0.0))
+            for k, s in enumerate(stages)]
+    per_device = [sum(work[k] for k in range(j, len(stages), p)) for j in range(p)]
+    if v == 1:
+        edges = sum(work) + 2 * sum(s.send for s in stages)
+        steady = (m - 1) * max(max(work), max(s.send for s in stages))
+    else:
+        edges = (p - 1) * sum(work) / len(work) + 2 * sum(s.send for s in stages[:p])
+        steady = m * max(per_device)
+    # The schedule's idle fraction, before any slowdown from sharing a host: a device slowed
+    # by its neighbours is computing, not waiting.
+    bubble = max(0.0, 1 - m * sum(per_device) / (p * (edges + steady))) \
+        if edges + steady > 0 else 0.0
+    spec = cluster.spec(0)
+    shared = bool(spec.shared_speedup) and cluster.is_local
+    if shared and config.devices > 1:
+        # Devices sharing the host's cores: in the steady state the slowest device is always
+        # busy and device j a share w_j / w_max of the time, in every replica and shard, so
+        # n = dp * tp * sum of the shares compete, each stage gaining what its kind of work
+        # gains (small products more than large).
+        busy = config.dp * config.tp * sum(per_device) / max(per_device)
+        slowed = sum(w / s.speedup(spec, busy) for w, s in zip(work, stages))
+        steady *= busy * slowed / sum(work) if sum(work) > 0 else 1.0
+    pipeline = edges + steady
+    memory, dp_times, opt_times, ends = [], [], [], []
+    element = workload.param_bytes_per_element
+    traffic = optimizer_traffic(config.optimizer, element, workload.mixed_precision)
+    drained = 0.0
+    for j in range(p):
+        mine = stages[j::p]
+        held = in_flight(config.schedule, p, m, j, v)
+        chunk = max(s.activation_bytes for s in mine)
+        acts = activation_memory(config.checkpoint, held, chunk,
+                                 max(s.input_bytes for s in mine))
+        if config.checkpoint == "except_last" and config.schedule != "gpipe":
+            # The last micro-batch is kept whole on every chunk of the device while earlier
+            # ones are replayed (GPipe runs its backward first, 1F1B does not).
+            acts = activation_memory("always", held, chunk, max(s.input_bytes for s in mine)) \
+                + sum(s.activation_bytes for s in mine)
+        params = sum(s.param_bytes for s in mine)
+        memory.append(device_memory(params, sum(s.buffer_bytes for s in mine), acts,
+                                    optimizer=config.optimizer, element=element,
+                                    mixed_precision=workload.mixed_precision))
+        ranks = [(j * config.dp + r) * config.tp for r in range(config.dp)]
+        reduce = all_reduce_time(sum(s.grad_bytes for s in mine), config.dp,
+                                 cluster.group_link(ranks)) if config.dp > 1 else 0.0
+        window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce else 0
+        optimizer = params / element * traffic / cluster.spec(j).optimizer_rate \
+            + _fresh_temporaries(workload, config, mine, cluster.spec(j))
+        ends.append(pipeline - drained + max(reduce - window, 0.0)
+                    + (0.0 if shared else optimizer))
+        drained += stages[j].backward + share * stages[j].replay
+        dp_times.append(reduce)
+        opt_times.append(optimizer)
+    # Devices sharing a host are stepped by one process's optimizer, one after another.
+    step = max(ends) + (config.dp * config.tp * sum(opt_times) if shared else 0.0)
+    breakdown = {"compute": m * max(per_device), "pipeline": pipeline,
+                 "dp_all_reduce": max(dp_times),
+                 "optimizer": config.dp * config.tp * sum(opt_times) if shared
+                 else max(opt_times)}
+    return Prediction(config, stages, step, pipeline, bubble, tuple(memory), capacity,
+                      tuple(dp_times), tuple(opt_times),
+                      workload.batch / step if step > 0 else math.inf, reason, breakdown)
+

@@ -1,0 +1,96 @@
+"""Predictions as plain JSON data, and back: what a plan keeps of how it was chosen.
+
+``Plan.candidates`` holds one record per ranked candidate: its configuration, predicted
+step time, bubble and memory; the chosen candidate's record also holds its stage costs and
+the cluster, which is all :func:`partitioner.planning.simulate.simulate` needs to replay a saved
+plan.
+Records are made of lists, dicts, strings and numbers only, so they survive a JSON round trip
+unchanged (and compare equal after it).
+
+Example:
+    >>> from partitioner.cost.devices import Cluster
+    >>> from partitioner.planning.predict import Config, predict
+    >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
+    >>> cluster = Cluster.preset("A100-80GB")
+    >>> p = predict(gpt_workload(GPTShape(4, 256, 4, 128, 1000), 16), cluster, Config(dp=8))
+    >>> again, same = from_record(to_record(p, cluster))
+    >>> again.step_time == p.step_time and same == cluster
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from partitioner.cost.devices import Cluster, DeviceSpec, LinkSpec
+from partitioner.cost.memory import MemoryBreakdown
+from partitioner.planning.predict import Config, ConfigError, Prediction, StageProfile
+
+__all__ = ["to_record", "from_record"]
+
+
+def to_record(prediction: Prediction, cluster: Cluster | None = None, *,
+              detail: bool = True) -> dict[str, Any]:
+    """A JSON-ready summary of a prediction (with stage costs and the cluster if ``detail``).
+
+    :func:`from_record` reads the detailed form back, which is what lets
+    ``partitioner.planning.simulate`` replay a saved plan.
+    """
+    c = prediction.config
+    record: dict[str, Any] = {
+        "config": asdict(c), "label": c.label(), "step_time": prediction.step_time,
+        "pipeline_time": prediction.pipeline_time, "bubble": prediction.bubble,
+        "peak_memory": prediction.peak_memory, "capacity": prediction.capacity,
+        "fits": prediction.fits, "reason": prediction.reason,
+        "samples_per_second": prediction.samples_per_second,
+        "dp_time": prediction.dp_time, "optimizer_time": prediction.optimizer_time,
+        "boundaries": list(prediction.boundaries)}
+    if detail:
+        record["stages"] = [asdict(s) for s in prediction.stages]
+        record["memory"] = [asdict(m) for m in prediction.memory]
+        record["dp_times"] = list(prediction.dp_times)
+        record["optimizer_times"] = list(prediction.optimizer_times)
+        record["breakdown"] = dict(prediction.breakdown)
+        if cluster is not None:
+            record["cluster"] = _cluster_dict(cluster)
+    return json.loads(json.dumps(record))  # lists, not tuples: equal after a JSON round trip
+
+
+def from_record(record: dict[str, Any]) -> tuple[Prediction, Cluster | None]:
+    """The prediction (and cluster, if recorded) of a detailed :func:`to_record` dict.
+
+    Raises:
+        ConfigError: the record lacks the stage costs.
+    """
+    if "stages" not in record:
+        raise ConfigError("this candidate record has no stage costs (only the chosen "
+                          "candidate of a plan keeps them)")
+    stages = tuple(StageProfile(**{**s, "sharing": tuple(s.get("sharing", ()))})
+                   for s in record["stages"])
+    prediction = Prediction(
+        Config(**record["config"]), stages,
+        record["step_time"], record["pipeline_time"], record["bubble"],
+        tuple(MemoryBreakdown(**m) for m in record["memory"]), record["capacity"],
+        tuple(record["dp_times"]), tuple(record["optimizer_times"]),
+        record["samples_per_second"], record["reason"], dict(record.get("breakdown", {})))
+    cluster = _cluster_from(record["cluster"]) if "cluster" in record else None
+    return prediction, cluster
+
+
+def _cluster_dict(cluster: Cluster) -> dict[str, Any]:
+    return {"device": asdict(cluster.device), "nodes": cluster.nodes,
+            "devices_per_node": cluster.devices_per_node,
+            "intra_node": asdict(cluster.intra_node),
+            "inter_node": asdict(cluster.inter_node) if cluster.inter_node else None,
+            "nics_per_node": cluster.nics_per_node, "local": list(cluster.local)}
+
+
+def _cluster_from(data: dict[str, Any]) -> Cluster:
+    device = DeviceSpec(**{**data["device"], "peak_flops": data["device"]["peak_flops"],
+                           "shared_speedup": tuple(data["device"]["shared_speedup"])})
+    inter = LinkSpec(**data["inter_node"]) if data["inter_node"] else None
+    return Cluster(device, data["nodes"], data["devices_per_node"],
+                   LinkSpec(**data["intra_node"]), inter, data["nics_per_node"],
+                   tuple(data["local"]))

@@ -1,0 +1,436 @@
+"""A discrete-event simulation of one training step of a plan.
+
+Every device runs its list of actions in order (``partitioner.runtime.schedule``'s GPipe and 1F1B,
+or
+Megatron's interleaved 1F1B from :func:`interleaved`); an action starts when the device is
+free and its inputs have arrived:
+
+* ``F(k, i)`` (virtual stage ``k``, micro-batch ``i``) needs the activations of
+  ``F(k - 1, i)``, sent over the link between their devices;
+* ``B(k, i)`` needs ``F(k, i)`` and the gradient of ``B(k + 1, i)``, sent back;
+* each link carries one message at a time in each direction (alpha-beta times);
+* a device's tensor-parallel all-reduces are part of its forward and backward (they block
+  compute, as in Megatron-LM);
+* once a stage's last backward has produced its gradients, they are all-reduced over the
+  data-parallel replicas in buckets, on a channel of their own, overlapping that backward
+  when the plan says so; then the optimizer steps;
+* devices that share one host's cores (several ``"cpu"`` devices) share its compute: ``n``
+  busy at once each progress at ``speedup(n) / n`` of their own speed (the runtime gives
+  ``n`` busy stage workers ``1 / n`` of the intra-op threads each, as the calibration
+  measured them); their optimizer steps run one after another once every stage's backward
+  is done (one process's optimizer, in the caller's thread).
+
+With equal stages and free communication GPipe's bubble comes out as ``(p - 1) / (m + p - 1)``
+exactly.
+
+Example:
+    >>> from partitioner.cost.devices import Cluster
+    >>> from partitioner.planning.predict import Config, predict
+    >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
+    >>> w = gpt_workload(GPTShape(8, 1024, 16, 1024, 50304), batch=64)
+    >>> cluster = Cluster.preset("A100-80GB")
+    >>> p = predict(w, cluster, Config(dp=2, tp=2, pp=2, chunks=8, schedule="1f1b"))
+    >>> result = simulate(p, cluster)
+    >>> abs(result.step_time / p.step_time - 1) < 0.05, str(result.timeline[0][0])
+    (True, '0F0')
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from partitioner.cost.devices import Cluster
+from partitioner.errors import PartitionError
+from partitioner.planning.predict import Prediction, StageProfile, replayed
+from partitioner.runtime.schedule import Action, Phase, Schedule, gpipe, one_f_one_b
+
+__all__ = ["SimulationError", "SimulationResult", "simulate", "interleaved", "device_actions",
+           "refine"]
+
+
+class SimulationError(PartitionError, ValueError):
+    """A plan cannot be simulated (no cost record, or an unknown schedule)."""
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What one simulated step did.
+
+    Attributes:
+        step_time: seconds from the first forward to the last optimizer step.
+        pipeline_time: seconds from the first forward to the last backward.
+        bubble: idle fraction of the devices during the pipeline.
+        peak_memory: per device along the pipeline, the peak bytes.
+        timeline: every forward and backward as ``(action, start, end)``, ``action.stage``
+            being the virtual stage; in start order.
+        transfers: every message, all-reduce and optimizer step as ``(label, start, end)``.
+    """
+
+    step_time: float
+    pipeline_time: float
+    bubble: float
+    peak_memory: tuple[float, ...]
+    timeline: tuple[tuple[Action, float, float], ...]
+    transfers: tuple[tuple[str, float, float], ...]
+
+
+def interleaved(n_devices: int, n_chunks: int, n_microbatches: int) -> Schedule:
+    """Megatron-LM's interleaved 1F1B: per device, its actions over its ``v`` model chunks.
+
+    Device ``j`` holds virtual stages ``j, j + p, ..., j + (v - 1) p``. It runs
+    ``2 (p - j - 1) + (v - 1) p`` warm-up forwards, then alternates one forward and one
+    backward, then drains; forwards walk the chunks in order over groups of ``p``
+    micro-batches, backwards in reverse chunk order. ``m`` must be a multiple of ``p``.
+
+    Raises:
+        SimulationError: ``m`` is not a multiple of ``p``, or a count is below 1.
+
+    Example:
+        >>> [" ".join(map(str, a)) for a in interleaved(2, 2, 2)]
+        ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
+    """
+    p, v, m = n_devices, n_chunks, n_microbatches
+    if min(p, v, m) < 1 or m % p:
+        raise SimulationError(f"interleaved needs m a multiple of p: got p={p}, v={v}, m={m}; "
+                              f"use m in {p}, {2 * p}, ...")
+    total = m * v
+
+    def action(j: int, k: int, phase: Phase) -> Action:
+        chunk = (k % (p * v)) // p
+        if phase is Phase.BACKWARD:
+            chunk = v - chunk - 1
+        return Action(chunk * p + j, phase, (k // (p * v)) * p + k % p)
+
+    out = []
+    for j in range(p):
+        warmup = min(2 * (p - j - 1) + (v - 1) * p, total)
+        actions = [action(j, k, Phase.FORWARD) for k in range(warmup)]
+        for r in range(total - warmup):
+            actions += [action(j, warmup + r, Phase.FORWARD), action(j, r, Phase.BACKWARD)]
+        actions += [action(j, k, Phase.BACKWARD) for k in range(total - warmup, total)]
+        out.append(tuple(actions))
+    return tuple(out)
+
+
+def device_actions(schedule: str, n_devices: int, n_microbatches: int,
+                   n_chunks: int = 1) -> Schedule:
+    """Per device, its ordered actions for a schedule by name."""
+    if schedule == "gpipe":
+        return gpipe(n_devices, n_microbatches)
+    if schedule == "1f1b":
+        return one_f_one_b(n_devices, n_microbatches)
+    if schedule == "interleaved":
+        return interleaved(n_devices, n_chunks, n_microbatches)
+    raise SimulationError(f"schedule {schedule!r} cannot be simulated; use gpipe, 1f1b or "
+                          "interleaved")
+
+
+class _Host:
+    """Compute shared by the devices of one host (processor sharing).
+
+    ``speedup(device, n)``: what ``n`` busy devices gain over one for the work ``device`` is
+    doing; each running device progresses at ``speedup / n`` of its speed alone.
+    """
+
+    def __init__(self, speedup: Callable[[int, int], float]) -> None:
+        self.speedup = speedup
+        self.running: dict[int, float] = {}  # device -> remaining work (seconds alone)
+        self.updated = 0.0
+        self.version = 0
+
+    def rate(self, device: int) -> float:
+        n = len(self.running)
+        return self.speedup(device, n) / n if n else 1.0
+
+    def advance(self, now: float) -> None:
+        rates = {device: self.rate(device) for device in self.running}
+        for device in self.running:
+            self.running[device] -= (now - self.updated) * rates[device]
+        self.updated = now
+
+    def next_finish(self) -> tuple[float, int] | None:
+        if not self.running:
+            return None
+        left = {d: max(self.running[d], 0.0) / self.rate(d) for d in self.running}
+        device = min(left, key=lambda d: (left[d], d))
+        return self.updated + left[device], device
+
+
+class _Simulation:
+    def __init__(self, prediction: Prediction, cluster: Cluster) -> None:
+        self.p = prediction
+        self.config = c = prediction.config
+        self.stages = prediction.stages
+        self.order = device_actions(c.schedule, c.pp, c.chunks, c.virtual)
+        self.replay_below = replayed(c.checkpoint, c.chunks)
+        spec = cluster.spec(0)
+        shared = cluster.is_local and bool(spec.shared_speedup) and c.pp > 1
+        self.shared = shared
+        self.stepped: set[int] = set()
+        self.spec = spec
+        self.hosts = [_Host(self.gain)] if shared else [_Host(lambda j, n: float(n))
+                                                        for _ in range(c.pp)]
+        self.host_of = [0 if shared else j for j in range(c.pp)]
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.next_index = [0] * c.pp
+        self.busy = [False] * c.pp
+        self.current: list[Action | None] = [None] * c.pp
+        self.started: dict[Action, float] = {}
+        self.arrived: set[tuple[str, int, int]] = set()
+        self.links: dict[tuple[int, int], deque[tuple[str, float, Any]]] = {}
+        self.link_busy: dict[tuple[int, int], bool] = {}
+        self.timeline: list[tuple[Action, float, float]] = []
+        self.transfers: list[tuple[str, float, float]] = []
+        self.live = [0.0] * c.pp
+        self.peak = [0.0] * c.pp
+        self.last_backward: dict[int, tuple[float, float]] = {}
+        self.remaining_b = [sum(1 for a in acts if a.phase is Phase.BACKWARD)
+                            for acts in self.order]
+        self.tags: dict[int, tuple[str, Any]] = {}
+
+    def gain(self, j: int, n: int) -> float:
+        """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
+        (on a shared host only compute runs there; the optimizers step after it)."""
+        return self.stages[self.tags[j][1].stage].speedup(self.spec, n)
+
+    def push(self, time: float, kind: str, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time, self.seq, kind, payload))
+
+    def duration(self, action: Action) -> float:
+        """Compute time, plus the send it waits for when sends block (then free on the link)."""
+        stage, k = self.stages[action.stage], action.stage
+        blocked = 0.0 if self.config.overlap_p2p else 1.0
+        if action.phase is Phase.FORWARD:
+            return stage.forward + blocked * stage.send
+        replay = stage.replay if action.microbatch < self.replay_below else 0.0
+        return stage.backward + replay + blocked * (self.stages[k - 1].send if k else 0.0)
+
+    def link_time(self, seconds: float) -> float:
+        return seconds if self.config.overlap_p2p else 0.0
+
+    def ready(self, action: Action) -> bool:
+        k, i, last = action.stage, action.microbatch, len(self.stages) - 1
+        if action.phase is Phase.FORWARD:
+            return k == 0 or ("act", k, i) in self.arrived
+        return ("done", k, i) in self.arrived and (k == last or ("grad", k, i) in self.arrived)
+
+    def try_start(self, j: int) -> None:
+        if self.busy[j] or self.next_index[j] >= len(self.order[j]):
+            return
+        action = self.order[j][self.next_index[j]]
+        if not self.ready(action):
+            return
+        self.next_index[j] += 1
+        self.busy[j] = True
+        self.current[j] = action
+        self.started[action] = self.now
+        self.account_memory(j, action)
+        self.run_on_host(j, self.duration(action), ("compute", action))
+
+    def account_memory(self, j: int, action: Action) -> None:
+        stage = self.stages[action.stage]
+        checkpointed = action.microbatch < self.replay_below
+        kept = stage.input_bytes if checkpointed else stage.activation_bytes
+        if action.phase is Phase.FORWARD:
+            self.live[j] += kept
+            self.peak[j] = max(self.peak[j], self.live[j] - kept + stage.activation_bytes)
+        else:
+            self.peak[j] = max(self.peak[j], self.live[j] + (stage.activation_bytes
+                                                             if checkpointed else 0.0))
+
+    def run_on_host(self, j: int, work: float, tag: tuple[str, Any]) -> None:
+        host = self.hosts[self.host_of[j]]
+        host.advance(self.now)
+        host.running[j] = work
+        self.tags[j] = tag
+        host.version += 1
+        self.schedule_host(self.host_of[j])
+
+    def schedule_host(self, h: int) -> None:
+        found = self.hosts[h].next_finish()
+        if found is not None:
+            self.push(found[0], "host", (h, self.hosts[h].version))
+
+    def send(self, src: int, dst: int, seconds: float, label: str, payload: Any) -> None:
+        key = (src, dst)
+        self.links.setdefault(key, deque()).append((label, seconds, payload))
+        if not self.link_busy.get(key):
+            self.start_link(key)
+
+    def start_link(self, key: tuple[int, int]) -> None:
+        queue = self.links[key]
+        if not queue:
+            self.link_busy[key] = False
+            return
+        label, seconds, payload = queue.popleft()
+        self.link_busy[key] = True
+        self.transfers.append((label, self.now, self.now + seconds))
+        self.push(self.now + seconds, "link", (key, payload))
+
+    def finish_compute(self, j: int, action: Action) -> None:
+        self.timeline.append((action, self.started[action], self.now))
+        self.busy[j] = False
+        stage: StageProfile = self.stages[action.stage]
+        k, i, pp = action.stage, action.microbatch, self.config.pp
+        if action.phase is Phase.FORWARD:
+            self.arrived.add(("done", k, i))
+            if k + 1 < len(self.stages):
+                self.send(j, (k + 1) % pp, self.link_time(stage.send), f"send {k}->{k + 1} F{i}",
+                          ("act", k + 1, i))
+        else:
+            kept = stage.input_bytes if i < self.replay_below else stage.activation_bytes
+            self.live[j] -= kept
+            if k > 0:
+                self.send(j, (k - 1) % pp, self.link_time(self.stages[k - 1].send),
+                          f"send {k}->{k - 1} B{i}", ("grad", k - 1, i))
+            self.remaining_b[j] -= 1
+            self.last_backward[j] = (self.started[action], self.now)
+            if self.remaining_b[j] == 0:
+                self.reduce_gradients(j)
+        self.try_start(j)
+
+    def reduce_gradients(self, j: int) -> None:
+        """All-reduce device ``j``'s gradients in 25 MB buckets, then step its optimizer.
+
+        Overlapped, bucket ``b`` of ``n`` is ready ``(b + 1) / n`` of the way through the
+        device's last backward; otherwise all are ready at its end.
+        """
+        seconds = self.p.dp_times[j]
+        start, end = self.last_backward[j]
+        if seconds == 0:
+            self.push(end, "optimizer", j)
+            return
+        grads = sum(s.grad_bytes for s in self.stages[j::self.config.pp])
+        buckets = max(1, math.ceil(grads / 25e6))
+        overlap = self.config.overlap_grad_reduce
+        free = begin = start if overlap else end
+        for b in range(buckets):
+            ready = start + (b + 1) / buckets * (end - start) if overlap else end
+            free = max(free, ready) + seconds / buckets
+        self.transfers.append((f"all-reduce grads device {j}", begin, free))
+        self.push(free, "optimizer", j)
+
+    def run(self) -> SimulationResult:
+        for j in range(self.config.pp):
+            self.try_start(j)
+        finished: dict[int, float] = {}
+        pipeline_end = 0.0
+        while self.events:
+            time, _, kind, payload = heapq.heappop(self.events)
+            self.now = time
+            if kind == "host":
+                h, version = payload
+                host = self.hosts[h]
+                if version != host.version:
+                    continue
+                host.advance(self.now)
+                _, j = host.next_finish()  # type: ignore[misc]
+                del host.running[j]
+                host.version += 1
+                self.schedule_host(h)
+                tag, what = self.tags.pop(j)
+                if tag == "compute":
+                    pipeline_end = max(pipeline_end, self.now)
+                    self.finish_compute(j, what)
+                else:
+                    self.transfers.append((f"optimizer device {j}", what, self.now))
+                    finished[j] = self.now
+            elif kind == "link":
+                key, arrival = payload
+                self.arrived.add(arrival)
+                self.start_link(key)
+                self.try_start(arrival[1] % self.config.pp)
+            elif self.shared:
+                # One process's optimizer steps every device's parameters, in the caller's
+                # thread with all of its intra-op threads, once backward has returned.
+                self.stepped.add(payload)
+                if len(self.stepped) == self.config.pp:
+                    begin = max(self.now, pipeline_end)
+                    for j in range(self.config.pp):
+                        end = begin + self.p.optimizer_times[j]
+                        self.transfers.append((f"optimizer device {j}", begin, end))
+                        finished[j], begin = end, end
+            else:
+                self.run_on_host(payload, self.p.optimizer_times[payload],
+                                 ("optimizer", self.now))
+        return self.result(finished, pipeline_end)
+
+    def result(self, finished: dict[int, float], pipeline_end: float) -> SimulationResult:
+        stuck = [j for j in range(self.config.pp) if self.next_index[j] < len(self.order[j])]
+        if stuck:
+            raise SimulationError(f"the schedule deadlocked: devices {stuck} never ran "
+                                  f"{[str(self.order[j][self.next_index[j]]) for j in stuck]}")
+        busy = sum(end - start for _, start, end in self.timeline)
+        pp = self.config.pp
+        bubble = max(0.0, 1 - busy / (pp * pipeline_end)) if pipeline_end > 0 else 0.0
+        static = [m.total - m.activations for m in self.p.memory]
+        self.timeline.sort(key=lambda entry: (entry[1], entry[0].stage))
+        return SimulationResult(max(finished.values(), default=pipeline_end), pipeline_end,
+                                bubble, tuple(s + peak for s, peak in zip(static, self.peak)),
+                                tuple(self.timeline), tuple(self.transfers))
+
+
+def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:
+    """Simulate one training step of ``plan`` on ``cluster``.
+
+    Args:
+        plan: a :class:`~partitioner.plans.plan.Plan` made by the planner (its chosen candidate
+            carries the stage costs), or a :class:`~partitioner.planning.predict.Prediction`.
+        cluster: the devices and links; a plan's own cluster when omitted. Compute times
+            are the plan's (re-plan with ``make_plan(devices=cluster)`` for other devices);
+            the cluster decides which devices share a host.
+
+    Returns:
+        The :class:`SimulationResult`.
+
+    Raises:
+        SimulationError: the plan has no cost record.
+    """
+    from partitioner.planning.records import from_record
+    if isinstance(plan, Prediction):
+        prediction = plan
+    else:
+        records = getattr(plan, "candidates", ())
+        if not records:
+            raise SimulationError("the plan carries no cost record (it was written by hand or "
+                                  "made without example inputs); make it with make_plan(...)")
+        prediction, own = from_record(records[0])
+        cluster = cluster or own
+    if cluster is None:
+        raise SimulationError("pass the cluster to simulate a Prediction on")
+    return _Simulation(prediction, cluster).run()
+
+
+def refine(prediction: Prediction, cluster: Cluster, max_actions: int = 20_000) -> Prediction:
+    """``prediction`` with its step time, pipeline time and bubble from the simulation.
+
+    Used where the closed forms are weakest: devices sharing one host's cores, whose
+    contention depends on which stages happen to overlap. Plans with more than
+    ``max_actions`` forward and backward actions are returned unchanged.
+
+    Example:
+        >>> from partitioner.cost.devices import Cluster
+        >>> from partitioner.planning.predict import Config, predict
+        >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
+        >>> cluster = Cluster.preset("A100-80GB")
+        >>> p = predict(gpt_workload(GPTShape(4, 256, 4, 128, 1000), 16), cluster,
+        ...             Config(dp=4, pp=2, chunks=4))
+        >>> refine(p, cluster).step_time == simulate(p, cluster).step_time
+        True
+    """
+    c = prediction.config
+    if 2 * c.stages * c.chunks > max_actions:
+        return prediction
+    result = _Simulation(prediction, cluster).run()
+    return replace(prediction, step_time=result.step_time,
+                   pipeline_time=result.pipeline_time, bubble=result.bubble,
+                   samples_per_second=prediction.samples_per_second
+                   * prediction.step_time / result.step_time)

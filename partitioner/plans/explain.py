@@ -1,0 +1,108 @@
+"""A plan's candidates as a table, and why the chosen one won: ``Plan.explain()``.
+
+Reads only the plan's records (plain data written by ``partitioner.planning.auto.records``),
+so a plan loaded from a file explains itself without the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["explain", "format_bytes", "format_seconds"]
+
+
+def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = None) -> str:
+    """Ranked candidates as a table, and why the winner won (from plan records).
+
+    Args:
+        records: candidate records, the chosen one first (``Plan.candidates``).
+        summary: the search's counts (``records[0]["search"]`` when omitted).
+    """
+    if not records:
+        return "no candidates were recorded (the plan was not costed by the planner)"
+    info = summary if summary is not None else records[0].get("search", {})
+    ranked = sorted(records, key=lambda r: r.get("rank", 0))
+    lines = []
+    if info:
+        lines.append(f"searched {info['considered']} configurations in "
+                     f"{info['elapsed'] * 1e3:.0f} ms: {info['evaluated']} predicted in full, "
+                     f"{info['not_executable']} not executable here, "
+                     f"{info['not_fitting']} not fitting memory"
+                     + (f"; budget ran out, gap to lower bound {info['gap']:.1%}"
+                        if info.get("timed_out") else "; exhaustive (branch and bound)"))
+    rows = [("rank", "configuration", "step", "samples/s", "bubble", "memory/device")]
+    for r in ranked:
+        rows.append((f"{r.get('rank', '?')}{' *' if r.get('chosen') else ''}", r["label"],
+                     format_seconds(r["step_time"]), f"{r['samples_per_second']:.4g}",
+                     f"{r['bubble']:.1%}", format_bytes(r["peak_memory"])))
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    table = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    lines += table
+    lines.append(_why(ranked, info))
+    return "\n".join(lines)
+
+
+def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
+    winner = next(r for r in ranked if r.get("chosen", r is ranked[0]))
+    text = (f"chosen: {winner['label']}, predicted {format_seconds(winner['step_time'])} per step "
+            f"({winner['samples_per_second']:.4g} samples/s, bubble {winner['bubble']:.1%}, "
+            f"{format_bytes(winner['peak_memory'])} per device)")
+    others = [r for r in ranked if r is not winner]
+    if others:
+        text += _against(winner, others[0])
+    if _shares_host(winner) and winner["config"]["pp"] > 1:
+        text += ("; the devices share this machine's cores, so the bubble is not idle "
+                 "hardware: while a stage waits, the busy ones get its cores")
+    faster = [(label, why, bound) for label, why, bound in info.get("excluded", [])
+              if bound < winner["step_time"]]
+    if faster:
+        label, why, bound = faster[0]
+        count = info.get("excluded_faster", len(faster))
+        text += (f"; {count} excluded configuration{'s' if count > 1 else ''} might be "
+                 f"faster, e.g. {label} (bound {format_seconds(bound)}), but {why}")
+    return text + "."
+
+
+def _against(winner: dict[str, Any], rival: dict[str, Any]) -> str:
+    """Why ``winner`` beat ``rival``: the part of the step that differs most."""
+    slower = rival["step_time"] / winner["step_time"] - 1
+    if slower < 5e-4:
+        return (f"; the runner-up, {rival['label']}, is predicted as fast (within 0.05%): "
+                "ties go to the fewest replicas, tensor ranks, stages and micro-batches, "
+                "then the schedule's and checkpoint mode's order")
+    parts = {"its bubble": (rival["bubble"] - winner["bubble"]) * rival["pipeline_time"],
+             "more work per device": _work(rival) - _work(winner),
+             "gradient all-reduce and optimizer": _after(rival) - _after(winner)}
+    cause = max(parts, key=lambda k: parts[k])
+    text = f"; the runner-up, {rival['label']}, is {slower:.1%} slower, mostly {cause}"
+    if cause == "its bubble":
+        text += f" ({rival['bubble']:.1%} against {winner['bubble']:.1%})"
+    return text
+
+
+def _shares_host(record: dict[str, Any]) -> bool:
+    cluster = record.get("cluster") or {}
+    return bool(cluster.get("local")) and bool((cluster.get("device") or {}).get(
+        "shared_speedup"))
+
+
+def _work(r: dict[str, Any]) -> float:
+    return r["pipeline_time"] * (1 - r["bubble"])
+
+
+def _after(r: dict[str, Any]) -> float:
+    return r["step_time"] - r["pipeline_time"]
+
+
+def format_seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"

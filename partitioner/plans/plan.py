@@ -1,0 +1,360 @@
+"""The plan: which layers run where, how, and what that is predicted to cost.
+
+A :class:`Plan` is a frozen, validated, printable value: the device mesh, the stages (their
+layers by module name, device and predicted cost), tensor-parallel shard specs, the
+micro-batch count, schedule and checkpoint mode, what the planner was asked and predicted,
+and a fingerprint of the model it was made for. It is the only thing the partitioner hands
+the runtime besides the stage graphs, and it can be written to JSON and read back: the file
+is meant to be read, diffed and edited by people (``docs/design/002-plan-files.md``), its
+JSON Schema ships as ``partitioner/plans/plan_schema.json``, and loading it runs no code.
+
+Example:
+    >>> stage = Stage(0, "cpu", ("0", "1"))
+    >>> plan = Plan(strategy="pipeline", devices=("cpu",), stages=(stage,), chunks=2)
+    >>> plan.balance
+    (2,)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import PartitionError
+from partitioner.plans.explain import explain
+from partitioner.plans.fingerprint import Fingerprint
+
+__all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
+           "VERSION", "SHARD_KINDS"]
+
+FORMAT = "partitioner.plan"
+VERSION = 1
+
+#: How a tensor-parallel parameter is split (Megatron's names): ``colwise`` splits a Linear's
+#: output features, ``rowwise`` its input features, ``vocab`` an embedding's rows.
+SHARD_KINDS = ("colwise", "rowwise", "vocab")
+
+
+class PlanFormatError(PartitionError, ValueError):
+    """A plan (or plan file) is malformed."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        index: the stage number ``j``.
+        device: where it runs (``"cpu"``, ``"cuda:1"``).
+        layers: its layers, by module name, in order.
+        predicted_time: seconds of forward + backward per micro-batch, if costed.
+        predicted_memory: bytes it holds during a step, if costed.
+        param_bytes: bytes of its parameters, if costed.
+        send_bytes: bytes it hands the next stage per micro-batch (activations forward; their
+            gradients come back the same size), if costed.
+    """
+
+    index: int
+    device: str
+    layers: tuple[str, ...]
+    predicted_time: float | None = None
+    predicted_memory: int | None = None
+    param_bytes: int | None = None
+    send_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise PlanFormatError(f"stage {self.index} has no layers; every stage needs one")
+        if self.index < 0:
+            raise PlanFormatError(f"stage index {self.index} is negative")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The device mesh: data-parallel replicas x pipeline stages x tensor-parallel shards."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={v!r}" for k, v in asdict(self).items()
+               if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise PlanFormatError(f"mesh {', '.join(bad)}; every mesh axis is an int >= 1")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the tensor-parallel axis.
+
+    Attributes:
+        dim: the tensor dimension that is split.
+        kind: one of :data:`SHARD_KINDS`.
+    """
+
+    dim: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise PlanFormatError(f"shard dim={self.dim!r}; pass a tensor dimension >= 0")
+        if self.kind not in SHARD_KINDS:
+            raise PlanFormatError(f"shard kind={self.kind!r}; use one of {SHARD_KINDS}")
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """What the planner was asked: kept so a plan says how it was made.
+
+    Attributes:
+        strategy: the strategy asked for (``"auto"``, ``"pipeline"``, ``"spec"``).
+        balance: ``balance=`` as given, if any.
+        split_points: ``split_points=`` as given, if any.
+        memory_limit: bytes per device the planner had to respect, if given.
+        example_inputs: the example batch the layers were costed on, as
+            ``"float32[64, 32]"`` per positional input.
+        spec: the hand-written spec the plan was compiled from, if any (as written).
+    """
+
+    strategy: str = "auto"
+    balance: tuple[int, ...] | None = None
+    split_points: tuple[str, ...] | None = None
+    memory_limit: tuple[float, ...] | None = None
+    example_inputs: tuple[str, ...] = ()
+    spec: dict[str, Any] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pipeline partition of a model over devices.
+
+    Attributes:
+        strategy: how it was made ("pipeline", "balance", "split_points", ...).
+        devices: one device string per stage.
+        stages: the stages, in order.
+        chunks: micro-batches per mini-batch.
+        checkpoint: "always", "except_last" or "never".
+        schedule: the pipeline schedule ("gpipe").
+        capture: how the model was captured ("fx" or "export").
+        predicted_step_time: seconds per training step, if costed.
+        predicted_bubble: idle fraction of the schedule, if costed.
+        notes: the planner's remarks (why this plan), free text.
+        mesh: dp x pp x tp; defaults to ``Mesh(1, len(stages), 1)``.
+        shard_specs: tensor-parallel splits by parameter name (empty: no tensor parallelism).
+        planner: what the planner was asked, if recorded.
+        fingerprint: the structure of the model the plan was made for; ``None`` for plans
+            written by hand (then applying it checks the layer names only).
+        candidates: the planner's ranked candidates as plain JSON data, the chosen one
+            first with its stage costs (``partitioner.planning.auto``; read by :meth:`explain` and
+            ``partitioner.planning.simulate``).
+    """
+
+    strategy: str
+    devices: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    chunks: int = 1
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    capture: str = "fx"
+    predicted_step_time: float | None = None
+    predicted_bubble: float | None = None
+    notes: tuple[str, ...] = field(default=())
+    mesh: Mesh | None = None
+    shard_specs: dict[str, ShardSpec] = field(default_factory=dict)
+    planner: PlannerInputs | None = None
+    fingerprint: Fingerprint | None = None
+    candidates: tuple[dict[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", Mesh(1, len(self.stages), 1))
+        # Sorted, so equal plans print and save alike whatever order the specs came in.
+        object.__setattr__(self, "shard_specs", dict(sorted(self.shard_specs.items())))
+        problems = []
+        if self.mesh is not None and self.mesh.pp != len(self.stages):
+            problems.append(f"mesh pp={self.mesh.pp} but there are {len(self.stages)} stages")
+        if len(self.devices) != len(self.stages):
+            problems.append(f"{len(self.stages)} stages but {len(self.devices)} devices")
+        if [s.index for s in self.stages] != list(range(len(self.stages))):
+            problems.append(f"stage indices {[s.index for s in self.stages]} are not 0..P-1")
+        if self.chunks < 1:
+            problems.append(f"chunks={self.chunks}; it must be >= 1")
+        if self.checkpoint not in ("always", "except_last", "never"):
+            problems.append(f"checkpoint={self.checkpoint!r}; use always, except_last or never")
+        names = [name for s in self.stages for name in s.layers]
+        if len(set(names)) != len(names):
+            problems.append("a layer appears in two stages")
+        if problems:
+            raise PlanFormatError("invalid plan: " + "; ".join(problems))
+
+    def __hash__(self) -> int:
+        return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint))
+
+    def explain(self) -> str:
+        """The planner's ranked candidates and why this one won (``partitioner.planning.auto``)."""
+        return explain(self.candidates)
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        """Layers per stage (torchgpipe's ``balance``)."""
+        return tuple(len(s.layers) for s in self.stages)
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Every layer, in order."""
+        return tuple(name for s in self.stages for name in s.layers)
+
+    def table(self) -> str:
+        """The plan as a text table, one row per stage."""
+        rows = [("stage", "device", "layers", "first .. last", "time/mb", "memory", "params")]
+        for s in self.stages:
+            span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+            rows.append((str(s.index), s.device, str(len(s.layers)), span,
+                         _ms(s.predicted_time), _bytes(s.predicted_memory),
+                         _bytes(s.param_bytes)))
+        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        summary = (f"{self.strategy}: {len(self.stages)} stages, chunks={self.chunks}, "
+                   f"checkpoint={self.checkpoint}, schedule={self.schedule}")
+        if self.mesh is not None and (self.mesh.dp, self.mesh.tp) != (1, 1):
+            summary += f", mesh dp={self.mesh.dp} pp={self.mesh.pp} tp={self.mesh.tp}"
+        if self.shard_specs:
+            summary += f", {len(self.shard_specs)} sharded parameters"
+        if self.predicted_step_time is not None:
+            summary += f", predicted step {_ms(self.predicted_step_time)}"
+        if self.predicted_bubble is not None:
+            summary += f", bubble {self.predicted_bubble:.0%}"
+        return "\n".join([summary, *lines])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict, with the file format's name and version."""
+        body = {k: v for k, v in asdict(self).items()
+                if k not in ("shard_specs", "planner", "fingerprint")}
+        body["shard_specs"] = {name: asdict(s) for name, s in self.shard_specs.items()}
+        body["planner"] = _planner_to_dict(self.planner)
+        body["fingerprint"] = self.fingerprint.to_dict() if self.fingerprint else None
+        return {"format": FORMAT, "version": VERSION, **body}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output (validated, no code run)."""
+        if not isinstance(data, dict):
+            raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise PlanFormatError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
+        if data.get("version") != VERSION:
+            raise PlanFormatError(f"plan file version {data.get('version')!r}; this "
+                                  f"partitioner reads version {VERSION}")
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        try:
+            stages = tuple(Stage(**{**s, "layers": tuple(s["layers"])}) for s in body.pop("stages"))
+            mesh = body.pop("mesh", None)
+            shards = body.pop("shard_specs", None) or {}
+            planner = body.pop("planner", None)
+            printed = body.pop("fingerprint", None)
+            return cls(**{**body, "stages": stages, "devices": tuple(body["devices"]),
+                          "notes": tuple(body.get("notes", ())),
+                          "mesh": Mesh(**mesh) if mesh is not None else None,
+                          "shard_specs": {str(k): ShardSpec(**v) for k, v in shards.items()},
+                          "planner": _planner_from_dict(planner),
+                          "fingerprint": Fingerprint.from_dict(printed) if printed else None,
+                          "candidates": tuple(body.get("candidates", ()))})
+        except (TypeError, KeyError, AttributeError, ValueError) as error:
+            if isinstance(error, PlanFormatError):
+                raise
+            raise PlanFormatError(f"malformed plan: {type(error).__name__}: {error}") from error
+
+    def to_json(self) -> str:
+        """The plan file's text: indented JSON, short lists on one line, one name a line."""
+        return readable_json(self.to_dict()) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as indented JSON (see :meth:`to_json`)."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`save`."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise PlanFormatError(f"{path} is not JSON: {error}") from error
+        except OSError as error:
+            raise PlanFormatError(f"cannot read plan file {path}: {error}") from error
+        return cls.from_dict(data)
+
+
+def _planner_to_dict(planner: PlannerInputs | None) -> dict[str, Any] | None:
+    return None if planner is None else asdict(planner)
+
+
+def _planner_from_dict(data: dict[str, Any] | None) -> PlannerInputs | None:
+    if data is None:
+        return None
+    tuples = ("balance", "split_points", "memory_limit", "example_inputs")
+    fields: dict[str, Any] = {k: tuple(v) if k in tuples and v is not None else v
+                              for k, v in data.items()}
+    return PlannerInputs(**fields)
+
+
+def readable_json(value: Any, indent: int = 2, width: int = 88) -> str:
+    """JSON that diffs well: containers of scalars that fit in ``width`` on one line
+    (a shape, a device list), longer ones one item a line (a stage's layers).
+
+    Example:
+        >>> print(readable_json({"shape": [2, 3], "layers": ["a" * 50, "b" * 50]}))
+        {
+          "shape": [2, 3],
+          "layers": [
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+          ]
+        }
+    """
+    return _dump(value, 0, indent, width)
+
+
+def _dump(value: Any, depth: int, indent: int, width: int) -> str:
+    if not isinstance(value, (dict, list, tuple)) or not value:
+        return json.dumps(value)
+    flat = json.dumps(value, separators=(", ", ": "))
+    if len(flat) + depth * indent <= width and _shallow(value):
+        return flat
+    pad, inner = " " * (indent * depth), " " * (indent * (depth + 1))
+    if isinstance(value, dict):
+        items = [f"{inner}{json.dumps(str(k))}: {_dump(v, depth + 1, indent, width)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    items = [f"{inner}{_dump(v, depth + 1, indent, width)}" for v in value]
+    return "[\n" + ",\n".join(items) + f"\n{pad}]"
+
+
+def _shallow(value: dict[str, Any] | list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every member is a scalar or a list of scalars (a shape)."""
+    members = value.values() if isinstance(value, dict) else value
+    return all(not isinstance(v, (dict, list, tuple))
+               or (isinstance(v, (list, tuple)) and not any(isinstance(x, (dict, list, tuple))
+                                                            for x in v))
+               for v in members)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"

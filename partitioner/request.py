@@ -1,0 +1,212 @@
+"""What a caller asks the planner for: one frozen :class:`PlanRequest`, validated once.
+
+``partition``, ``make_plan``, the tensor-parallel front, the plan-file path and the CLI all
+take the same planning options. They build a ``PlanRequest`` from their keywords at the
+door; everything behind the door (analysis, planning, applying a plan) reads the request
+and never validates an option again.
+
+Example:
+    >>> request = PlanRequest.make(["cpu", "cpu"], chunks=4, balance=[3, 2])
+    >>> request.n_devices, request.chunks, request.balance, request.fixes_split
+    (2, 4, (3, 2), True)
+    >>> PlanRequest.make(["cpu", "cpu"], chunks=0)
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.ChunksError: chunks=0; pass a positive int (micro-batches per batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from partitioner.cost.devices import Cluster, parse_devices
+from partitioner.errors import (
+    BalanceError,
+    ChunksError,
+    ExampleInputsError,
+    MemoryLimitError,
+    PartitionError,
+    StrategyError,
+)
+from partitioner.runtime.local import CHECKPOINT_MODES
+
+__all__ = ["PlanRequest", "STRATEGIES"]
+
+STRATEGIES = ("auto", "pipeline")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The planning options of one call, checked together.
+
+    Attributes:
+        devices: the local devices, one per pipeline stage (empty when planning for a
+            :class:`~partitioner.cost.devices.Cluster` that is not this machine, or when a
+            plan file names them).
+        strategy: ``"auto"`` or ``"pipeline"``.
+        example_inputs: one batch of positional inputs (``None``: no costs).
+        example_kwargs: keyword inputs of that batch.
+        chunks: micro-batches per batch (``None``: the planner chooses, or 1).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (``None``: chosen).
+        balance: layers per stage (torchgpipe's), or ``None``.
+        split_points: module names at which a stage begins, or ``None``.
+        memory_limit: bytes per device, one per device, or ``None``.
+        cluster: the cluster planned for, when ``devices=`` was one.
+        calibrate: time each distinct layer on this machine before planning.
+    """
+
+    devices: tuple[torch.device, ...] = ()
+    strategy: str = "auto"
+    example_inputs: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
+    example_kwargs: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    chunks: int | None = None
+    checkpoint: str | None = None
+    balance: tuple[int, ...] | None = None
+    split_points: tuple[str, ...] | None = None
+    memory_limit: tuple[float, ...] | None = None
+    cluster: Cluster | None = None
+    calibrate: bool = False
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            kind = problems[0][0]
+            raise kind("; ".join(message for _, message in problems))
+
+    def _problems(self) -> list[tuple[type[PartitionError], str]]:
+        found: list[tuple[type[PartitionError], str]] = []
+        if self.strategy not in STRATEGIES:
+            found.append((StrategyError, f"strategy={self.strategy!r} is unknown; pass one of "
+                                         f"{STRATEGIES}"))
+        if self.chunks is not None and (isinstance(self.chunks, bool)
+                                        or not isinstance(self.chunks, int) or self.chunks < 1):
+            found.append((ChunksError, f"chunks={self.chunks!r}; pass a positive int "
+                                       "(micro-batches per batch)"))
+        if self.checkpoint is not None and self.checkpoint not in CHECKPOINT_MODES:
+            found.append((StrategyError, f"checkpoint={self.checkpoint!r}; pass one of "
+                                         f"{CHECKPOINT_MODES}"))
+        if not isinstance(self.calibrate, bool):
+            found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
+        if self.balance is not None and self.split_points is not None:
+            found.append((BalanceError, "pass balance= or split_points=, not both"))
+        n = self.n_devices
+        if self.split_points is not None and n and len(self.split_points) != n - 1:
+            found.append((BalanceError, f"{len(self.split_points)} split points make "
+                                        f"{len(self.split_points) + 1} stages but there are {n} "
+                                        f"devices; pass {n - 1} split points"))
+        if self.memory_limit is not None and n and len(self.memory_limit) != n:
+            found.append((MemoryLimitError, f"memory_limit has {len(self.memory_limit)} entries "
+                                            f"for {n} devices; pass one number or {n} of them"))
+        return found
+
+    @classmethod
+    def make(cls, devices: Any, strategy: str = "auto", *,
+             example_inputs: tuple[Any, ...] | None = None,
+             example_kwargs: Mapping[str, Any] | None = None, chunks: int | None = None,
+             checkpoint: str | None = None, balance: Sequence[int] | None = None,
+             split_points: Sequence[str] | None = None,
+             memory_limit: float | Sequence[float] | None = None, calibrate: bool = False,
+             local: bool = False) -> PlanRequest:
+        """A request from a public function's keywords (see :func:`partitioner.partition`).
+
+        Args:
+            devices: ``devices=`` as the user gave it; ``None`` when a plan names them.
+            local: the devices must be this machine's (a remote :class:`Cluster` is refused).
+
+        Raises:
+            PartitionError: a subclass naming the first bad option (every problem listed).
+        """
+        remote = isinstance(devices, Cluster) and not devices.is_local and not local
+        parsed = () if remote or devices is None else tuple(parse_devices(devices))
+        n = devices.size if isinstance(devices, Cluster) else len(parsed)
+        return cls(parsed, strategy, _inputs(example_inputs), _kwargs(example_kwargs), chunks,
+                   checkpoint, _ints("balance", balance), _names(split_points),
+                   _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
+                   calibrate)
+
+    @property
+    def n_devices(self) -> int:
+        """How many devices (stages of a pipeline plan) the request plans for."""
+        return self.cluster.size if self.cluster is not None else len(self.devices)
+
+    @property
+    def fixes_split(self) -> bool:
+        """Whether ``balance=`` or ``split_points=`` fixes the split (no costs needed)."""
+        return self.balance is not None or self.split_points is not None
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """``example_kwargs`` as a fresh dict."""
+        return dict(self.example_kwargs or {})
+
+    def asked(self) -> dict[str, Any]:
+        """The settings the caller gave explicitly (a plan file must not be overridden)."""
+        given = dict(strategy=self.strategy, chunks=self.chunks, checkpoint=self.checkpoint,
+                     balance=self.balance, split_points=self.split_points,
+                     memory_limit=self.memory_limit)
+        return {k: v for k, v in given.items() if v is not None}
+
+    def with_changes(self, **changes: Any) -> PlanRequest:
+        """A copy with ``changes`` (validated again)."""
+        return replace(self, **changes)
+
+
+def _inputs(example_inputs: Any) -> tuple[Any, ...] | None:
+    if example_inputs is None:
+        return None
+    if not isinstance(example_inputs, (tuple, list)):
+        raise ExampleInputsError(f"example_inputs must be a tuple of positional inputs, got "
+                                 f"{type(example_inputs).__name__}; pass example_inputs=(x,)")
+    return tuple(example_inputs)
+
+
+def _kwargs(example_kwargs: Any) -> Mapping[str, Any] | None:
+    if example_kwargs is None:
+        return None
+    if not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str)
+                                                          for k in example_kwargs):
+        raise ExampleInputsError(f"example_kwargs={example_kwargs!r}; pass a dict of keyword "
+                                 "inputs, e.g. example_kwargs={'attention_mask': mask}")
+    return dict(example_kwargs)
+
+
+def _ints(key: str, values: Any) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise BalanceError(f"{key}={values!r}; pass a list of layer counts, one per stage, "
+                           "e.g. balance=[3, 2]")
+    return tuple(values)
+
+
+def _names(values: Any) -> tuple[str, ...] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+            isinstance(v, str) for v in values):
+        raise BalanceError(f"split_points={values!r}; pass a list of module names at which a "
+                           "stage begins, e.g. split_points=['layer2']")
+    return tuple(values)
+
+
+def _limits(memory_limit: Any, n_devices: int) -> tuple[float, ...] | None:
+    if memory_limit is None:
+        return None
+    number = (int, float)
+    if isinstance(memory_limit, number) and not isinstance(memory_limit, bool):
+        values: tuple[Any, ...] = (memory_limit,) * max(n_devices, 1)
+    elif isinstance(memory_limit, Sequence) and not isinstance(memory_limit, (str, bytes)):
+        values = tuple(memory_limit)
+    else:
+        values = ("?",)
+    if not values or any(isinstance(v, bool) or not isinstance(v, number) or not v > 0
+                         for v in values):
+        raise MemoryLimitError(f"memory_limit={memory_limit!r}; pass bytes per device as one "
+                               f"positive number (memory_limit=8 * 2**30) or {n_devices or 'one'}"
+                               " per device")
+    return tuple(float(v) for v in values)

@@ -1,0 +1,258 @@
+"""Save and load a partitioned run as one consolidated checkpoint.
+
+Each stage's module names its parameters as the original model does, so the state of the
+whole model is the union of the stages' states. Rank 0 gathers the stages' states (from
+replica 0, shard 0; the other replicas hold the same values) and writes one file::
+
+    {"format": "partitioner.checkpoint", "version": 1,
+     "model": {key: tensor},                       # the unpartitioned model's state dict
+     "optimizer": {"state": {key: {...}}, "param_groups": [{..., "params": [key, ...]}]},
+     "extra": {...}}                               # e.g. the step counter, the plan
+
+``torch.load(path)["model"]`` loads into the unpartitioned model; the optimizer state is keyed
+by parameter name, so it loads into any partitioned run of the model (same plan or not),
+each rank taking its own parameters' entries, and training resumes exactly.
+
+The file is written atomically: to a temporary file in the same directory, flushed and
+fsynced, then renamed over the target with ``os.replace``. A crash leaves the previous file
+intact, never a half-written one.
+
+Example:
+    >>> import tempfile, torch, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+    >>> atomic_save({"w": torch.ones(2)}, path)
+    >>> torch.load(path)["w"].tolist()
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.errors import PartitionError
+from partitioner.runtime.tensor_parallel.shard_state import ShardState
+
+__all__ = ["CheckpointError", "atomic_save", "named_optimizer_state",
+           "load_named_optimizer_state", "merge_optimizer_states", "save_checkpoint",
+           "load_checkpoint", "read_checkpoint", "FORMAT", "VERSION"]
+
+FORMAT = "partitioner.checkpoint"
+VERSION = 1
+
+
+class CheckpointError(PartitionError, ValueError):
+    """A checkpoint that does not fit the run (wrong format, missing keys, other optimizer)."""
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)`` so that ``path`` is either the old file or the new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        directory = os.open(target.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory)
+    except OSError:
+        pass
+    finally:
+        os.close(directory)
+
+
+def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    by_id = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    names, stray = [], 0
+    for p in _ordered_params(optimizer):
+        if id(p) not in by_id:
+            stray += 1
+        names.append(by_id.get(id(p), ""))
+    if stray:
+        raise CheckpointError(f"the optimizer holds {stray} parameters that are not this "
+                              "rank's stage's; build it over the partitioned model's "
+                              "parameters(), e.g. torch.optim.Adam(dpm.parameters())")
+    return names
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module
+                          ) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameters named as in ``module`` instead of numbered."""
+    names = _names(module, optimizer)
+    local = optimizer.state_dict()
+    state = {names[index]: _to_cpu(value) for index, value in local["state"].items()}
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [names[index] for index in group["params"]]}
+              for group in local["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One named optimizer state from the stages' (group ``g`` of each stage merged)."""
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for part in parts:
+        merged["state"].update(part["state"])
+        for g, group in enumerate(part["param_groups"]):
+            if g == len(merged["param_groups"]):
+                merged["param_groups"].append({**group, "params": []})
+            merged["param_groups"][g]["params"] += group["params"]
+    return merged
+
+
+def load_named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module,
+                               named: dict[str, Any]) -> None:
+    """Load a named optimizer state into ``optimizer`` over ``module``'s parameters.
+
+    Raises:
+        CheckpointError: if the optimizer has more parameter groups than the checkpoint.
+    """
+    names = _names(module, optimizer)
+    local = optimizer.state_dict()
+    if len(local["param_groups"]) > len(named["param_groups"]):
+        raise CheckpointError(f"the optimizer has {len(local['param_groups'])} parameter "
+                              f"groups but the checkpoint {len(named['param_groups'])}; "
+                              "build the optimizer with the groups it was saved with")
+    groups = [{**{k: v for k, v in named["param_groups"][g].items() if k != "params"},
+               "params": group["params"]} for g, group in enumerate(local["param_groups"])]
+    state = {index: named["state"][names[index]]
+             for group in local["param_groups"] for index in group["params"]
+             if names[index] in named["state"]}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contributes: bool,
+                    group: Any, base_state: dict[str, Any], optimizer: torch.optim.Optimizer
+                    | None = None, extra: dict[str, Any] | None = None,
+                    aliases: Sequence[Sequence[str]] = (), shards: ShardState | None = None
+                    ) -> None:
+    """Gather every stage's state on rank 0 and write one checkpoint (collective, all ranks).
+
+    Args:
+        path: the file to write (rank 0 writes it).
+        stage: this rank's stage module; its state-dict keys are the model's.
+        contributes: whether this rank sends its stage (one rank per stage: replica 0,
+            shard 0); those ranks must form ``group``, which contains rank 0.
+        group: the process group of the contributing ranks (ignored on the others).
+        base_state: rank 0's full model state; keys no stage holds keep these values.
+        optimizer: this rank's optimizer, if its state is saved too.
+        extra: more picklable values to store (the same on every rank).
+        aliases: groups of keys naming one tensor in the model (tied weights); a stage may
+            name it by any of them, and every key of the group gets the stage's value.
+        shards: when ``stage`` is one tensor-parallel rank's slice, which entries are split;
+            every rank of the group then gathers the whole tensors (also of the optimizer
+            state) before its shard 0 contributes them.
+    """
+    model_state: dict[str, Any] = stage.state_dict()
+    optim_state = named_optimizer_state(optimizer, stage) if optimizer else None
+    if shards is not None:
+        model_state = shards.gather(model_state)
+        if optim_state is not None:
+            params = dict(stage.named_parameters(remove_duplicate=False))
+            optim_state = shards.gather_optimizer(optim_state, params)
+    if contributes:
+        part = {"model": {k: _to_cpu(v) for k, v in model_state.items()},
+                "optimizer": _to_cpu(optim_state)}
+        rank = dist.get_rank()
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(part, gathered, dst=0, group=group)
+        if rank == 0:
+            assert gathered is not None
+            model = {k: _to_cpu(v) for k, v in base_state.items()}
+            provided: set[str] = set()
+            for piece in gathered:
+                model.update({k: v for k, v in piece["model"].items() if k in model})
+                provided.update(piece["model"])
+            for keys in aliases:
+                source = next((k for k in keys if k in provided), None)
+                if source is not None:
+                    model.update({key: model[source] for key in keys})
+            optim = (merge_optimizer_states([p["optimizer"] for p in gathered])
+                     if optimizer is not None else None)
+            atomic_save({"format": FORMAT, "version": VERSION, "model": model,
+                         "optimizer": optim, "extra": dict(extra or {})}, path)
+    dist.barrier()
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check a checkpoint file written by :func:`save_checkpoint`."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as error:
+        raise CheckpointError(f"no checkpoint at {path}; pass the path save() wrote") from error
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a partitioner checkpoint (format "
+                              f"{data.get('format') if isinstance(data, dict) else None!r}); "
+                              "a plain state dict loads with load_state_dict instead")
+    if data.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint version {data.get('version')!r}; this "
+                              f"partitioner reads version {VERSION}")
+    return data
+
+
+def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    shards: ShardState | None = None) -> dict[str, Any]:
+    """Load this rank's part of a checkpoint into ``stage`` (and ``optimizer``).
+
+    Every rank reads the file (a filesystem all ranks see). With ``shards`` (``stage`` is one
+    tensor-parallel rank's slice) each rank keeps its slice of every split entry.
+
+    Returns:
+        The checkpoint's ``extra`` values.
+
+    Raises:
+        CheckpointError: a malformed file, a key of this stage missing from it, or an
+            optimizer given for a checkpoint saved without one.
+    """
+    data = read_checkpoint(path)
+    own = stage.state_dict()
+    missing = [k for k in own if k not in data["model"]]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} keys of this stage "
+                              f"(first: {missing[:3]}); it was saved from another model")
+    whole = {k: data["model"][k] for k in own}
+    mine = shards.split(whole) if shards is not None else whole
+    with torch.no_grad():
+        for key, value in own.items():
+            value.copy_(mine[key])
+    if optimizer is not None:
+        if data.get("optimizer") is None:
+            raise CheckpointError(f"{path} holds no optimizer state; save it with "
+                                  "optimizer=, or load without one")
+        named = data["optimizer"]
+        if shards is not None:
+            named = shards.split_optimizer(named, whole)
+        load_named_optimizer_state(optimizer, stage, named)
+    return dict(data.get("extra") or {})

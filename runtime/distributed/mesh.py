@@ -1,0 +1,375 @@
+"""Roles of the ranks of a multi-process run: the (pp, dp, tp) mesh and one group per axis.
+
+A run over ``world_size`` processes is a mesh of shape ``(pp, dp, tp)``: ``pp`` pipeline
+stages, each stage held by ``dp`` data-parallel replicas, each replica split into ``tp``
+tensor-parallel shards. Every rank derives its *coordinates* (stage, replica, shard) from
+its rank alone, and every axis has one process group per line of the mesh along it:
+
+- the ``pp`` group of a rank: the ranks of its replica and shard, one per stage (P2P);
+- the ``dp`` group: the ranks holding the same stage and shard (gradient all-reduce);
+- the ``tp`` group: the shards of one stage replica (tensor-parallel collectives).
+
+Ranks are laid out with ``tp`` fastest, then ``dp``, then ``pp``::
+
+    rank = (stage * dp + replica) * tp + shard
+
+    pp=2, dp=2, tp=1          replica 0   replica 1
+                  stage 0     rank 0      rank 1
+                  stage 1     rank 2      rank 3
+
+so, with consecutive ranks on a node, the chattiest axis (tensor parallel) stays inside a
+node, data parallel next, and pipeline stages, which exchange only boundary activations,
+span nodes (Megatron-LM's order).
+
+:func:`init_distributed` starts ``torch.distributed`` from ``env://`` (what torchrun sets:
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or ``tcp://``
+and, on GPUs, binds the process to ``cuda:LOCAL_RANK``.
+
+Example:
+    >>> shape = MeshShape(pp=2, dp=2)
+    >>> shape.coords(3)
+    Coords(pp=1, dp=1, tp=0)
+    >>> shape.groups("dp"), shape.groups("pp")
+    (((0, 1), (2, 3)), ((0, 2), (1, 3)))
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner.errors import PartitionError
+
+__all__ = ["AXES", "Coords", "MeshShape", "Mesh", "DistInfo", "MeshError",
+           "DistributedInitError", "init_distributed", "dist_info"]
+
+AXES = ("pp", "dp", "tp")
+"""Mesh axes, outermost first: pipeline, data parallel, tensor parallel."""
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class MeshError(PartitionError, ValueError):
+    """A mesh shape that does not fit the world, or an unknown axis."""
+
+
+class DistributedInitError(PartitionError, RuntimeError):
+    """``torch.distributed`` cannot be started from what the environment gives."""
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits in the mesh: its stage (``pp``), replica (``dp``) and shard (``tp``)."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage ``j`` this rank runs."""
+        return self.pp
+
+    @property
+    def replica(self) -> int:
+        """Which data-parallel replica of its stage this rank is."""
+        return self.dp
+
+    @property
+    def shard(self) -> int:
+        """Which tensor-parallel shard of its stage replica this rank holds."""
+        return self.tp
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The sizes of the mesh axes.
+
+    Args:
+        pp: pipeline stages.
+        dp: data-parallel replicas of each stage.
+        tp: tensor-parallel shards of each stage replica.
+
+    Raises:
+        MeshError: if a size is not an int >= 1.
+
+    Example:
+        >>> MeshShape.infer(8, pp=2, tp=2)
+        MeshShape(pp=2, dp=2, tp=2)
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [f"{axis}={getattr(self, axis)!r}" for axis in AXES
+               if not isinstance(getattr(self, axis), int) or isinstance(getattr(self, axis), bool)
+               or getattr(self, axis) < 1]
+        if bad:
+            raise MeshError(f"mesh sizes must be ints >= 1, got {', '.join(bad)}")
+
+    @classmethod
+    def infer(cls, world_size: int, *, pp: int | None = None, dp: int | None = None,
+              tp: int = 1) -> MeshShape:
+        """The shape over ``world_size`` ranks with one of ``pp`` / ``dp`` left to fill the rest.
+
+        Raises:
+            MeshError: if the sizes do not multiply to ``world_size``.
+        """
+        if pp is None and dp is None:
+            dp = 1
+        known = (pp or 1) * (dp or 1) * tp
+        if world_size % known:
+            raise MeshError(f"pp={pp}, dp={dp}, tp={tp} do not divide the world of "
+                            f"{world_size} ranks; pick sizes whose product is {world_size}")
+        rest = world_size // known
+        shape = cls(pp if pp is not None else rest, dp if dp is not None else rest, tp)
+        if shape.world_size != world_size:
+            raise MeshError(f"pp={shape.pp} x dp={shape.dp} x tp={shape.tp} = "
+                            f"{shape.world_size} ranks, but the world has {world_size}; "
+                            f"launch {shape.world_size} processes or change the sizes")
+        return shape
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the mesh needs."""
+        return self.pp * self.dp * self.tp
+
+    def size(self, axis: str) -> int:
+        """The size of ``axis`` (``"pp"``, ``"dp"`` or ``"tp"``)."""
+        _check_axis(axis)
+        return int(getattr(self, axis))
+
+    def coords(self, rank: int) -> Coords:
+        """The coordinates of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
+        shard = rank % self.tp
+        replica = rank // self.tp % self.dp
+        stage = rank // (self.tp * self.dp)
+        return Coords(stage, replica, shard)
+
+    def rank_of(self, coords: Coords) -> int:
+        """The rank at ``coords``."""
+        return (coords.pp * self.dp + coords.dp) * self.tp + coords.tp
+
+    def line(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The ranks that share every coordinate with ``rank`` except ``axis``, in order."""
+        _check_axis(axis)
+        c = self.coords(rank)
+        return tuple(self.rank_of(Coords(**{**c.__dict__, axis: k}))
+                     for k in range(self.size(axis)))
+
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """Every line of the mesh along ``axis`` (the rank lists of its process groups)."""
+        _check_axis(axis)
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.world_size):
+            seen.setdefault(self.line(axis, rank))
+        return tuple(seen)
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise MeshError(f"unknown mesh axis {axis!r}; use one of {AXES}")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """What this process knows about the run once ``torch.distributed`` is up."""
+
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def dist_info() -> DistInfo:
+    """The :class:`DistInfo` of the running process group.
+
+    Raises:
+        DistributedInitError: if ``torch.distributed`` is not initialized.
+    """
+    if not dist.is_initialized():
+        raise DistributedInitError("torch.distributed is not initialized; call "
+                                   "init_distributed() or launch with torchrun")
+    backend = str(dist.get_backend())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if "nccl" in backend and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return DistInfo(backend, dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _env_int(name: str, given: int | None, init_method: str) -> int:
+    if given is not None:
+        return given
+    value = os.environ.get(name)
+    if value is None:
+        raise DistributedInitError(
+            f"{name} is not set and was not passed; launch with torchrun "
+            "(python -m partitioner.launch --nproc-per-node N script.py), or pass rank= and "
+            f"world_size= with init_method='tcp://HOST:PORT' (init_method={init_method!r})")
+    try:
+        return int(value)
+    except ValueError as error:
+        raise DistributedInitError(f"{name}={value!r} is not an integer") from error
+
+
+def init_distributed(backend: str | None = None, init_method: str = "env://", *,
+                     rank: int | None = None, world_size: int | None = None,
+                     local_rank: int | None = None,
+                     timeout: timedelta = DEFAULT_TIMEOUT) -> DistInfo:
+    """Start ``torch.distributed`` for this process (a no-op if it is already started).
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; default ``nccl`` when CUDA is available, else gloo.
+        init_method: ``"env://"`` (torchrun's variables) or ``"tcp://HOST:PORT"``.
+        rank: this process's rank; default ``$RANK``.
+        world_size: the number of processes; default ``$WORLD_SIZE``.
+        local_rank: this process's index on its node; default ``$LOCAL_RANK`` or 0. With
+            NCCL the process is bound to ``cuda:local_rank``.
+        timeout: how long a collective may wait before torch.distributed gives up (failures
+            are detected sooner by ``partitioner.runtime.distributed.failure``'s watchdog).
+
+    Returns:
+        The :class:`DistInfo` of the process.
+
+    Raises:
+        DistributedInitError: a missing or malformed variable, or an unknown backend.
+
+    Example:
+        >>> info = init_distributed("gloo", "tcp://127.0.0.1:29500", rank=0,
+        ...                         world_size=1)  # doctest: +SKIP
+    """
+    if dist.is_initialized():
+        return dist_info()
+    if not init_method.startswith(("env://", "tcp://", "file://")):
+        raise DistributedInitError(f"init_method={init_method!r}; use 'env://', "
+                                   "'tcp://HOST:PORT' or 'file:///path'")
+    rank = _env_int("RANK", rank, init_method)
+    world_size = _env_int("WORLD_SIZE", world_size, init_method)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise DistributedInitError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
+    if init_method.startswith("env://"):
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise DistributedInitError(f"{' and '.join(missing)} not set for init_method="
+                                       "'env://'; launch with torchrun or set them")
+    options: dict[str, Any] = {}
+    if backend == "nccl":
+        # Bind before the group starts, so NCCL's communicators land on this device.
+        torch.cuda.set_device(local_rank)
+        options["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout, **options)
+    # We started the group, so we end it: torch warns (NCCL) or can abort in a background
+    # thread's destructor (gloo) when a process exits with its group still up.
+    atexit.register(_destroy)
+    return dist_info()
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Mesh:
+    """The mesh of a running process group: this rank's coordinates and its axis groups.
+
+    Creating a mesh is collective: every rank of the world must create the same shape at the
+    same point of its program, since each axis group is made by ``dist.new_group``.
+
+    Args:
+        shape: the mesh shape; its ``world_size`` must equal the process group's.
+        timeout: collective timeout of the axis groups.
+
+    Raises:
+        MeshError: if the shape does not match the world.
+
+    Example:
+        >>> mesh = Mesh(MeshShape(pp=2, dp=2))    # doctest: +SKIP
+        >>> mesh.stage, mesh.replica, mesh.ranks("dp")  # on rank 3   # doctest: +SKIP
+        (1, 1, (2, 3))
+    """
+
+    def __init__(self, shape: MeshShape, *, timeout: timedelta | None = None) -> None:
+        info = dist_info()
+        if shape.world_size != info.world_size:
+            raise MeshError(f"mesh pp={shape.pp} x dp={shape.dp} x tp={shape.tp} needs "
+                            f"{shape.world_size} ranks but {info.world_size} were launched; "
+                            f"launch {shape.world_size} processes or change the sizes")
+        self.shape = shape
+        self.rank = info.rank
+        self.device = info.device
+        self.backend = info.backend
+        self.coords = shape.coords(self.rank)
+        self._groups: dict[str, Any] = {}
+        for axis in AXES:
+            # Every rank creates every group, in the same order (new_group is collective).
+            for ranks in shape.groups(axis):
+                group = dist.new_group(list(ranks), timeout=timeout)
+                if self.rank in ranks:
+                    self._groups[axis] = group
+        self._device_mesh: Any = None
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage this rank runs."""
+        return self.coords.pp
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.coords.dp
+
+    @property
+    def shard(self) -> int:
+        """This rank's tensor-parallel shard."""
+        return self.coords.tp
+
+    def group(self, axis: str) -> Any:
+        """The process group of this rank along ``axis``."""
+        _check_axis(axis)
+        return self._groups[axis]
+
+    def ranks(self, axis: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group along ``axis``, in axis order."""
+        return self.shape.line(axis, self.rank)
+
+    def neighbour(self, axis: str, offset: int) -> int | None:
+        """The rank ``offset`` steps along ``axis`` from this one, or None past the ends."""
+        line = self.ranks(axis)
+        k = line.index(self.rank) + offset
+        return line[k] if 0 <= k < len(line) else None
+
+    def to_device_mesh(self) -> Any:
+        """This mesh as a ``torch.distributed.device_mesh.DeviceMesh`` over the same groups.
+
+        For code that speaks DTensor (tensor parallel): the dims are named ``"pp"``, ``"dp"``
+        and ``"tp"``, and each dim uses the group this mesh already made for that axis.
+        """
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            layout = torch.arange(self.shape.world_size).reshape(
+                self.shape.pp, self.shape.dp, self.shape.tp)
+            self._device_mesh = DeviceMesh.from_group(
+                [self._groups[a] for a in AXES], self.device.type, mesh=layout,
+                mesh_dim_names=AXES)
+        return self._device_mesh
+
+    def __repr__(self) -> str:
+        return (f"Mesh(pp={self.shape.pp}, dp={self.shape.dp}, tp={self.shape.tp}; rank "
+                f"{self.rank}: stage {self.stage}, replica {self.replica}, shard {self.shard})")

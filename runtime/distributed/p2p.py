@@ -1,0 +1,289 @@
+"""Point-to-point transfers between adjacent pipeline stages in different processes.
+
+Stage ``j`` sends its outputs for micro-batch ``i`` to stage ``j + 1`` and receives their
+gradients back; nothing else crosses. What crosses one boundary for one micro-batch is a
+:class:`Boundary`: the pytree structure of the values, and per leaf either a
+:class:`TensorMeta` (shape, dtype) or the non-tensor value itself (an ``int`` from
+``x.size(1)``, say). Boundaries come from shape propagation on the stage graphs, before any
+data moves, so a receiver allocates its buffers and posts its receives with no per-step
+shape handshake; a sender checks what it actually produced against the prediction.
+
+Each tensor leaf travels as one message tagged with (direction, micro-batch, leaf), so
+messages may be matched in any order (gloo). On NCCL, where sends and receives to one peer
+run in order on one stream, :class:`PipeLinks` with ``batched=True`` queues operations and
+posts them together with ``dist.batch_isend_irecv`` (a send of one action with the receive
+of the next, as torch.distributed.pipelining's 1F1B does), so neighbours sending to each
+other at the same time cannot deadlock.
+
+Example:
+    >>> import torch
+    >>> b = Boundary.of((torch.zeros(2, 3), 4))
+    >>> b.leaves[0], b.leaves[1], b.grad_positions
+    (TensorMeta(shape=(2, 3), dtype=torch.float32), 4, (0,))
+    >>> b.assemble([torch.ones(2, 3)])[1]
+    4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from partitioner.errors import PartitionError
+from partitioner.runtime.distributed.failure import CommunicationError
+
+__all__ = ["TensorMeta", "Boundary", "BoundaryMismatchError", "PipeLinks", "Pending",
+           "FORWARD", "BACKWARD", "message_tag"]
+
+FORWARD, BACKWARD = 0, 1
+_MAX_LEAVES = 1 << 10
+
+
+class BoundaryMismatchError(PartitionError, RuntimeError):
+    """A stage produced values other than shape propagation predicted for its boundary."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """The shape and dtype of a tensor that will cross a boundary."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        """The meta of ``tensor`` (real, fake or meta)."""
+        return cls(tuple(int(s) for s in tensor.shape), tensor.dtype)
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer of this shape and dtype on ``device``."""
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether gradients flow back through such a tensor."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def __str__(self) -> str:
+        return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What crosses one stage boundary for one micro-batch.
+
+    Attributes:
+        spec: the pytree structure of the values.
+        leaves: per leaf, a :class:`TensorMeta` for a tensor or the value itself otherwise.
+    """
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, values: Any) -> Boundary:
+        """The boundary of ``values`` (tensors may be real, fake or meta)."""
+        leaves, spec = pytree.tree_flatten(values)
+        return cls(spec, tuple(TensorMeta.of(v) if isinstance(v, torch.Tensor) else v
+                               for v in leaves))
+
+    @property
+    def tensor_positions(self) -> tuple[int, ...]:
+        """Leaf positions that are tensors (each one message)."""
+        return tuple(k for k, v in enumerate(self.leaves) if isinstance(v, TensorMeta))
+
+    @property
+    def grad_positions(self) -> tuple[int, ...]:
+        """Leaf positions whose gradients travel back (floating-point tensors)."""
+        return tuple(k for k, v in enumerate(self.leaves)
+                     if isinstance(v, TensorMeta) and v.differentiable)
+
+    def metas(self, positions: Sequence[int]) -> list[TensorMeta]:
+        """The tensor metas at ``positions``."""
+        return [self.leaves[k] for k in positions]
+
+    def assemble(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The values, from received tensors (in :attr:`tensor_positions` order)."""
+        leaves = list(self.leaves)
+        for k, tensor in zip(self.tensor_positions, tensors):
+            leaves[k] = tensor
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def check(self, values: Any, where: str) -> list[torch.Tensor]:
+        """The tensor leaves of ``values``, after checking them against this boundary.
+
+        Raises:
+            BoundaryMismatchError: naming ``where`` and every leaf that differs.
+        """
+        leaves, spec = pytree.tree_flatten(values)
+        if spec != self.spec:
+            raise BoundaryMismatchError(
+                f"{where} produced values of structure {spec} but shape propagation "
+                f"predicted {self.spec}; make the stage's outputs depend only on input shapes")
+        problems = []
+        for k, (value, expected) in enumerate(zip(leaves, self.leaves)):
+            if isinstance(expected, TensorMeta):
+                if not isinstance(value, torch.Tensor) or TensorMeta.of(value) != expected:
+                    got = str(TensorMeta.of(value)) if isinstance(value, torch.Tensor) \
+                        else repr(value)
+                    problems.append(f"leaf {k} is {got}, predicted {expected}")
+            elif isinstance(value, torch.Tensor) or value != expected:
+                problems.append(f"leaf {k} is {value!r}, predicted {expected!r}")
+        if problems:
+            raise BoundaryMismatchError(
+                f"{where}: {'; '.join(problems)}. Shapes are predicted from the micro-batch "
+                "inputs, so every rank of a replica must call step() with the same batch, "
+                "and values crossing stages must not depend on the data")
+        return [leaves[k] for k in self.tensor_positions]
+
+
+def message_tag(direction: int, microbatch: int, leaf: int) -> int:
+    """The tag of one tensor message: direction, micro-batch and leaf, packed in an int."""
+    if not 0 <= leaf < _MAX_LEAVES:
+        raise BoundaryMismatchError(f"a boundary with more than {_MAX_LEAVES} tensors; "
+                                    "move the stage boundary where fewer values are live")
+    return (microbatch * 2 + direction) * _MAX_LEAVES + leaf
+
+
+class Pending:
+    """Receives posted (or queued) for one micro-batch; :meth:`wait` gives the tensors."""
+
+    def __init__(self, links: PipeLinks, tensors: list[torch.Tensor], peer: int,
+                 what: str) -> None:
+        self._links = links
+        self.tensors = tensors
+        self.works: list[Any] | None = None
+        self.peer = peer
+        self.what = what
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every tensor has arrived; return them."""
+        if self.works is None:
+            self._links.flush()
+        assert self.works is not None
+        for work in self.works:
+            _wait(work, f"receiving {self.what} from rank {self.peer}")
+        return self.tensors
+
+
+def _wait(work: Any, what: str) -> None:
+    try:
+        work.wait()
+    except Exception as error:
+        raise CommunicationError(f"{what} failed: {type(error).__name__}: {error}") from error
+
+
+class PipeLinks:
+    """A stage's links to its neighbours on the pipeline axis.
+
+    Args:
+        group: the pipeline-axis process group (the ranks of one replica, one per stage).
+        prev_rank: global rank of stage ``j - 1`` (None on the first stage).
+        next_rank: global rank of stage ``j + 1`` (None on the last stage).
+        device: where received tensors are allocated.
+        batched: queue operations until :meth:`flush` and post them as one batch (NCCL).
+    """
+
+    def __init__(self, group: Any, prev_rank: int | None, next_rank: int | None,
+                 device: torch.device, *, batched: bool = False) -> None:
+        self.group = group
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.device = device
+        self.batched = batched
+        self._queue: list[tuple[dist.P2POp, Pending | None]] = []
+        self._sends: list[tuple[Any, torch.Tensor, str]] = []
+
+    def _post(self, ops: list[tuple[dist.P2POp, Pending | None]]) -> None:
+        if not ops:
+            return
+        if self.batched:
+            works = dist.batch_isend_irecv([op for op, _ in ops])
+        else:
+            works = [op.op(op.tensor, op.peer, op.group, op.tag) for op, _ in ops]
+        for (op, pending), work in zip(ops, works):
+            if pending is None:
+                self._sends.append((work, op.tensor, f"rank {op.peer}"))
+            else:
+                assert pending.works is not None
+                pending.works.append(work)
+
+    def _enqueue(self, ops: list[tuple[dist.P2POp, Pending | None]],
+                 pending: Pending | None) -> None:
+        if pending is not None:
+            pending.works = [] if not self.batched else None
+        if self.batched:
+            self._queue += ops
+        else:
+            self._post(ops)
+
+    def flush(self) -> None:
+        """Post every queued operation (batched mode), as one batch."""
+        queued, self._queue = self._queue, []
+        for _, pending in queued:
+            if pending is not None and pending.works is None:
+                pending.works = []
+        self._post(queued)
+
+    def _recv(self, peer: int | None, direction: int, i: int, metas: Sequence[TensorMeta],
+              positions: Sequence[int], what: str) -> Pending:
+        if peer is None:
+            raise BoundaryMismatchError(f"no neighbour to receive {what} from")
+        tensors = [meta.empty(self.device) for meta in metas]
+        pending = Pending(self, tensors, peer, what)
+        ops: list[tuple[dist.P2POp, Pending | None]] = [
+            (dist.P2POp(dist.irecv, t, peer, self.group, message_tag(direction, i, k)), pending)
+            for t, k in zip(tensors, positions) if t.numel()]
+        self._enqueue(ops, pending)
+        if not ops:
+            pending.works = []
+        return pending
+
+    def _send(self, peer: int | None, direction: int, i: int,
+              tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> None:
+        if peer is None:
+            raise BoundaryMismatchError("no neighbour to send to")
+        ops: list[tuple[dist.P2POp, Pending | None]] = []
+        for t, k in zip(tensors, positions):
+            if t.numel():
+                t = t.detach().contiguous()
+                ops.append((dist.P2POp(dist.isend, t, peer, self.group,
+                                       message_tag(direction, i, k)), None))
+        self._enqueue(ops, None)
+
+    def recv_activations(self, i: int, boundary: Boundary) -> Pending:
+        """Post the receives of micro-batch ``i``'s inputs from the previous stage."""
+        positions = boundary.tensor_positions
+        return self._recv(self.prev_rank, FORWARD, i, boundary.metas(positions), positions,
+                          f"activations of micro-batch {i}")
+
+    def send_activations(self, i: int, boundary: Boundary, tensors: Sequence[torch.Tensor]
+                         ) -> None:
+        """Send micro-batch ``i``'s outputs (the tensor leaves of ``boundary``) onwards."""
+        self._send(self.next_rank, FORWARD, i, tensors, boundary.tensor_positions)
+
+    def recv_grads(self, i: int, boundary: Boundary) -> Pending:
+        """Post the receives of the gradients of micro-batch ``i``'s outputs."""
+        positions = boundary.grad_positions
+        return self._recv(self.next_rank, BACKWARD, i, boundary.metas(positions), positions,
+                          f"gradients of micro-batch {i}")
+
+    def send_grads(self, i: int, boundary: Boundary,
+                   grads: Sequence[torch.Tensor | None]) -> None:
+        """Send the gradients of micro-batch ``i``'s inputs back (zeros where None)."""
+        positions = boundary.grad_positions
+        tensors = [g if g is not None else meta.empty(self.device).zero_()
+                   for g, meta in zip(grads, boundary.metas(positions))]
+        self._send(self.prev_rank, BACKWARD, i, tensors, positions)
+
+    def finish(self) -> None:
+        """Post what is queued and wait until every send has completed."""
+        self.flush()
+        sends, self._sends = self._sends, []
+        for work, _, peer in sends:
+            _wait(work, f"sending to {peer}")

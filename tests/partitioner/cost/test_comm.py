@@ -1,0 +1,80 @@
+"""Tests of partitioner/cost/comm.py: the alpha-beta costs of point-to-point and collectives."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import partitioner.cost.comm
+from partitioner.cost.comm import (
+    CommError,
+    all_gather_time,
+    all_reduce_time,
+    collective_time,
+    p2p_time,
+    reduce_scatter_time,
+)
+from partitioner.cost.devices import Cluster, LinkSpec
+
+LINK = LinkSpec("test", bandwidth=50e9, latency=2e-6)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 64])
+def test_ring_all_reduce_formula(n: int) -> None:
+    size = 3e8
+    expected = 2 * (n - 1) * (2e-6 + size / (n * 50e9))
+    assert all_reduce_time(size, n, LINK) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_all_gather_and_reduce_scatter_are_half_an_all_reduce(n: int) -> None:
+    size = 1e9
+    half = (n - 1) * (2e-6 + size / (n * 50e9))
+    assert all_gather_time(size, n, LINK) == pytest.approx(half)
+    assert reduce_scatter_time(size, n, LINK) == pytest.approx(half)
+    assert all_reduce_time(size, n, LINK) == pytest.approx(
+        reduce_scatter_time(size, n, LINK) + all_gather_time(size, n, LINK))
+
+
+def test_bandwidth_term_tends_to_twice_the_buffer_over_beta() -> None:
+    size = 1e10
+    assert all_reduce_time(size, 4096, LinkSpec("l", 1e9, 0.0)) == pytest.approx(
+        2 * size / 1e9, rel=1e-3)
+
+
+def test_single_rank_and_empty_messages_cost_nothing() -> None:
+    assert all_reduce_time(1e9, 1, LINK) == 0.0
+    assert all_gather_time(0.0, 8, LINK) == 0.0
+    assert p2p_time(0.0, LINK) == 0.0
+    assert p2p_time(1e6, LINK) == pytest.approx(2e-6 + 1e6 / 50e9)
+
+
+def test_effective_bandwidth_is_used() -> None:
+    slow = LinkSpec("l", 100e9, 0.0, efficiency=0.5)
+    assert p2p_time(1e9, slow) == pytest.approx(0.02)
+
+
+def test_bad_arguments_are_reported_together() -> None:
+    with pytest.raises(CommError, match="nbytes=-1.*n=0") as info:
+        all_reduce_time(-1, 0, LINK)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(CommError, match="n=True"):
+        all_gather_time(1.0, True, LINK)
+
+
+def test_collectives_take_the_group_s_link() -> None:
+    cluster = Cluster.preset("A100-80GB", nodes=2)
+    inside = collective_time("all_reduce", 1e9, range(8), cluster)
+    across = collective_time("all_reduce", 1e9, [0, 8], cluster)
+    assert inside == pytest.approx(all_reduce_time(1e9, 8, cluster.intra_node))
+    assert across == pytest.approx(all_reduce_time(1e9, 2, cluster.group_link([0, 8])))
+    assert across > inside
+    with pytest.raises(CommError, match="collective 'broadcast' is unknown"):
+        collective_time("broadcast", 1.0, [0], cluster)
+    with pytest.raises(CommError, match="ranks is empty"):
+        collective_time("all_gather", 1.0, [], cluster)
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(partitioner.cost.comm).failed == 0

@@ -1,0 +1,163 @@
+"""Tests of partitioner/cost/measure.py: the CPU spec and timing each distinct layer once."""
+
+from __future__ import annotations
+
+import doctest
+import platform
+
+import pytest
+import torch
+from torch import nn
+
+import partitioner.cost.measure
+from partitioner import partition
+from partitioner.analysis import analyze
+from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.measure import CalibrationError, Progress, calibrate_layers, measure_cpu
+
+SPEC = DeviceSpec("cpu", {"fp32": 100e9}, 16e9, 20e9, matmul_efficiency=1.0,
+                  matmul_half_flops=1e3, memory_efficiency=1.0, op_overhead=3e-6)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.relu(self.fc(x)))
+
+
+class Repeated(nn.Module):
+    """An embedding, six identical blocks and a head: three distinct layer signatures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(Block(32) for _ in range(6))
+        self.head = nn.Linear(32, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.bn(self.head(x))
+
+
+def test_measured_cpu_spec_is_valid() -> None:
+    spec = measure_cpu()
+    assert spec.flops("fp32") > 1e8 and spec.memory_bandwidth > 1e8
+    assert spec.shared_speedup[0] == 1.0 and len(spec.shared_speedup) == 4
+    assert all(1 / n <= s <= n for n, s in enumerate(spec.shared_speedup, start=1))
+    assert measure_cpu() is spec  # once per process
+    # Sharing by kind of work: element-wise streams, then products of 8 to 1024 rows.
+    assert [row[0] for row in spec.shared_sizes] == [0.0] + [2 * n * 2**20
+                                                            for n in (8, 64, 256, 1024)]
+    assert spec.shared_sizes[2][1:] == spec.shared_speedup  # the reference work
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        # glibc maps tensors of 32 MiB and more afresh: first touch costs, measured.
+        assert spec.fresh_threshold == 32 * 2**20 and spec.fresh_bandwidth > 1e8
+    assert spec.action_overhead >= 0.0
+    for row in spec.shared_sizes:
+        assert row[1] == 1.0 and all(1 / n <= s <= n for n, s in enumerate(row[1:], start=1))
+
+
+def test_each_distinct_layer_is_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Repeated()
+    x = torch.randn(16, 8)
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None and analysis.inputs is not None
+    timed: list[int] = []
+    original = partitioner.cost.measure._forward_backward
+
+    def counting(stage: torch.fx.GraphModule, args: list) -> None:
+        timed.append(id(stage))
+        original(stage, args)
+
+    monkeypatch.setattr(partitioner.cost.measure, "_forward_backward", counting)
+    costs = calibrate_layers(analysis.captured.graph_module, analysis.layers,
+                             analysis.workload.layers, analysis.inputs, SPEC, 16,
+                             progress=False, repeats=2)
+    signatures = {c.signature for c in analysis.workload.layers}
+    assert len(analysis.layers) > len(signatures)  # repeated blocks share one
+    assert len(set(timed)) == len(signatures)
+    assert all(c.time_scale > 0 for c in costs)
+    scales = {c.signature: c.time_scale for c in costs}
+    assert all(c.time_scale == scales[c.signature] for c in costs)
+
+
+def test_calibration_leaves_gradients_and_buffers_alone() -> None:
+    model = Repeated()
+    model.train()
+    x = torch.randn(16, 8)
+    model(x).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None and analysis.inputs is not None
+    calibrate_layers(analysis.captured.graph_module, analysis.layers, analysis.workload.layers,
+                     analysis.inputs, SPEC, 16, progress=False, repeats=1)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name])
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, buffers[name])
+
+
+def test_meta_models_cannot_be_timed() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.empty(2, 4, device="meta")
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None
+    with pytest.raises(CalibrationError, match="meta device.*calibrate=False") as info:
+        calibrate_layers(analysis.captured.graph_module, analysis.layers,
+                         analysis.workload.layers, analysis.inputs or [], SPEC, 2,
+                         progress=False)
+    assert isinstance(info.value, ValueError)
+
+
+def test_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    bar = Progress("calibrating layers", 2)
+    bar.step("a")
+    bar.step("b")
+    err = capsys.readouterr().err
+    assert "calibrating layers 1/2" in err and "calibrating layers 2/2" in err
+    assert err.endswith("\n")
+    silent = Progress("x", 1, enabled=False)
+    silent.step()
+    assert capsys.readouterr().err == ""
+
+
+def test_partition_with_calibrate_runs_and_stays_transparent(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 2))
+    x = torch.randn(8, 8)
+    pm = partition(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2, calibrate=True)
+    assert "calibrating layers" in capsys.readouterr().err
+    torch.testing.assert_close(pm(x), model(x))
+    assert pm.plan.predicted_step_time is not None and pm.plan.predicted_step_time > 0
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(partitioner.cost.measure).failed == 0
+
+
+def test_the_calibration_s_adam_step_is_torch_s_op_for_op() -> None:
+    # measure_cpu times Adam's element-wise ops without torch.optim (whose first step imports
+    # ~800 modules); they must stay the same update, bit for bit.
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(64, 32)) for _ in range(3)]
+    theirs = [nn.Parameter(w.detach().clone()) for w in ours]
+    state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in ours]
+    adam = torch.optim.Adam(theirs, lr=1e-3)
+    for step in range(1, 4):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        partitioner.cost.measure._adam_update(ours, state, step, lr=1e-3)
+        adam.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)

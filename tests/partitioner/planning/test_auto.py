@@ -1,0 +1,268 @@
+"""Tests of partitioner/planning/auto.py (the search) and partitioner/planning/planner.py (plans
+from it)."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import json
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import partitioner.planning.auto
+import partitioner.planning.planner
+from partitioner import make_plan, partition
+from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.machine import local_cluster
+from partitioner.cost.transformer_model import GPTShape, gpt_workload
+from partitioner.errors import DeviceError, MemoryLimitError
+from partitioner.planning.auto import (
+    RuntimeSupport,
+    configurations,
+    executable,
+    search,
+)
+from partitioner.planning.predict import Config, predict
+from partitioner.plans.explain import explain
+from partitioner.plans.plan import Plan
+
+CPU = DeviceSpec("cpu", {"fp32": 200e9}, 16e9, 50e9, matmul_efficiency=1.0,
+                 matmul_half_flops=2e3, memory_efficiency=1.0, op_overhead=3e-6,
+                 pack_bandwidth=34e9, shared_speedup=(1.0, 1.3, 1.4, 1.4))
+GPT = gpt_workload(GPTShape(8, 1024, 16, 1024, 50304), batch=32)
+
+
+def _local(n: int) -> Cluster:
+    return Cluster(CPU, 1, n, local=("cpu",) * n)
+
+
+def test_executable_names_what_the_runtime_lacks() -> None:
+    here = _local(2)
+    assert executable(Config(pp=2), here) is None
+    assert "no data parallelism" in str(executable(Config(dp=2), here))
+    assert "no tensor parallelism" in str(executable(Config(tp=2), here))
+    assert "runs ['gpipe']" in str(executable(Config(pp=2, schedule="1f1b"), here))
+    assert "not this machine" in str(executable(Config(pp=2), Cluster.preset("A100-80GB")))
+    wider = RuntimeSupport("a multi-process runtime", ("gpipe", "1f1b"), data_parallel=True)
+    assert executable(Config(dp=2, schedule="gpipe"), here, wider) is None
+    assert executable(Config(pp=2, schedule="1f1b"), here, wider) is None
+
+
+def test_local_devices_only_get_executable_plans() -> None:
+    result = search(GPT, _local(4))
+    best = result.best.config
+    assert (best.dp, best.tp, best.pp, best.schedule) == (1, 1, 4, "gpipe")
+    assert result.not_executable > 0
+    assert all(executable(p.config, _local(4)) is None for p in result.ranked)
+
+
+def test_clusters_get_any_mix() -> None:
+    cluster = Cluster.preset("A100-80GB", nodes=2)
+    result = search(GPT, cluster)
+    assert result.not_executable == 0 and result.best.config.devices == 16
+    assert len({(p.config.dp, p.config.tp, p.config.pp) for p in result.ranked}) > 1
+
+
+def test_the_search_is_deterministic() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    first, second = search(GPT, cluster, budget=None), search(GPT, cluster, budget=None)
+    assert [p.config for p in first.ranked] == [p.config for p in second.ranked]
+
+
+def test_branch_and_bound_finds_the_brute_force_optimum() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    result = search(GPT, cluster, budget=None)
+    every = [predict(GPT, cluster, c) for c in configurations(GPT, cluster)]
+    fastest = min(p.step_time for p in every if p.fits)
+    assert result.best.step_time == pytest.approx(fastest, rel=1e-12)
+    assert result.gap == 0.0 and not result.timed_out
+    assert result.lower_bound <= fastest
+
+
+def test_bounds_never_exceed_predictions() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    bounds = partitioner.planning.auto._Bounds(GPT, cluster, cluster.device.memory_bytes)
+    for c in itertools.islice(configurations(GPT, cluster), 0, None, 7):
+        assert bounds.step(c) <= predict(GPT, cluster, c).step_time * (1 + 1e-9)
+
+
+def test_an_exhausted_budget_returns_the_best_found_with_its_gap() -> None:
+    result = search(GPT, Cluster.preset("A100-80GB", nodes=2), budget=0.0)
+    assert result.timed_out and result.evaluated >= 1 and result.gap >= 0.0
+    assert result.best.fits
+
+
+def test_fixed_chunks_and_checkpoint_are_respected() -> None:
+    result = search(GPT, Cluster.preset("A100-80GB"), chunks=4, checkpoint="always")
+    assert {(p.config.chunks, p.config.checkpoint) for p in result.ranked} == {(4, "always")}
+
+
+def test_batch_norm_models_stay_at_one_micro_batch() -> None:
+    unsafe = replace(GPT, microbatch_safe=False)
+    assert {c.chunks for c in configurations(unsafe, Cluster.preset("A100-80GB"))} == {1}
+    assert {c.chunks for c in configurations(unsafe, Cluster.preset("A100-80GB"),
+                                             chunks=4)} == {4}
+
+
+def test_nothing_fitting_says_how_many_devices_would() -> None:
+    with pytest.raises(MemoryLimitError, match=r"[3-9] devices of that size would fit"):
+        search(GPT, _local(2), capacity=1.2e9)
+
+
+def test_explain_ranks_candidates_and_says_why() -> None:
+    from partitioner.planning.auto import records
+    cluster = Cluster.preset("A100-80GB")
+    result = search(GPT, cluster)
+    made = records(result, cluster)
+    text = explain(made)
+    lines = text.splitlines()
+    assert lines[0].startswith("searched") and "exhaustive" in lines[0]
+    assert lines[1].split() == ["rank", "configuration", "step", "samples/s", "bubble",
+                                "memory/device"]
+    assert lines[3].startswith("1 *") and result.best.config.label() in lines[3]
+    assert lines[-1].startswith(f"chosen: {result.best.config.label()}")
+    assert "runner-up" in lines[-1] and "slower" in lines[-1]
+    assert json.loads(json.dumps(made)) == list(made)
+
+
+def test_make_plan_on_a_cluster_plans_beyond_this_machine() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(16)])
+    x = torch.empty(64, 4096, device="meta")
+    plan = make_plan(model, Cluster.preset("A100-80GB", nodes=2), example_inputs=(x,))
+    assert plan.mesh is not None and plan.mesh.dp * plan.mesh.tp * plan.mesh.pp == 16
+    assert plan.candidates and plan.candidates[0]["chosen"]
+    assert plan.devices[0].startswith("A100-80GB#")
+    assert "chosen:" in plan.explain()
+
+
+def test_partition_refuses_a_cluster_that_is_not_this_machine() -> None:
+    with pytest.raises(DeviceError, match="plan for it with make_plan"):
+        partition(nn.Linear(4, 4), Cluster.preset("A100-80GB"),
+                  example_inputs=(torch.randn(2, 4),))
+
+
+def test_partition_auto_chooses_chunks_and_explains(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 8))
+    x = torch.randn(16, 32)
+    pm = partition(model, ["cpu", "cpu"], example_inputs=(x,))
+    assert pm.plan.mesh is not None and (pm.plan.mesh.dp, pm.plan.mesh.pp) == (1, 2)
+    assert pm.plan.schedule == "gpipe" and pm.plan.strategy == "pipeline"
+    assert 16 % pm.plan.chunks == 0
+    torch.testing.assert_close(pm(x), model(x))
+    assert "chosen:" in pm.plan.explain() and "not executable here" in pm.plan.explain()
+    path = tmp_path / "plan.json"
+    pm.plan.save(path)
+    assert Plan.load(path).explain() == pm.plan.explain()
+
+
+def test_explicit_chunks_are_kept_by_auto() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    pm = partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(6, 8),), chunks=3,
+                   checkpoint="never")
+    assert (pm.plan.chunks, pm.plan.checkpoint) == (3, "never")
+
+
+def test_planning_budget_defaults_to_five_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float | None] = []
+
+    def recording(*args: object, **kwargs: object) -> partitioner.planning.auto.SearchResult:
+        seen.append(kwargs["budget"])  # type: ignore[arg-type]
+        return search(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(partitioner.planning.planner, "search", recording)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    make_plan(model, ["cpu", "cpu"], example_inputs=(torch.randn(4, 8),))
+    assert seen == [5.0]
+
+
+def test_the_gap_bounds_the_true_optimum() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    result = search(GPT, cluster, budget=0.0)
+    assert result.timed_out and result.gap > 0
+    every = [predict(GPT, cluster, c) for c in configurations(GPT, cluster)]
+    optimum = min(p.step_time for p in every if p.fits)
+    assert result.best.step_time / (1 + result.gap) <= optimum * (1 + 1e-9)
+    assert optimum <= result.best.step_time
+
+
+def test_the_fastest_configuration_that_fits_wins() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    free = search(GPT, cluster, budget=None).best
+    capacity = 0.9 * free.peak_memory
+    result = search(GPT, cluster, budget=None, capacity=capacity)
+    assert result.best.peak_memory <= capacity < free.peak_memory
+    fitting = [p for p in (predict(GPT, cluster, c, capacity=capacity)
+                           for c in configurations(GPT, cluster)) if p.fits]
+    assert result.best.step_time == pytest.approx(min(p.step_time for p in fitting), rel=1e-12)
+    assert result.best.step_time > free.step_time
+
+
+def test_tensor_parallelism_only_where_layers_split() -> None:
+    cluster = Cluster.preset("A100-80GB")
+    assert {c.tp for c in configurations(GPT, cluster)} == {1, 2, 4, 8}
+    whole = replace(GPT, layers=tuple(replace(layer, split_param_bytes=0.0)
+                                      for layer in GPT.layers))
+    assert {c.tp for c in configurations(whole, cluster)} == {1}
+
+
+def test_except_last_with_one_micro_batch_is_not_a_separate_candidate() -> None:
+    # Regression: it replays nothing, so it tied with "never" and showed up as a runner-up
+    # "0.0% slower".
+    for cluster in (Cluster.preset("A100-80GB"), _local(4)):
+        configs = list(configurations(GPT, cluster))
+        assert not [c for c in configs if c.chunks == 1 and c.checkpoint == "except_last"]
+        assert [c for c in configs if c.chunks == 1 and c.checkpoint == "never"]
+    fixed = configurations(GPT, _local(4), chunks=1, checkpoint="except_last")
+    assert {c.checkpoint for c in fixed} == {"except_last"}
+
+
+def test_explain_says_when_the_runner_up_ties() -> None:
+    from partitioner.planning.records import to_record
+    cluster = Cluster.preset("A100-80GB")
+    winner = dict(to_record(search(GPT, cluster).best, cluster), rank=1, chosen=True)
+    rival = dict(winner, label="a twin", rank=2, chosen=False)
+    why = explain([winner, rival]).splitlines()[-1]
+    assert "a twin, is predicted as fast" in why and "slower" not in why
+
+
+def test_explain_says_cpu_devices_share_the_cores() -> None:
+    from partitioner.planning.auto import records
+    here, there = _local(4), Cluster.preset("A100-80GB")
+    assert "share this machine's cores" in explain(records(search(GPT, here), here))
+    assert "share this machine's cores" not in explain(records(search(GPT, there), there))
+
+
+def test_cpu_stages_needing_more_than_the_machine_are_noted_and_warned() -> None:
+    # Each "cpu" device may use the whole machine, but its stages share it: a plan whose
+    # stages together need more (GPT-2-xl's 25 GB of weights, gradients and Adam state on
+    # 8 "cpu" devices of a 25 GB VM) is kept, with a note and a warning saying so.
+    host = local_cluster(["cpu"]).device.memory_bytes
+    width = int((1.3 * host / 16 / 8) ** 0.5)  # 8 Linears: 1.3x the host with Adam state
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+    x = torch.empty(2, width, device="meta")
+    with pytest.warns(UserWarning, match="share this machine's .* GiB but need"):
+        plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,))
+    assert any("runs out of memory here" in note for note in plan.notes)
+    assert sum(s.predicted_memory or 0 for s in plan.stages) > host
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*share this machine")  # fits: none
+        small = make_plan(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), ["cpu", "cpu"],
+                          example_inputs=(torch.randn(2, 8),))
+    assert not any("out of memory" in note for note in small.notes)
+
+
+def test_explain_without_candidates() -> None:
+    assert "no candidates" in explain(())
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(partitioner.planning.auto).failed == 0
+    assert doctest.testmod(partitioner.planning.planner).failed == 0

@@ -1,0 +1,158 @@
+"""Tests of partitioner/planning/predict.py: one configuration's split, step time and memory."""
+
+from __future__ import annotations
+
+import doctest
+from dataclasses import replace
+
+import pytest
+
+import partitioner.planning.predict
+from partitioner.cost.cost import LayerCost, Op, Workload
+from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.transformer_model import GPTShape, gpt_workload
+from partitioner.planning.predict import Config, ConfigError, predict, replayed
+from partitioner.planning.solver import BalanceError
+
+CLUSTER = Cluster.preset("A100-80GB", nodes=2)
+WORKLOAD = gpt_workload(GPTShape(16, 2048, 16, 1024, 50304), batch=64)
+
+
+def test_config_validation_collects_problems() -> None:
+    with pytest.raises(ConfigError, match="dp=0.*schedule='zigzag'.*checkpoint='maybe'"):
+        Config(dp=0, schedule="zigzag", checkpoint="maybe")
+    with pytest.raises(ConfigError, match="interleaved needs virtual >= 2"):
+        Config(pp=2, schedule="interleaved")
+    with pytest.raises(ConfigError, match="optimizer='lion'") as info:
+        Config(optimizer="lion")
+    assert isinstance(info.value, ValueError)
+    assert Config(dp=2, tp=4, pp=2, chunks=8).label() == "dp=2 tp=4 pp=2 m=8 gpipe ckpt=never"
+
+
+def test_configurations_must_fit_cluster_and_workload() -> None:
+    with pytest.raises(ConfigError, match="dp\\*tp\\*pp = 8 but the cluster has 16"):
+        predict(WORKLOAD, CLUSTER, Config(dp=8))
+    with pytest.raises(ConfigError, match="tp=16 exceeds the 8 devices of a node"):
+        predict(WORKLOAD, CLUSTER, Config(tp=16))
+    with pytest.raises(ConfigError, match="batch 8 does not split over dp=16"):
+        predict(gpt_workload(GPTShape(2, 64, 4, 16, 100), batch=8), CLUSTER, Config(dp=16))
+
+
+def test_replayed_micro_batches_follow_torchgpipe() -> None:
+    assert (replayed("always", 4), replayed("except_last", 4), replayed("never", 4)) == (4, 3, 0)
+
+
+def test_checkpointing_trades_time_for_memory() -> None:
+    base = Config(dp=2, tp=2, pp=4, chunks=8, schedule="gpipe")
+    never = predict(WORKLOAD, CLUSTER, base)
+    always = predict(WORKLOAD, CLUSTER, Config(**{**base.__dict__, "checkpoint": "always"}))
+    assert always.step_time > never.step_time
+    assert always.peak_memory < never.peak_memory
+
+
+def test_more_micro_batches_shrink_the_bubble() -> None:
+    few = predict(WORKLOAD, CLUSTER, Config(dp=2, tp=2, pp=4, chunks=2))
+    many = predict(WORKLOAD, CLUSTER, Config(dp=2, tp=2, pp=4, chunks=16))
+    assert many.bubble < few.bubble
+
+
+def test_one_f_one_b_holds_less_than_gpipe() -> None:
+    gpipe = predict(WORKLOAD, CLUSTER, Config(dp=1, tp=2, pp=8, chunks=32))
+    onef = predict(WORKLOAD, CLUSTER, Config(dp=1, tp=2, pp=8, chunks=32, schedule="1f1b"))
+    assert onef.step_time == pytest.approx(gpipe.step_time, rel=1e-9)
+    assert all(o.activations <= g.activations for o, g in zip(onef.memory, gpipe.memory))
+    assert sum(m.activations for m in onef.memory) < sum(m.activations for m in gpipe.memory)
+
+
+def test_interleaved_split_balances_the_devices() -> None:
+    config = Config(dp=1, tp=4, pp=4, chunks=16, schedule="interleaved", virtual=2)
+    prediction = predict(WORKLOAD, CLUSTER, config)
+    loads = [sum(s.forward + s.backward for s in prediction.stages[j::4]) for j in range(4)]
+    assert max(loads) / min(loads) < 1.6  # the head's chunk is the one unavoidable lump
+    assert len(prediction.boundaries) == 9
+
+
+def test_given_boundaries_are_checked() -> None:
+    with pytest.raises(BalanceError, match="do not describe 2 non-empty stages"):
+        predict(WORKLOAD, CLUSTER, Config(dp=4, tp=2, pp=2), boundaries=(0, 0, 18))
+
+
+def test_too_little_memory_gives_a_reason() -> None:
+    prediction = predict(WORKLOAD, CLUSTER, Config(dp=16, chunks=1), capacity=1e9)
+    assert not prediction.fits and "fits" in prediction.reason
+
+
+def test_host_sharing_does_not_count_as_bubble() -> None:
+    # Regression: GPT-2-xl on 8 "cpu" devices reported an 89% bubble at 8 micro-batches,
+    # because the slowdown of stages sharing the host's cores was counted as idle time.
+    layers = tuple(LayerCost(f"l{k}", (Op("memory", bytes=1e6),)) for k in range(4))
+    workload = Workload(layers, (0.0,) * 5, batch=8)
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1.0, 0.8, 0.8, 0.8))
+    shared = Cluster(cpu, devices_per_node=4, local=("cpu",) * 4)
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=4)
+    config = Config(pp=4, chunks=8)
+    slowed, alone = predict(workload, shared, config), predict(workload, own, config)
+    assert slowed.pipeline_time > 2 * alone.pipeline_time  # four stages on one core's worth
+    assert slowed.bubble == pytest.approx(3 / 11, abs=1e-12) == alone.bubble
+
+
+def _products(flops: float) -> Workload:
+    layers = tuple(LayerCost(f"l{k}", (Op("matmul", flops=flops),)) for k in range(4))
+    return Workload(layers, (0.0,) * 5, batch=8)
+
+
+def test_small_products_gain_more_from_sharing_a_host_than_large_ones() -> None:
+    # Two stage workers at once: 2x the work of one on products of 1e6 FLOPs, 1x on 1e9.
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1.0, 1.0, 0.0,
+                     shared_speedup=(1.0, 1.5),
+                     shared_sizes=((1e6, 1.0, 2.0), (1e9, 1.0, 1.0)))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=(), shared_sizes=()), devices_per_node=2)
+    config = Config(pp=2, chunks=2)
+    for flops, gain in ((1e6 / 4, 2.0), (1e9 / 4, 1.0)):  # per sample, 4 per micro-batch
+        shared, alone = predict(_products(flops), host, config), predict(_products(flops), own,
+                                                                         config)
+        assert [s.sharing for s in shared.stages] == [(1.0, gain)] * 2
+        steady = shared.pipeline_time - sum(s.forward + s.backward for s in shared.stages)
+        assert steady == pytest.approx(2 * (alone.stages[0].forward
+                                            + alone.stages[0].backward) / gain)
+    # Without a table by size, the device's reference figure.
+    plain = Cluster(replace(cpu, shared_sizes=()), devices_per_node=2, local=("cpu", "cpu"))
+    assert predict(_products(1e3), plain, config).stages[0].sharing == ()
+
+
+def test_devices_sharing_a_host_are_stepped_by_one_optimizer() -> None:
+    # The runtime's stages share one process: its optimizer steps every device's parameters,
+    # one after another, after the whole backward.
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1.0, 1.0))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    workload = Workload(tuple(LayerCost(f"l{k}", (Op("matmul", flops=1e6),), param_bytes=4e8)
+                              for k in range(4)), (0.0,) * 5, batch=8)
+    shared, separate = (predict(workload, c, Config(pp=2, chunks=4)) for c in (host, own))
+    assert shared.optimizer_times == separate.optimizer_times
+    assert shared.step_time == pytest.approx(shared.pipeline_time
+                                             + sum(shared.optimizer_times))
+    assert separate.step_time == pytest.approx(separate.pipeline_time
+                                               + separate.optimizer_times[0])
+
+
+def test_adam_faults_in_its_temporaries_for_large_weights() -> None:
+    # PyTorch's Adam allocates two weight-sized temporaries per tensor; above the allocator's
+    # reuse threshold they are faulted in every step. SGD works in place.
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e10, 1e10, fresh_bandwidth=1e9,
+                     fresh_threshold=32 * 2**20)
+    layers = (LayerCost("embed", (Op("memory", bytes=8.0, weight_grad=100e6),),
+                        param_bytes=100e6),
+              LayerCost("fc", (Op("matmul", flops=1e3, weight_grad=4e6),), param_bytes=4e6))
+    workload = Workload(layers, (0.0,) * 3, batch=8)
+    no_faults = Cluster(replace(cpu, fresh_bandwidth=0.0))
+    for optimizer, extra in (("adam", 2 * 100e6 / 1e9), ("momentum", 0.0)):
+        config = Config(optimizer=optimizer)
+        faulted = predict(workload, Cluster(cpu), config).optimizer_times[0]
+        assert faulted - predict(workload, no_faults, config).optimizer_times[0] \
+            == pytest.approx(extra)
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(partitioner.planning.predict).failed == 0

@@ -1,0 +1,204 @@
+"""Tests of partitioner/planning/simulate.py: the discrete-event simulation of a training step."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+from dataclasses import replace
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import partitioner.planning.simulate
+from partitioner import make_plan
+from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.memory import MemoryBreakdown
+from partitioner.cost.transformer_model import GPTShape, gpt_workload
+from partitioner.planning.predict import Config, Prediction, StageProfile, predict
+from partitioner.planning.simulate import SimulationError, device_actions, interleaved, simulate
+from partitioner.plans.plan import Plan
+from partitioner.runtime.schedule import Action, Phase
+
+GPUS = Cluster.preset("A100-80GB", nodes=2)
+
+
+def _equal_stages(config: Config, forward: float = 1.0, backward: float = 2.0,
+                  send: float = 0.0, grads: float = 0.0) -> Prediction:
+    n = config.stages
+    stages = tuple(StageProfile(k, k + 1, k % config.pp, forward, backward, forward, send,
+                                0.0, grads, 0.0, 0.0, 10.0, 1.0) for k in range(n))
+    memory = tuple(MemoryBreakdown(0.0, 0.0, 0.0, 0.0) for _ in range(config.pp))
+    return Prediction(config, stages, 0.0, 0.0, 0.0, memory, 1.0, (0.0,) * config.pp,
+                      (0.0,) * config.pp, 0.0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 8), (3, 5), (8, 32), (5, 3)])
+def test_gpipe_bubble_is_exactly_p_minus_1_over_m_plus_p_minus_1(p: int, m: int) -> None:
+    result = simulate(_equal_stages(Config(pp=p, chunks=m)), GPUS)
+    assert Fraction(result.bubble).limit_denominator(10_000) == Fraction(p - 1, m + p - 1)
+    assert result.pipeline_time == (m + p - 1) * 3.0
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2)])
+def test_one_f_one_b_has_gpipe_s_bubble(p: int, m: int) -> None:
+    result = simulate(_equal_stages(Config(pp=p, chunks=m, schedule="1f1b")), GPUS)
+    assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 3, 6)])
+def test_interleaving_divides_the_bubble_by_the_chunks(p: int, v: int, m: int) -> None:
+    result = simulate(_equal_stages(Config(pp=p, chunks=m, schedule="interleaved",
+                                           virtual=v)), GPUS)
+    # Megatron: the fill and drain shrink to (p - 1) chunk times of 1/v of a stage each.
+    assert result.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (3, 5)])
+def test_simulated_peak_memory_holds_m_or_p_minus_j_micro_batches(p: int, m: int) -> None:
+    # _equal_stages keeps 10 bytes of activations per micro-batch and nothing else.
+    gpipe = simulate(_equal_stages(Config(pp=p, chunks=m)), GPUS)
+    onef = simulate(_equal_stages(Config(pp=p, chunks=m, schedule="1f1b")), GPUS)
+    assert gpipe.peak_memory == tuple(10.0 * m for _ in range(p))
+    assert onef.peak_memory == tuple(10.0 * min(p - j, m) for j in range(p))
+
+
+def test_interleaved_runs_every_action_once_per_device() -> None:
+    p, v, m = 3, 2, 6
+    schedule = interleaved(p, v, m)
+    for j, actions in enumerate(schedule):
+        expected = {Action(c * p + j, phase, i) for c in range(v) for phase in Phase
+                    for i in range(m)}
+        assert set(actions) == expected and len(actions) == len(expected)
+    with pytest.raises(SimulationError, match="m a multiple of p"):
+        interleaved(4, 2, 6)
+
+
+def test_timeline_is_actions_without_overlap_per_device() -> None:
+    config = Config(pp=3, chunks=4, schedule="1f1b")
+    result = simulate(_equal_stages(config, send=0.25), GPUS)
+    assert all(isinstance(a, Action) for a, _, _ in result.timeline)
+    assert len(result.timeline) == 3 * 4 * 2
+    for j in range(3):
+        spans = sorted((s, e) for a, s, e in result.timeline if a.stage == j)
+        assert all(e1 <= s2 + 1e-12 for (_, e1), (s2, _) in itertools.pairwise(spans))
+    assert [t for t in result.transfers if t[0].startswith("send 0->1 F0")]
+
+
+def test_transfers_delay_the_pipeline() -> None:
+    free = simulate(_equal_stages(Config(pp=4, chunks=8)), GPUS)
+    slow = simulate(_equal_stages(Config(pp=4, chunks=8), send=0.5), GPUS)
+    assert slow.pipeline_time > free.pipeline_time
+
+
+def test_blocking_sends_cost_more_than_overlapped_ones() -> None:
+    config = Config(pp=4, chunks=8, schedule="1f1b")
+    overlapped = simulate(_equal_stages(config, send=0.3), GPUS)
+    blocking = simulate(_equal_stages(replace(config, overlap_p2p=False), send=0.3), GPUS)
+    assert blocking.pipeline_time > overlapped.pipeline_time
+
+
+def test_gradient_all_reduce_overlaps_the_last_backward() -> None:
+    shape = GPTShape(8, 2048, 16, 1024, 50304)
+    workload = gpt_workload(shape, batch=64)
+    base = Config(dp=4, tp=2, pp=2, chunks=8, schedule="1f1b", checkpoint="always")
+    overlapped = simulate(predict(workload, GPUS, base), GPUS)
+    serial = simulate(predict(workload, GPUS, replace(base, overlap_grad_reduce=False)), GPUS)
+    assert overlapped.pipeline_time == pytest.approx(serial.pipeline_time)
+    assert overlapped.step_time < serial.step_time
+    assert any(label.startswith("all-reduce grads") for label, _, _ in overlapped.transfers)
+
+
+@pytest.mark.parametrize("config", [
+    Config(dp=2, tp=2, pp=4, chunks=8, schedule="gpipe", checkpoint="never"),
+    Config(dp=2, tp=2, pp=4, chunks=8, schedule="1f1b", checkpoint="always"),
+    Config(dp=1, tp=4, pp=4, chunks=16, schedule="interleaved", virtual=2,
+           checkpoint="except_last"),
+    Config(dp=4, tp=4, pp=1, chunks=4, checkpoint="always", overlap_grad_reduce=False),
+])
+def test_simulation_agrees_with_the_analytic_prediction(config: Config) -> None:
+    workload = gpt_workload(GPTShape(16, 2048, 16, 1024, 50304), batch=64)
+    prediction = predict(workload, GPUS, config)
+    result = simulate(prediction, GPUS)
+    assert result.step_time == pytest.approx(prediction.step_time, rel=0.03)
+    assert result.bubble == pytest.approx(prediction.bubble, abs=0.02)
+    for simulated, predicted in zip(result.peak_memory, prediction.memory):
+        assert simulated <= predicted.total * 1.001
+
+
+def test_devices_sharing_a_host_share_its_compute() -> None:
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 1.0, 1.0))
+    alone = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    owned = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    prediction = _equal_stages(Config(pp=2, chunks=8))
+    shared = simulate(prediction, alone)
+    separate = simulate(prediction, owned)
+    assert separate.pipeline_time == pytest.approx(9 * 3.0)
+    # One core's worth of compute for both stages: the work of both, one after the other.
+    assert shared.pipeline_time == pytest.approx(2 * 8 * 3.0, rel=0.05)
+
+
+def test_simulating_a_plan_and_its_saved_copy(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 4))
+    plan = make_plan(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 16),), chunks=4)
+    result = simulate(plan)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = simulate(Plan.load(path))
+    assert again.step_time == pytest.approx(result.step_time)
+    assert again.timeline == result.timeline
+    # "cpu" devices share this machine's cores: the analytic share is an approximation.
+    assert result.step_time == pytest.approx(plan.predicted_step_time, rel=0.35)
+
+
+def test_a_plan_without_costs_cannot_be_simulated() -> None:
+    plan = make_plan(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), ["cpu"] * 2, balance=[1, 1])
+    with pytest.raises(SimulationError, match="no cost record") as info:
+        simulate(plan)
+    assert isinstance(info.value, ValueError)
+
+
+def test_schedules_by_name() -> None:
+    assert len(device_actions("gpipe", 2, 3)) == 2
+    with pytest.raises(SimulationError, match="schedule 'zero-bubble'"):
+        device_actions("zero-bubble", 2, 3)
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(partitioner.planning.simulate).failed == 0
+
+
+def test_each_stage_gains_what_its_kind_of_work_gains_from_sharing() -> None:
+    # Two stages of 1 s + 2 s per micro-batch on one host: stage 0 runs work that two busy
+    # devices do 2x as fast (small products), stage 1 work that gains nothing (1x).
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 1.5))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    base = _equal_stages(Config(pp=2, chunks=8))
+    gains = replace(base, stages=(replace(base.stages[0], sharing=(1.0, 2.0)),
+                                  replace(base.stages[1], sharing=(1.0, 1.0))))
+    both_two = replace(base, stages=tuple(replace(s, sharing=(1.0, 2.0)) for s in base.stages))
+    reference = simulate(base, host).pipeline_time  # the device's own 1.5x for both
+    mixed = simulate(gains, host).pipeline_time
+    fast = simulate(both_two, host).pipeline_time
+    assert fast == pytest.approx(9 * 3.0)  # 2x on two devices: as if each had its own core
+    assert fast < mixed < 2 * 8 * 3.0
+    # 1.5x for both: all 48 s of work at 1.5x, but for the fill and drain (one stage alone).
+    assert 2 * 8 * 3.0 / 1.5 < reference < 2 * 8 * 3.0 / 1.5 + 2 * 3.0
+
+
+def test_devices_sharing_a_host_are_stepped_one_after_another_at_the_end() -> None:
+    # One process's optimizer steps every "cpu" device's parameters once backward returns;
+    # devices with their own compute step their own, each as soon as its backward is done.
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 2.0))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    prediction = replace(_equal_stages(Config(pp=2, chunks=4)), optimizer_times=(0.5, 0.25))
+    shared, separate = simulate(prediction, host), simulate(prediction, own)
+    assert shared.pipeline_time == separate.pipeline_time == pytest.approx(5 * 3.0)
+    assert shared.step_time == pytest.approx(5 * 3.0 + 0.75)
+    assert separate.step_time == pytest.approx(5 * 3.0 + 0.5)  # device 0's backward ends last
+    steps = [(start, end) for label, start, end in shared.transfers if "optimizer" in label]
+    assert steps == [pytest.approx((15.0, 15.5)), pytest.approx((15.5, 15.75))]
