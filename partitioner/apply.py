@@ -32,7 +32,7 @@ from torch import nn
 
 from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import parse_devices
-from partitioner.errors import PartitionError
+from partitioner.errors import PlanMismatchError
 from partitioner.planning.planner import plan_request, record
 from partitioner.plans.fingerprint import differences, fingerprint
 from partitioner.plans.plan import FORMAT, Mesh, Plan
@@ -42,10 +42,6 @@ from partitioner.request import PlanRequest
 __all__ = ["PlanMismatchError", "load_plan", "resolve_plan"]
 
 PlanSource = str | Path | Plan | Spec | dict[str, Any]
-
-
-class PlanMismatchError(PartitionError, ValueError):
-    """A plan does not fit the model or the call it is applied with."""
 
 
 def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner.errors import PartitionError
+from partitioner.errors import CommandError, PartitionError
 
 __all__ = ["main", "BUNDLED", "load_model"]
 
@@ -89,10 +89,6 @@ hand, or made without example inputs) is drawn by clock ticks instead.""",
 Everything after the script is passed to it; this only calls torch.distributed.run
 (torchrun) with the options given.""",
 }
-
-
-class CommandError(PartitionError, ValueError):
-    """A command-line argument that cannot be used."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

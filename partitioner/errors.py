@@ -1,4 +1,4 @@
-"""The errors a user of the partitioner can meet.
+"""Every error the partitioner raises on purpose, in one place (this module imports nothing).
 
 Every mistake a caller can make raises a subclass of :class:`PartitionError` that also
 subclasses the matching built-in (``ValueError`` or ``TypeError``), so callers may catch
@@ -19,6 +19,36 @@ __all__ = [
     "TraceError",
     "ScheduleError",
     "StageExecutionError",
+    "PlanMismatchError",
+    "CommandError",
+    "CommError",
+    "CostModelError",
+    "CalibrationError",
+    "MemoryModelError",
+    "ConfigError",
+    "SimulationError",
+    "InfeasibleError",
+    "ProblemError",
+    "TensorParallelError",
+    "TensorParallelRuleError",
+    "PlanFormatError",
+    "SpecError",
+    "SuffixError",
+    "GraphvizNotFound",
+    "VizError",
+    "TimelineError",
+    "PassError",
+    "CheckpointError",
+    "PolicyError",
+    "CommunicationError",
+    "DistributedInitError",
+    "MeshError",
+    "BoundaryMismatchError",
+    "LossError",
+    "SamplerError",
+    "CollectiveAborted",
+    "ShardSizeError",
+    "TensorParallelExecutionError",
 ]
 
 
@@ -74,3 +104,212 @@ class StageExecutionError(PartitionError, RuntimeError):
         self.stage = stage
         self.microbatch = microbatch
         self.node = node
+
+
+class PlanMismatchError(PartitionError, ValueError, RuntimeError):
+    """A plan does not fit the model or the call it is applied with, or the ranks of one
+    run built different plans (or models), so their stages would not fit together."""
+
+
+# Raised by partitioner.runtime.distributed.failure.
+
+
+class PolicyError(PartitionError, ValueError):
+    """A failure policy with a timing that is not a positive number of seconds."""
+
+
+class CommunicationError(PartitionError, RuntimeError):
+    """A send, receive or collective failed, most likely because a peer rank died."""
+
+
+# Raised by partitioner.cli.
+
+
+class CommandError(PartitionError, ValueError):
+    """A command-line argument that cannot be used."""
+
+
+# Raised by partitioner.cost.comm.
+
+
+class CommError(PartitionError, ValueError):
+    """A communication cost was asked for a negative size or a group of fewer than 1 rank."""
+
+
+# Raised by partitioner.cost.cost.
+
+
+class CostModelError(PartitionError, ValueError):
+    """A cost description is malformed (negative sizes, unknown op kind, wrong lengths)."""
+
+
+# Raised by partitioner.cost.measure.
+
+
+class CalibrationError(PartitionError, ValueError):
+    """Layers cannot be timed (e.g. the model has no real weights)."""
+
+
+# Raised by partitioner.cost.memory.
+
+
+class MemoryModelError(PartitionError, ValueError):
+    """A memory question with an unknown optimizer, schedule or checkpoint mode."""
+
+
+# Raised by partitioner.planning.predict.
+
+
+class ConfigError(PartitionError, ValueError):
+    """A parallel configuration does not fit the cluster or the workload."""
+
+
+# Raised by partitioner.planning.simulate.
+
+
+class SimulationError(PartitionError, ValueError):
+    """A plan cannot be simulated (no cost record, or an unknown schedule)."""
+
+
+# Raised by partitioner.planning.solver.
+
+
+class InfeasibleError(PartitionError, ValueError):
+    """No partition into the requested stages exists: too many stages or too little memory.
+
+    Attributes:
+        min_devices: The fewest stages, each with the largest given capacity, that would hold
+            the layers; ``None`` when a single layer exceeds that capacity.
+    """
+
+    def __init__(self, message: str, min_devices: int | None = None) -> None:
+        super().__init__(message)
+        self.min_devices = min_devices
+
+    def __reduce__(self) -> tuple[type[InfeasibleError], tuple[str, int | None]]:
+        return type(self), (str(self), self.min_devices)
+
+
+class ProblemError(PartitionError, ValueError):
+    """A :class:`PartitionProblem` has a wrong shape or an invalid number."""
+
+
+# Raised by partitioner.runtime.tensor_parallel.sharding.
+
+
+class TensorParallelError(PartitionError, ValueError):
+    """A tensor-parallel request that cannot be carried out (rule, layer or state dict)."""
+
+
+class ShardSizeError(TensorParallelError):
+    """A dimension to be split does not divide by the tensor-parallel degree."""
+
+
+# Raised by partitioner.planning.tp_rules.
+
+
+class TensorParallelRuleError(TensorParallelError):
+    """``tensor_parallel=`` rules are malformed or do not fit the model."""
+
+
+# Raised by partitioner.plans.plan.
+
+
+class PlanFormatError(PartitionError, ValueError):
+    """A plan (or plan file) is malformed."""
+
+
+# Raised by partitioner.plans.spec.
+
+
+class SpecError(PartitionError, ValueError):
+    """A hand-written spec is malformed or does not fit the model; names the wrong key."""
+
+
+# Raised by partitioner.viz.
+
+
+class SuffixError(PartitionError, ValueError):
+    """A picture asked for in a format that cannot be written (the file's suffix)."""
+
+
+# Raised by partitioner.viz.dot.
+
+
+class GraphvizNotFound(PartitionError, RuntimeError):
+    """Graphviz's programs are needed for SVG/PNG output and are not installed."""
+
+
+# Raised by partitioner.viz.graph.
+
+
+class VizError(PartitionError, ValueError):
+    """A graph that cannot be drawn from what was given (no plan, unknown detail level)."""
+
+
+# Raised by partitioner.viz.timeline.
+
+
+class TimelineError(PartitionError, ValueError):
+    """A timeline that cannot be drawn: empty, or entries that are not actions in time."""
+
+
+# Raised by partitioner.passes.base.
+
+
+class PassError(PartitionError, RuntimeError):
+    """A pass found its precondition or postcondition broken, for example by example inputs
+    the graph cannot run with."""
+
+
+# Raised by partitioner.runtime.distributed.checkpoint_io.
+
+
+class CheckpointError(PartitionError, ValueError):
+    """A checkpoint that does not fit the run (wrong format, missing keys, other optimizer)."""
+
+
+# Raised by partitioner.runtime.distributed.mesh.
+
+
+class DistributedInitError(PartitionError, RuntimeError):
+    """``torch.distributed`` cannot be started from what the environment gives."""
+
+
+class MeshError(PartitionError, ValueError):
+    """A mesh shape that does not fit the world, or an unknown axis."""
+
+
+# Raised by partitioner.runtime.distributed.p2p.
+
+
+class BoundaryMismatchError(PartitionError, RuntimeError):
+    """A stage produced values other than shape propagation predicted for its boundary."""
+
+
+# Raised by partitioner.runtime.distributed.pipeline.
+
+
+class LossError(PartitionError, TypeError):
+    """``loss_fn`` returned something other than a scalar tensor."""
+
+
+# Raised by partitioner.runtime.distributed.sampler.
+
+
+class SamplerError(PartitionError, ValueError):
+    """A sampler option that cannot work (replica out of range, batch size < 1, ...)."""
+
+
+# Raised by partitioner.runtime.tensor_parallel.collectives.
+
+
+class CollectiveAborted(PartitionError, RuntimeError):
+    """A rank waited for its peers in a collective and was released without them."""
+
+
+# Raised by partitioner.runtime.tensor_parallel.stage.
+
+
+class TensorParallelExecutionError(PartitionError, RuntimeError):
+    """An exception raised inside one tensor-parallel rank, naming the rank and node."""

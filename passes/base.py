@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from partitioner.errors import PassError
+
 __all__ = ["PassResult", "PassError", "META_KEYS", "require_meta"]
 
 #: The ``node.meta`` keys the passes write, and what each holds.
@@ -31,10 +33,6 @@ class PassResult:
 
     graph_module: fx.GraphModule
     modified: bool
-
-
-class PassError(RuntimeError):
-    """A pass found its precondition or postcondition broken (a bug, not a user mistake)."""
 
 
 def require_meta(gm: fx.GraphModule, key: str, pass_name: str) -> None:

@@ -30,16 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from partitioner.cost.devices import Cluster, LinkSpec
-from partitioner.errors import PartitionError
+from partitioner.errors import CommError
 
 __all__ = ["CommError", "COLLECTIVES", "p2p_time", "all_reduce_time", "all_gather_time",
            "reduce_scatter_time", "collective_time"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-class CommError(PartitionError, ValueError):
-    """A communication cost was asked for a negative size or a group of fewer than 1 rank."""
 
 
 def _check(nbytes: float, n: int = 1) -> None:

@@ -48,7 +48,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner.cost.devices import DeviceSpec, dtype_name
-from partitioner.errors import PartitionError
+from partitioner.errors import CostModelError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.liveness import live_values
 from partitioner.passes.shape_prop import tensor_bytes
@@ -58,10 +58,6 @@ __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boun
            "OP_KINDS"]
 
 OP_KINDS = ("matmul", "memory")
-
-
-class CostModelError(PartitionError, ValueError):
-    """A cost description is malformed (negative sizes, unknown op kind, wrong lengths)."""
 
 
 @dataclass(frozen=True)

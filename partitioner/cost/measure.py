@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.memory import optimizer_traffic
-from partitioner.errors import PartitionError
+from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.split_stages import split_stages
 from partitioner.runtime.host_memory import fresh_allocation_bytes, host_memory_kept
@@ -58,10 +58,6 @@ from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.worker import Worker, shared_threads
 
 __all__ = ["CalibrationError", "measure_cpu", "calibrate_layers", "Progress"]
-
-
-class CalibrationError(PartitionError, ValueError):
-    """Layers cannot be timed (e.g. the model has no real weights)."""
 
 
 def _typical(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partitioner.errors import PartitionError
+from partitioner.errors import MemoryModelError
 
 __all__ = ["MemoryModelError", "OPTIMIZERS", "CHECKPOINTS", "MemoryBreakdown", "in_flight",
            "per_parameter_bytes", "optimizer_traffic", "optimizer_temporaries",
@@ -38,10 +38,6 @@ implementation, one element-wise pass per operation; ``"fused_adam"`` one pass i
 apex's FusedAdam or ``torch.optim.Adam(fused=True)``)."""
 
 CHECKPOINTS = ("never", "always", "except_last")
-
-
-class MemoryModelError(PartitionError, ValueError):
-    """A memory question with an unknown optimizer, schedule or checkpoint mode."""
 
 
 def _check(name: str, value: str, known: tuple[str, ...] | dict[str, int]) -> None:

@@ -50,17 +50,13 @@ from partitioner.cost.memory import (
     optimizer_temporaries,
     optimizer_traffic,
 )
-from partitioner.errors import PartitionError
+from partitioner.errors import ConfigError
 from partitioner.planning.solver import InfeasibleError, PartitionProblem, evaluate, solve
 
 __all__ = ["ConfigError", "SCHEDULE_NAMES", "Config", "StageProfile", "Prediction", "predict",
            "layer_profile", "replayed", "stage_problem"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
-
-
-class ConfigError(PartitionError, ValueError):
-    """A parallel configuration does not fit the cluster or the workload."""
 
 
 @dataclass(frozen=True)

@@ -45,16 +45,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.cost.devices import Cluster
-from partitioner.errors import PartitionError
+from partitioner.errors import SimulationError
 from partitioner.planning.predict import Prediction, StageProfile, replayed
 from partitioner.runtime.schedule import Action, Phase, Schedule, gpipe, one_f_one_b
 
 __all__ = ["SimulationError", "SimulationResult", "simulate", "interleaved", "device_actions",
            "refine"]
-
-
-class SimulationError(PartitionError, ValueError):
-    """A plan cannot be simulated (no cost record, or an unknown schedule)."""
 
 
 @dataclass(frozen=True)

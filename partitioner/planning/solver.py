@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
-from partitioner.errors import BalanceError, PartitionError
+from partitioner.errors import BalanceError, InfeasibleError, ProblemError
 
 __all__ = [
     "InfeasibleError",
@@ -49,26 +49,6 @@ __all__ = [
 # plain sums of the same floats differ in the last bits; a tie must not hinge on that.
 _REL_TOL = 1e-12
 _BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
-
-
-class ProblemError(PartitionError, ValueError):
-    """A :class:`PartitionProblem` has a wrong shape or an invalid number."""
-
-
-class InfeasibleError(PartitionError, ValueError):
-    """No partition into the requested stages exists: too many stages or too little memory.
-
-    Attributes:
-        min_devices: The fewest stages, each with the largest given capacity, that would hold
-            the layers; ``None`` when a single layer exceeds that capacity.
-    """
-
-    def __init__(self, message: str, min_devices: int | None = None) -> None:
-        super().__init__(message)
-        self.min_devices = min_devices
-
-    def __reduce__(self) -> tuple[type[InfeasibleError], tuple[str, int | None]]:
-        return type(self), (str(self), self.min_devices)
 
 
 @dataclass(frozen=True)

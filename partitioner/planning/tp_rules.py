@@ -45,20 +45,17 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from partitioner.errors import TensorParallelRuleError
 from partitioner.passes.tensor_parallel.match import SITE_KINDS
 from partitioner.passes.tensor_parallel.shard_graph import TensorParallelChoice, choose_shardings
 from partitioner.passes.tensor_parallel.sites import Site, attr_tensor, find_sites
-from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParallelError
+from partitioner.runtime.tensor_parallel.sharding import Sharding
 
 __all__ = ["TensorParallelRules", "TensorParallelRuleError", "ShardPlan", "resolve_shardings",
            "RULE_KINDS"]
 
 #: The kinds a rule may give.
 RULE_KINDS = ("colwise", "rowwise", "vocab", "replicate")
-
-
-class TensorParallelRuleError(TensorParallelError):
-    """``tensor_parallel=`` rules are malformed or do not fit the model."""
 
 
 @dataclass(frozen=True)

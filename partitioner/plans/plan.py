@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import PartitionError
+from partitioner.errors import PlanFormatError
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import Fingerprint
 
@@ -35,10 +35,6 @@ VERSION = 1
 #: How a tensor-parallel parameter is split (Megatron's names): ``colwise`` splits a Linear's
 #: output features, ``rowwise`` its input features, ``vocab`` an embedding's rows.
 SHARD_KINDS = ("colwise", "rowwise", "vocab")
-
-
-class PlanFormatError(PartitionError, ValueError):
-    """A plan (or plan file) is malformed."""
 
 
 @dataclass(frozen=True)

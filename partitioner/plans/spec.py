@@ -47,7 +47,7 @@ from typing import Any
 
 from torch import nn
 
-from partitioner.errors import PartitionError
+from partitioner.errors import PartitionError, SpecError
 from partitioner.plans.plan import SHARD_KINDS, ShardSpec
 from partitioner.runtime.local import CHECKPOINT_MODES
 from partitioner.runtime.schedule import SCHEDULES
@@ -63,10 +63,6 @@ _STAGE_KEYS = ("layers", "device")
 #: a row-parallel Linear's bias is added after the all-reduce, so it is not split).
 _KIND_DIMS = {"colwise": {"weight": 0, "bias": 0}, "rowwise": {"weight": 1},
               "vocab": {"weight": 0}}
-
-
-class SpecError(PartitionError, ValueError):
-    """A hand-written spec is malformed or does not fit the model; names the wrong key."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import PartitionError
+from partitioner.errors import PartitionError, SuffixError
 from partitioner.plans.plan import Plan
 from partitioner.viz.dot import GraphvizNotFound, render, to_dot
 from partitioner.viz.graph import DETAILS, Diagram, diagram
@@ -80,7 +80,7 @@ def visualize(source: Any, path: str | Path, *, detail: str = "auto",
     elif suffix in _IMAGES:
         path.write_bytes(render(dot, suffix[1:]))
     else:
-        raise _SuffixError(f"cannot write {path.name}: use .dot, .svg, .png, .pdf or .html")
+        raise SuffixError(f"cannot write {path.name}: use .dot, .svg, .png, .pdf or .html")
     return path
 
 
@@ -105,12 +105,8 @@ def visualize_timeline(source: Any, path: str | Path, *, timeline: Any | None = 
     elif suffix in _IMAGES:
         path.write_bytes(render(dot, suffix[1:], engine="neato"))
     else:
-        raise _SuffixError(f"cannot write {path.name}: use .dot, .svg, .png or .pdf")
+        raise SuffixError(f"cannot write {path.name}: use .dot, .svg, .png or .pdf")
     return path
-
-
-class _SuffixError(PartitionError, ValueError):
-    pass
 
 
 def unpack(source: Any) -> tuple[Plan, Any | None]:

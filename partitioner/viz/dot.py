@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from collections import defaultdict
 
-from partitioner.errors import PartitionError
+from partitioner.errors import GraphvizNotFound, PartitionError
 from partitioner.viz.graph import Arrow, Box, Diagram, format_bytes
 
 __all__ = ["to_dot", "render", "GraphvizNotFound", "device_color", "quote", "PALETTE"]
@@ -33,10 +33,6 @@ PALETTE = ("#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#ede9fe", "#cffafe", "#f
 STRONG = ("#3b82f6", "#22c55e", "#f59e0b", "#ec4899", "#8b5cf6", "#06b6d4", "#ef4444",
           "#6366f1", "#84cc16", "#f97316")
 CROSS = "#dc2626"
-
-
-class GraphvizNotFound(PartitionError, RuntimeError):
-    """Graphviz's programs are needed for SVG/PNG output and are not installed."""
 
 
 def device_color(j: int, strong: bool = False) -> str:

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from partitioner.errors import PartitionError
+from partitioner.errors import VizError
 from partitioner.plans.plan import Plan
 
 __all__ = ["Box", "Arrow", "Diagram", "diagram", "DETAILS", "format_bytes", "format_shape"]
@@ -92,23 +92,19 @@ def diagram(analysis: Any | None, plan: Plan, detail: str = "auto") -> Diagram:
             analysis whose layers are not the plan's.
     """
     if detail not in DETAILS:
-        raise _VizError(f"detail={detail!r}; use one of {DETAILS}")
+        raise VizError(f"detail={detail!r}; use one of {DETAILS}")
     if analysis is not None and [la.name for la in analysis.layers] != list(plan.layers):
-        raise _VizError("the analysis' layers are not the plan's; draw the plan alone or "
+        raise VizError("the analysis' layers are not the plan's; draw the plan alone or "
                         "analyse the model the plan was made for")
     if detail == "auto":
         detail = _auto(analysis, plan)
     if detail == "nodes":
         if analysis is None:
-            raise _VizError("detail='nodes' needs the model's graph; pass a partitioned module "
+            raise VizError("detail='nodes' needs the model's graph; pass a partitioned module "
                             "(or the model with the plan) instead of a bare plan")
         return _node_diagram(analysis, plan)
     layers = _layer_diagram(analysis, plan)
     return _fold_blocks(layers) if detail == "blocks" else layers
-
-
-class _VizError(PartitionError, ValueError):
-    pass
 
 
 def _auto(analysis: Any | None, plan: Plan) -> str:

@@ -28,17 +28,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from partitioner.errors import PartitionError
+from partitioner.errors import TimelineError
 from partitioner.plans.plan import Plan
 from partitioner.runtime.schedule import Action, Phase, clock_ticks, make_schedule
 from partitioner.viz.dot import device_color, quote
 
 __all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "measured_timeline",
            "timeline_dot"]
-
-
-class TimelineError(PartitionError, ValueError):
-    """A timeline that cannot be drawn: empty, or entries that are not actions in time."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import PartitionError
+from partitioner.errors import CheckpointError
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["CheckpointError", "atomic_save", "named_optimizer_state",
@@ -46,10 +46,6 @@ __all__ = ["CheckpointError", "atomic_save", "named_optimizer_state",
 
 FORMAT = "partitioner.checkpoint"
 VERSION = 1
-
-
-class CheckpointError(PartitionError, ValueError):
-    """A checkpoint that does not fit the run (wrong format, missing keys, other optimizer)."""
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -52,20 +52,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from partitioner.errors import PartitionError
+from partitioner.errors import CommunicationError, PlanMismatchError, PolicyError
 
 __all__ = ["FailurePolicy", "Watchdog", "CommunicationError", "PlanMismatchError",
            "check_same_plan", "start_watchdog", "active_watchdog", "format_exception"]
 
 _PREFIX = "partitioner/watchdog"
-
-
-class CommunicationError(PartitionError, RuntimeError):
-    """A send, receive or collective failed, most likely because a peer rank died."""
-
-
-class PlanMismatchError(PartitionError, RuntimeError):
-    """Ranks built different plans (or models), so their stages would not fit together."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +93,7 @@ class FailurePolicy:
         if self.watch < 1:
             problems.append(f"watch={self.watch!r}; watch at least 1 rank")
         if problems:
-            raise _PolicyError("bad FailurePolicy: " + "; ".join(problems))
-
-
-class _PolicyError(PartitionError, ValueError):
-    pass
+            raise PolicyError("bad FailurePolicy: " + "; ".join(problems))
 
 
 class _LockedStore:

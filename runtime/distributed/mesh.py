@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partitioner.errors import PartitionError
+from partitioner.errors import DistributedInitError, MeshError
 
 __all__ = ["AXES", "Coords", "MeshShape", "Mesh", "DistInfo", "MeshError",
            "DistributedInitError", "init_distributed", "dist_info"]
@@ -53,14 +53,6 @@ AXES = ("pp", "dp", "tp")
 """Mesh axes, outermost first: pipeline, data parallel, tensor parallel."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-
-class MeshError(PartitionError, ValueError):
-    """A mesh shape that does not fit the world, or an unknown axis."""
-
-
-class DistributedInitError(PartitionError, RuntimeError):
-    """``torch.distributed`` cannot be started from what the environment gives."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from partitioner.errors import PartitionError
+from partitioner.errors import BoundaryMismatchError
 from partitioner.runtime.distributed.failure import CommunicationError
 
 __all__ = ["TensorMeta", "Boundary", "BoundaryMismatchError", "PipeLinks", "Pending",
@@ -42,10 +42,6 @@ __all__ = ["TensorMeta", "Boundary", "BoundaryMismatchError", "PipeLinks", "Pend
 
 FORWARD, BACKWARD = 0, 1
 _MAX_LEAVES = 1 << 10
-
-
-class BoundaryMismatchError(PartitionError, RuntimeError):
-    """A stage produced values other than shape propagation predicted for its boundary."""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from partitioner.errors import ChunksError, PartitionError, StageExecutionError, StrategyError
+from partitioner.errors import (
+    ChunksError,
+    LossError,
+    StageExecutionError,
+    StrategyError,
+)
 from partitioner.runtime.distributed.data_parallel import GradReducer, TiedGradients
 from partitioner.runtime.distributed.p2p import Boundary, Pending, PipeLinks
 from partitioner.runtime.local import CHECKPOINT_MODES, checkpoint_stop
@@ -53,10 +58,6 @@ __all__ = ["DistributedPipeline", "StageInterface", "LossError", "LOSS_REDUCTION
 LOSS_REDUCTIONS = ("mean", "sum")
 LOOKAHEAD = 2
 """Actions ahead of the running one whose receives are already posted (gloo)."""
-
-
-class LossError(PartitionError, TypeError):
-    """``loss_fn`` returned something other than a scalar tensor."""
 
 
 @dataclass(frozen=True)

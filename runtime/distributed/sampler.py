@@ -30,13 +30,9 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from partitioner.errors import PartitionError
+from partitioner.errors import SamplerError
 
 __all__ = ["ReplicaSampler", "epoch_order", "SamplerError"]
-
-
-class SamplerError(PartitionError, ValueError):
-    """A sampler option that cannot work (replica out of range, batch size < 1, ...)."""
 
 
 def epoch_order(n: int, epoch: int, *, seed: int = 0, shuffle: bool = True) -> list[int]:

@@ -41,16 +41,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from partitioner.errors import PartitionError
+from partitioner.errors import CollectiveAborted
 from partitioner.runtime.tensor_parallel.sharding import Sharding, local_slices
 
 __all__ = ["Communicator", "ThreadGroup", "ThreadCommunicator", "ProcessGroupCommunicator",
            "ShapeCommunicator", "UnboundCommunicator", "CollectiveAborted", "copy_to_tp",
            "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_blocks", "slice_blocks"]
-
-
-class CollectiveAborted(PartitionError, RuntimeError):
-    """A rank waited for its peers in a collective and was released without them."""
 
 
 class Communicator(Protocol):

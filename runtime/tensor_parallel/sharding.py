@@ -30,21 +30,13 @@ from typing import Any
 
 import torch
 
-from partitioner.errors import PartitionError
+from partitioner.errors import ShardSizeError, TensorParallelError
 
 __all__ = ["Sharding", "KINDS", "TensorParallelError", "ShardSizeError",
            "shard_tensor", "unshard", "local_slices", "block_sizes"]
 
 #: The ways a parameter can be split (``replicate``: every rank holds all of it).
 KINDS = ("colwise", "rowwise", "vocab", "replicate")
-
-
-class TensorParallelError(PartitionError, ValueError):
-    """A tensor-parallel request that cannot be carried out (rule, layer or state dict)."""
-
-
-class ShardSizeError(TensorParallelError):
-    """A dimension to be split does not divide by the tensor-parallel degree."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner.errors import PartitionError
+from partitioner.errors import TensorParallelExecutionError
 from partitioner.runtime import rng
 from partitioner.runtime.stage import locate_node
 from partitioner.runtime.tensor_parallel.collectives import CollectiveAborted, ThreadGroup
@@ -47,10 +47,6 @@ from partitioner.runtime.worker import Worker
 __all__ = ["TensorParallelStage", "TensorParallelExecutionError"]
 
 _COMM_ATTR = "_tp_comm"
-
-
-class TensorParallelExecutionError(PartitionError, RuntimeError):
-    """An exception raised inside one tensor-parallel rank, naming the rank and node."""
 
 
 class TensorParallelStage(nn.Module):
