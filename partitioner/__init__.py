@@ -3,8 +3,14 @@
 ``partition(model, devices=[...])`` captures a model as a ``torch.fx`` graph, plans how to
 split it over devices, and returns an ``nn.Module`` that runs the plan.
 
-The public names are imported lazily, so that ``runtime`` (which raises this package's
-errors) can import ``partitioner.errors`` without pulling in the planner.
+One installed namespace: ``partitioner`` (the front: api, request, analysis, build, apply,
+capture, errors, cli), ``partitioner.cost``, ``partitioner.planning``, ``partitioner.plans``,
+``partitioner.viz``, and ``partitioner.passes`` / ``partitioner.runtime`` (the source tree's
+``passes/`` and ``runtime/`` folders). ``docs/design/006-layout.md`` says what lives where.
+
+The public names are imported on first use: importing ``partitioner.errors`` (as every
+runtime module does) or parsing the command line (``partitioner --help``) must not import
+torch and the whole planner.
 """
 
 from __future__ import annotations

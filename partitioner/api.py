@@ -23,7 +23,7 @@ from torch import nn
 from partitioner.analysis import analyze
 from partitioner.apply import resolve_plan
 from partitioner.build import build_pipeline
-from partitioner.errors import DeviceError, StrategyError
+from partitioner.errors import DeviceError, ModelError, StrategyError
 from partitioner.planning.planner import plan_request, record
 from partitioner.plans.plan import Plan
 from partitioner.plans.spec import Spec
@@ -110,6 +110,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
     Raises:
         PartitionError: a subclass naming the offending value and a fix.
     """
+    _check_model(model)
     if tensor_parallel is not None:
         if plan is not None or calibrate:
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
@@ -151,6 +152,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
     (``Cluster.preset("A100-80GB", nodes=4)``): ``"auto"`` then plans any mix of data,
     tensor and pipeline parallelism for it.
     """
+    _check_model(model)
     if devices is None and plan is None:
         raise DeviceError("devices=None; pass the devices (or a Cluster) to plan for, e.g. "
                           "devices=['cpu', 'cpu'], or plan= a spec that names them")
@@ -164,3 +166,11 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=not request.fixes_split)
     return record(plan_request(analysis, request), model, analysis, request, request.strategy)
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        hint = (" (a class: pass an instance, e.g. Model())" if isinstance(model, type)
+                else " (a function: wrap it in an nn.Module)" if callable(model) else "")
+        raise ModelError(f"model={model!r} is a {type(model).__name__}, not an nn.Module"
+                         f"{hint}; pass the nn.Module to partition")

@@ -17,6 +17,7 @@ __all__ = [
     "ExampleInputsError",
     "StageCountError",
     "TraceError",
+    "ModelError",
     "ScheduleError",
     "StageExecutionError",
     "PlanMismatchError",
@@ -82,6 +83,10 @@ class ExampleInputsError(PartitionError, TypeError):
 
 class StageCountError(PartitionError, ValueError):
     """More stages were asked for than the model has layers."""
+
+
+class ModelError(PartitionError, TypeError):
+    """``model`` is not an ``nn.Module`` (``None``, a function, a class not instantiated)."""
 
 
 class TraceError(PartitionError, TypeError):

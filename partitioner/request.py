@@ -27,6 +27,7 @@ from partitioner.cost.devices import Cluster, parse_devices
 from partitioner.errors import (
     BalanceError,
     ChunksError,
+    DeviceError,
     ExampleInputsError,
     MemoryLimitError,
     PartitionError,
@@ -122,8 +123,17 @@ class PlanRequest:
         """
         remote = isinstance(devices, Cluster) and not devices.is_local and not local
         parsed = () if remote or devices is None else tuple(parse_devices(devices))
+        if local and any(d.type == "meta" for d in parsed):
+            raise DeviceError(f"devices={[str(d) for d in parsed]}: a module on 'meta' devices "
+                              "cannot run; plan a meta model with make_plan(), or pass 'cpu' or "
+                              "'cuda:N' devices")
+        inputs = _inputs(example_inputs)
+        if inputs == () and not example_kwargs:
+            raise ExampleInputsError("example_inputs=() holds no inputs; pass one batch, e.g. "
+                                     "example_inputs=(x,), or its keyword inputs as "
+                                     "example_kwargs={...}")
         n = devices.size if isinstance(devices, Cluster) else len(parsed)
-        return cls(parsed, strategy, _inputs(example_inputs), _kwargs(example_kwargs), chunks,
+        return cls(parsed, strategy, inputs, _kwargs(example_kwargs), chunks,
                    checkpoint, _ints("balance", balance), _names(split_points),
                    _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
                    calibrate)

@@ -522,6 +522,9 @@ def parse_devices(
                 for k in range(devices)]
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
+    if not isinstance(devices, Sequence):
+        raise DeviceError(f"devices={devices!r} ({type(devices).__name__}); pass a list such "
+                          "as ['cpu', 'cpu'], a count such as 2, or a Cluster")
     entries = list(devices)
     if not entries:
         raise DeviceError("devices=[] is empty; pass at least one device, e.g. devices=['cpu']")

@@ -33,7 +33,7 @@ from partitioner.analysis import Analysis
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.machine import local_cluster
-from partitioner.errors import MemoryLimitError, StageCountError
+from partitioner.errors import ChunksError, MemoryLimitError, StageCountError
 from partitioner.planning.auto import records, search
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
@@ -72,6 +72,10 @@ def plan_request(analysis: Analysis, request: PlanRequest) -> Plan:
     elif request.split_points is not None:
         cuts = boundaries_from_split_points(request.split_points, names)
         strategy = "split_points"
+    batch = analysis.workload.batch if analysis.workload is not None else None
+    if request.chunks is not None and batch is not None and request.chunks > batch:
+        raise ChunksError(f"chunks={request.chunks} but the example batch has {batch} samples; "
+                          f"pass chunks <= {batch} (each micro-batch needs at least one sample)")
     if analysis.workload is None:
         assert cuts is not None, "analysis without costs for a split the planner chooses"
         return _uncosted_plan(analysis, request, strategy, cuts)

@@ -133,6 +133,7 @@ def test_viz_images_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_run_delegates_to_torchrun(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "job.py"
     script.write_text("import os, sys\n"

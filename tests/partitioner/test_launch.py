@@ -15,11 +15,13 @@ from partitioner.launch import thread_env, torchrun_args
 WORKER = TESTS / "runtime" / "distributed" / "dist_worker.py"
 
 
+@pytest.mark.slow
 def test_one_node_without_rendezvous_gets_standalone() -> None:
     assert torchrun_args(["--nproc-per-node", "2", "train.py", "--nnodes", "9"]) == [
         "--standalone", "--nproc-per-node", "2", "train.py", "--nnodes", "9"]
 
 
+@pytest.mark.slow
 def test_a_given_rendezvous_is_left_alone() -> None:
     for argv in (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                   "--master-port", "29400", "t.py"],
@@ -37,6 +39,7 @@ def test_threads_are_shared_among_local_ranks_unless_set() -> None:
     assert thread_env(["t.py"], environ={"OMP_NUM_THREADS": "3"}, cpus=16) == {}
 
 
+@pytest.mark.slow
 def test_the_example_runs_under_the_launcher(tmp_path: object) -> None:
     out = f"{tmp_path}/ckpt.pt"
     done = subprocess.run(
@@ -50,6 +53,7 @@ def test_the_example_runs_under_the_launcher(tmp_path: object) -> None:
     assert "the unpartitioned model loaded from it scores" in done.stdout
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_loopback_train_like_one_process() -> None:
     port = free_port()
     config = json.dumps([dict(pp=2, dp=1, schedule="1f1b", checkpoint="except_last",

@@ -94,6 +94,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return per_rank[0][0]
 
 
+@pytest.mark.slow
 def test_resuming_from_a_checkpoint_is_exact(resumed: dict[str, Any]) -> None:
     # Training 2 steps, saving, training 2 more equals loading that file into a fresh,
     # differently initialised pp=2 x dp=2 run and training the same 2 steps: bit for bit,
@@ -102,6 +103,7 @@ def test_resuming_from_a_checkpoint_is_exact(resumed: dict[str, Any]) -> None:
     assert resumed["steps_after_load"] == 2 and resumed["saved_steps"] == 4
 
 
+@pytest.mark.slow
 def test_the_file_loads_into_the_unpartitioned_model(resumed: dict[str, Any]) -> None:
     assert resumed["same_keys"]
     assert len(resumed["optimizer_params"]) == 12   # every stage's parameters, by name

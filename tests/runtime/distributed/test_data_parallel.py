@@ -34,6 +34,7 @@ def test_buckets_close_at_the_size_cap_and_big_parameters_go_alone() -> None:
     assert [b.index for b in buckets] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_the_bucket_launched_last_holds_the_first_parameters_and_stays_small() -> None:
     params = _params(*[1000] * 10)              # 4000 bytes each
     buckets = plan_buckets(params, bucket_bytes=12000, last_bucket_bytes=4000)
@@ -55,24 +56,28 @@ def reduced() -> list[dict]:
     return [r[0] for r in results(launch(WORKER, 2, ["dp", "{}"], timeout=120))]
 
 
+@pytest.mark.slow
 def test_gradients_are_the_average_over_replicas(reduced: list[dict]) -> None:
     for record in reduced:
         used = [d for d in record["diffs"][2:]]
         assert all(d is not None and 0 <= d < 1e-12 for d in used), record["diffs"]
 
 
+@pytest.mark.slow
 def test_a_parameter_no_replica_reached_keeps_no_gradient(reduced: list[dict]) -> None:
     for record in reduced:
         assert record["diffs"][0] is None
         assert record["unused_grad_is_none"]
 
 
+@pytest.mark.slow
 def test_a_parameter_some_replicas_reached_gets_the_average_with_zeros(
         reduced: list[dict]) -> None:
     for record in reduced:
         assert record["diffs"][1] is not None and record["diffs"][1] < 1e-12
 
 
+@pytest.mark.slow
 def test_buckets_start_in_order_during_the_last_backward_only(reduced: list[dict]) -> None:
     for record in reduced:
         assert record["n_buckets"] >= 3

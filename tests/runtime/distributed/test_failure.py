@@ -31,6 +31,7 @@ def _others_stopped_naming(runs: list[RankRun], victim: int, phrase: str) -> Non
         assert "RESULT" not in run.stdout   # nobody finished training
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_mid_step_stops_every_other_rank() -> None:
     runs = _fail(2, victim=1, mode="raise", at=2, pp=2, dp=1)
     assert runs[1].returncode == EXIT, describe(runs)
@@ -40,18 +41,21 @@ def test_a_rank_that_raises_mid_step_stops_every_other_rank() -> None:
     assert "injected failure on rank 1" in runs[0].stderr
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_a_signal_stops_every_other_rank() -> None:
     runs = _fail(4, victim=2, mode="kill", at=2, pp=2, dp=2)
     assert runs[2].returncode == -9, describe(runs)
     _others_stopped_naming(runs, 2, "stopping because rank 2 failed: no heartbeat")
 
 
+@pytest.mark.slow
 def test_losing_the_store_host_names_rank_0() -> None:
     runs = _fail(2, victim=0, mode="kill", at=1, pp=2, dp=1)
     assert runs[0].returncode == -9, describe(runs)
     _others_stopped_naming(runs, 0, "rank 0 has most likely failed")
 
 
+@pytest.mark.slow
 def test_ranks_with_different_plans_refuse_to_start() -> None:
     args = json.dumps({"balances": [[4, 5], [5, 4]]})
     runs = launch(WORKER, 2, ["mismatch", args], timeout=120)

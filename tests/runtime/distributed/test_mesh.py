@@ -84,6 +84,7 @@ def test_bad_sizes_axes_and_ranks_are_refused() -> None:
     assert issubclass(MeshError, ValueError)
 
 
+@pytest.mark.slow
 def test_init_without_torchrun_variables_says_how_to_launch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE"):
@@ -104,6 +105,7 @@ def test_init_refuses_unknown_backend_and_method(monkeypatch: pytest.MonkeyPatch
         init_distributed("gloo", "env://")
 
 
+@pytest.mark.slow
 def test_axis_groups_of_a_real_world_of_four() -> None:
     runs = launch(WORKER, 4, ["mesh", json.dumps({"pp": 2, "dp": 2})], timeout=120)
     records = [r[0] for r in results(runs)]

@@ -70,6 +70,7 @@ def test_message_tags_are_distinct_and_bounded() -> None:
         message_tag(0, 0, 1024)
 
 
+@pytest.mark.slow
 def test_transfers_between_two_processes_in_both_posting_modes() -> None:
     """Out-of-order sends, pytrees, ints, bools, empty tensors; eager and batched posting."""
     records = [r[0] for r in results(launch(WORKER, 2, ["p2p", "{}"], timeout=120))]

@@ -94,11 +94,13 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int) -> None:
         assert max(records[0]["ref_norms"]) > cfg["clip"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(TWO)), ids=[_name(c) for c in TWO])
 def test_two_ranks_equal_full_batch_training(world_of_two: Any, index: int) -> None:
     _check(world_of_two, index)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(FOUR)), ids=[_name(c) for c in FOUR])
 def test_four_ranks_equal_full_batch_training(world_of_four: Any, index: int) -> None:
     _check(world_of_four, index)
@@ -110,6 +112,7 @@ def mistakes() -> dict[str, dict[str, Any]]:
     return {r["case"]: r for r in records}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "kind", "phrase"), [
     ("tp", "StrategyError", "pass a whole number of tensor-parallel shards >= 1"),
     ("tp_rules", "StrategyError", "pass tp=2 (or more) with them"),
@@ -126,11 +129,13 @@ def test_mistakes_raise_partition_errors_naming_a_fix(mistakes: Any, case: str, 
     assert phrase in record["message"]
 
 
+@pytest.mark.slow
 def test_calling_the_stage_says_to_use_step(mistakes: Any) -> None:
     assert mistakes["call"]["type"] == "TypeError"
     assert "dpm.step(inputs, targets, loss_fn)" in mistakes["call"]["message"]
 
 
+@pytest.mark.slow
 def test_a_saved_plan_runs_as_written_unless_overridden(mistakes: Any) -> None:
     assert mistakes["plan_file"] == {"case": "plan_file", "balance": [9], "schedule": "1f1b"}
     assert mistakes["plan_override"] == {"case": "plan_override", "schedule": "gpipe",

@@ -25,6 +25,7 @@ def world(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, Any]
     return tp, results(runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_split_over_processes_equals_the_unsplit_model(world: Any, model: str) -> None:
     """Outputs, gradients and weights after 3 SGD steps match on every rank (the worker
@@ -40,6 +41,7 @@ def test_split_over_processes_equals_the_unsplit_model(world: Any, model: str) -
         assert r["local_params"] < r["full_params"]
 
 
+@pytest.mark.slow
 def test_a_block_forward_runs_two_all_reduces_across_processes(world: Any) -> None:
     _, per_rank = world
     for rank in per_rank:
@@ -47,6 +49,7 @@ def test_a_block_forward_runs_two_all_reduces_across_processes(world: Any) -> No
         assert block["forward_counts"] == {"all_reduce/forward": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [
     {"pp": 2, "dp": 1, "tp": 2, "batch": 4, "chunks": 2, "schedule": "1f1b",
      "checkpoint": "never"},

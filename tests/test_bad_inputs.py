@@ -1,0 +1,150 @@
+"""The mistakes people make: each raises a PartitionError (also a ValueError or TypeError)
+whose message names the offending value, never a raw exception or a silent result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import PartitionError, make_plan, partition
+from partitioner.errors import (
+    BalanceError,
+    ChunksError,
+    DeviceError,
+    ExampleInputsError,
+    MemoryLimitError,
+    ModelError,
+    StageCountError,
+    StrategyError,
+)
+from partitioner.request import PlanRequest
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+X = torch.randn(8, 4)
+CPU2 = ["cpu", "cpu"]
+
+# (case id, call, error class, text the message must contain)
+CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    ("devices None", lambda: partition(_model(), None, example_inputs=(X,)), DeviceError,
+     "devices=None"),
+    ("devices float", lambda: partition(_model(), 3.5, example_inputs=(X,)), DeviceError,
+     "devices=3.5"),
+    ("devices empty", lambda: partition(_model(), [], example_inputs=(X,)), DeviceError,
+     "devices=[]"),
+    ("devices zero", lambda: partition(_model(), 0, example_inputs=(X,)), DeviceError,
+     "devices=0"),
+    ("devices bool", lambda: partition(_model(), True, example_inputs=(X,)), DeviceError,
+     "devices=True"),
+    ("device name", lambda: partition(_model(), ["cpu", "gpu0"], example_inputs=(X,)),
+     DeviceError, "'gpu0'"),
+    ("missing cuda", lambda: partition(_model(), ["cuda:7"], example_inputs=(X,)),
+     DeviceError, "'cuda:7'"),
+    ("meta devices", lambda: partition(_model(), ["meta"], example_inputs=(X,)), DeviceError,
+     "'meta'"),
+    ("model None", lambda: partition(None, CPU2, example_inputs=(X,)),  # type: ignore[arg-type]
+     ModelError, "model=None"),
+    ("model function", lambda: partition(torch.relu, CPU2, example_inputs=(X,)),  # type: ignore[arg-type]
+     ModelError, "not an nn.Module"),
+    ("model class", lambda: make_plan(nn.Linear, CPU2, example_inputs=(X,)),  # type: ignore[arg-type]
+     ModelError, "pass an instance"),
+    ("inputs empty", lambda: partition(_model(), CPU2, example_inputs=()), ExampleInputsError,
+     "example_inputs=()"),
+    ("inputs a tensor", lambda: partition(_model(), CPU2, example_inputs=X),  # type: ignore[arg-type]
+     ExampleInputsError, "Tensor"),
+    ("inputs missing", lambda: partition(_model(), CPU2), ExampleInputsError,
+     "example_inputs"),
+    ("kwargs a string", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                          example_kwargs="x"),  # type: ignore[arg-type]
+     ExampleInputsError, "example_kwargs='x'"),
+    ("kwargs not str keys", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                              example_kwargs={1: X}),  # type: ignore[dict-item]
+     ExampleInputsError, "example_kwargs="),
+    ("strategy", lambda: partition(_model(), CPU2, "magic", example_inputs=(X,)), StrategyError,
+     "'magic'"),
+    ("strategy with plan", lambda: partition(_model(), CPU2, "magic", plan={"stages": []}),
+     StrategyError, "'magic'"),
+    ("chunks zero", lambda: partition(_model(), CPU2, example_inputs=(X,), chunks=0),
+     ChunksError, "chunks=0"),
+    ("chunks float", lambda: partition(_model(), CPU2, example_inputs=(X,), chunks=2.5),  # type: ignore[arg-type]
+     ChunksError, "chunks=2.5"),
+    ("chunks bool", lambda: partition(_model(), CPU2, example_inputs=(X,), chunks=True),
+     ChunksError, "chunks=True"),
+    ("chunks over batch", lambda: partition(_model(), CPU2, example_inputs=(X,), chunks=16),
+     ChunksError, "chunks=16"),
+    ("checkpoint", lambda: partition(_model(), CPU2, example_inputs=(X,), checkpoint="some"),
+     StrategyError, "'some'"),
+    ("calibrate string", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                           calibrate="no"),  # type: ignore[arg-type]
+     StrategyError, "calibrate='no'"),
+    ("balance and split", lambda: partition(_model(), CPU2, balance=[3, 2],
+                                            split_points=["2"]),
+     BalanceError, "not both"),
+    ("balance wrong sum", lambda: partition(_model(), CPU2, balance=[3, 3]), BalanceError,
+     "balance"),
+    ("balance wrong length", lambda: partition(_model(), CPU2, balance=[1, 1, 3]),
+     BalanceError, "balance"),
+    ("balance a string", lambda: partition(_model(), CPU2, balance="32"),  # type: ignore[arg-type]
+     BalanceError, "balance='32'"),
+    ("split points a string", lambda: partition(_model(), CPU2, split_points="4"),  # type: ignore[arg-type]
+     BalanceError, "split_points='4'"),
+    ("split points count", lambda: partition(_model(), CPU2, split_points=["2", "4"]),
+     BalanceError, "2 split points"),
+    ("split point unknown", lambda: partition(_model(), CPU2, split_points=["nope"]),
+     BalanceError, "nope"),
+    ("memory limit string", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                              memory_limit="1GB"),  # type: ignore[arg-type]
+     MemoryLimitError, "memory_limit='1GB'"),
+    ("memory limit negative", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                                memory_limit=-1),
+     MemoryLimitError, "memory_limit=-1"),
+    ("memory limit count", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                             memory_limit=[1e9, 1e9, 1e9]),
+     MemoryLimitError, "3 entries for 2 devices"),
+    ("memory too small", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                           memory_limit=16),
+     MemoryLimitError, ""),
+    ("more devices than layers", lambda: partition(_model(), ["cpu"] * 9,
+                                                   example_inputs=(X,)),
+     StageCountError, "9 devices"),
+    ("tensor parallel and plan", lambda: partition(_model(), CPU2, tensor_parallel=2,
+                                                   plan={"stages": []}),
+     StrategyError, "plan="),
+    ("tensor parallel degree", lambda: partition(_model(), CPU2, tensor_parallel=0,
+                                                 example_inputs=(X,)),
+     PartitionError, "tensor_parallel=0"),
+    ("tensor parallel devices", lambda: partition(_model(), ["cpu"] * 3, tensor_parallel=2,
+                                                  example_inputs=(X,)),
+     DeviceError, "tensor_parallel=2"),
+    ("make_plan devices None", lambda: make_plan(_model(), None, example_inputs=(X,)),
+     DeviceError, "devices=None"),
+    ("request chunks", lambda: PlanRequest.make(CPU2, chunks=-2), ChunksError, "chunks=-2"),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "names"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_mistake_raises_a_partition_error_naming_the_value(call: Callable[[], Any],
+                                                           kind: type[Exception],
+                                                           names: str) -> None:
+    with pytest.raises(kind) as info:
+        call()
+    assert isinstance(info.value, PartitionError)
+    assert isinstance(info.value, (ValueError, TypeError))
+    assert names in str(info.value)
+    assert "pass" in str(info.value) or "use" in str(info.value) or "drop" in str(
+        info.value), f"no fix in: {info.value}"
+
+
+def test_every_problem_of_a_request_is_listed_at_once() -> None:
+    with pytest.raises(PartitionError) as info:
+        PlanRequest(strategy="magic", chunks=0, checkpoint="some")
+    message = str(info.value)
+    assert "'magic'" in message and "chunks=0" in message and "'some'" in message
