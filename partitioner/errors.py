@@ -20,6 +20,7 @@ __all__ = [
     "ModelError",
     "ScheduleError",
     "StageExecutionError",
+    "BackwardError",
     "PlanMismatchError",
     "CommandError",
     "CommError",
@@ -96,6 +97,10 @@ class TraceError(PartitionError, TypeError):
 class ScheduleError(PartitionError, ValueError):
     """A pipeline schedule breaks an ordering rule (see
     ``partitioner.runtime.schedule.validate``)."""
+
+
+class BackwardError(PartitionError, RuntimeError):
+    """A backward through a partitioned model that its saved activations cannot serve."""
 
 
 class StageExecutionError(PartitionError, RuntimeError):

@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from partitioner.errors import ChunksError, StageExecutionError
+from partitioner.errors import BackwardError, ChunksError, StageExecutionError
 from partitioner.runtime.microbatch import gather, scatter
 from partitioner.runtime.schedule import Action, Schedule, clock_ticks, gpipe, split_phases
 from partitioner.runtime.stage import StageRunner
@@ -107,6 +107,10 @@ class LocalPipeline:
         self.timeline: list[tuple[Action, float, float]] = []
         self._origin = time.perf_counter()
         self._lock = threading.Lock()
+        # Which forward with autograd the stages' stashes belong to, and whether its backward
+        # ran: only the latest such forward can be back-propagated, once.
+        self._generation = 0
+        self._consumed = False
 
     def _record(self, action: Action, start: float) -> None:
         with self._lock:
@@ -160,7 +164,13 @@ class LocalPipeline:
         self.timeline = []
         seed = int(torch.randint(0, 2**62, (1,)).item())
         for j, runner in enumerate(self.runners):
-            runner.reset(seed + j)
+            if grad:
+                runner.reset(seed + j)
+            else:
+                runner.reseed(seed + j)  # a pending backward keeps its stash
+        if grad:
+            self._generation += 1
+            self._consumed = False
         slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
         threads = self._threads_for(n)
 
@@ -269,6 +279,7 @@ class _PipelineFunction(torch.autograd.Function):
     def forward(ctx: Any, pipe: LocalPipeline, micro: list[list[Any]], box: dict[str, Any],
                 phony: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         per_micro = pipe._forward(micro, grad=True)
+        ctx.generation = pipe._generation
         flat = [pytree.tree_flatten(out) for out in per_micro]
         gathered = gather(per_micro)
         leaves, spec = pytree.tree_flatten(gathered)
@@ -287,6 +298,17 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        pipe = ctx.pipe
+        if ctx.generation != pipe._generation or pipe._consumed:
+            why = ("its backward already ran" if ctx.generation == pipe._generation
+                   else "a later forward with autograd replaced its saved activations")
+            raise BackwardError(
+                f"cannot back-propagate this output of the partitioned model: {why}. The "
+                "pipeline keeps the activations of its latest forward only, for one backward; "
+                "call backward() after each forward (forward, backward, forward, backward "
+                "for gradient accumulation), and not twice (retain_graph=True does not keep "
+                "the stages' activations)")
+        pipe._consumed = True
         n = len(ctx.sizes)
         per_micro: list[list[Any]] = [[None] * ctx.n_leaves for _ in range(n)]
         for position_index, (k, g) in enumerate(zip(ctx.positions, grad_outputs)):

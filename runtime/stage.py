@@ -75,6 +75,10 @@ class StageRunner:
     def reset(self, seed: int) -> None:
         """Forget stashed micro-batches and reseed the stage's generator(s)."""
         self._stash.clear()
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Reseed the stage's generator(s), keeping what a pending backward needs."""
         self.generator.manual_seed(seed)
         if self.shard_generator is not None:
             self.shard_generator.manual_seed((seed + 1 + int(self.shard or 0)) % 2**63)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from models import gpt2, mlp
 from torch import nn
 
 from partitioner import partition
-from partitioner.errors import StageExecutionError
+from partitioner.errors import BackwardError, PartitionError, StageExecutionError
 
 
 class _Boom(nn.Module):
@@ -179,3 +180,43 @@ def test_timeline_records_busy_time_after_inputs_arrive() -> None:
     for i in range(4):
         assert spans[f"1F{i}"][0] >= spans[f"0F{i}"][1]
         assert spans[f"0B{i}"][0] >= spans[f"1B{i}"][1]
+
+
+def _two_stage() -> tuple[nn.Module, nn.Module, Any]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 4),), chunks=2,
+                   balance=[2, 1])
+    return model, reference, pm
+
+
+def test_backward_twice_is_refused_with_a_reason() -> None:
+    _, _, pm = _two_stage()
+    y = pm(torch.randn(8, 4)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(BackwardError, match="its backward already ran") as info:
+        y.backward()
+    assert isinstance(info.value, PartitionError) and isinstance(info.value, RuntimeError)
+    pm.close()
+
+
+def test_backward_of_a_replaced_forward_is_refused_not_wrong() -> None:
+    _, _, pm = _two_stage()
+    first = pm(torch.randn(8, 4)).sum()
+    second = pm(torch.randn(8, 4)).sum()
+    with pytest.raises(BackwardError, match="a later forward"):
+        (first + second).backward()
+    pm.close()
+
+
+def test_a_no_grad_forward_between_forward_and_backward_keeps_the_gradients() -> None:
+    model, reference, pm = _two_stage()
+    x, other = torch.randn(8, 4), torch.randn(8, 4)
+    out = pm(x).pow(2).sum()
+    with torch.no_grad():
+        pm(other)
+    out.backward()
+    reference(x).pow(2).sum().backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+    pm.close()
