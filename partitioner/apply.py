@@ -38,6 +38,8 @@ from partitioner.plans.fingerprint import differences, fingerprint
 from partitioner.plans.plan import FORMAT, Mesh, Plan
 from partitioner.plans.spec import Spec, SpecError, read_document, resolve_spec
 from partitioner.request import PlanRequest
+from partitioner.runtime.checkpointing import EXCEPT_LAST
+from partitioner.runtime.schedule_registry import Runtime, runtime_problem
 
 __all__ = ["PlanMismatchError", "load_plan", "resolve_plan"]
 
@@ -122,7 +124,7 @@ def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
     for key in ("balance", "split_points", "memory_limit"):
         if asked.get(key) is not None:
             problems.append(f"{key}= is given but the plan fixes the split; drop {key}=")
-    for key, default in (("chunks", 1), ("checkpoint", "except_last")):
+    for key, default in (("chunks", 1), ("checkpoint", EXCEPT_LAST)):
         value = asked.get(key, default)
         if value != default and value != getattr(plan, key):
             problems.append(f"{key}={value!r} but the plan says {getattr(plan, key)!r}; edit "
@@ -136,9 +138,9 @@ def _check_executable(plan: Plan) -> None:
         raise PlanMismatchError(f"the plan's mesh has dp={mesh.dp}, tp={mesh.tp}; this "
                                 "partitioner runs pipeline plans (dp = tp = 1) in one process; "
                                 "use make_plan to inspect it, or set dp and tp to 1")
-    if plan.schedule != "gpipe":
-        raise PlanMismatchError(f"schedule={plan.schedule!r}: the one-process runtime runs "
-                                "the 'gpipe' schedule; set schedule to 'gpipe'")
+    problem = runtime_problem(plan.schedule, Runtime.ONE_PROCESS)
+    if problem is not None:
+        raise PlanMismatchError(f"the plan's {problem}; set its schedule to one of those")
 
 
 def _compile(model: nn.Module, spec: Spec, request: PlanRequest
@@ -146,7 +148,7 @@ def _compile(model: nn.Module, spec: Spec, request: PlanRequest
     asked = request.asked()
     chosen = _spec_devices(spec, list(request.devices) or None)
     chunks = _merge(spec.chunks, asked.get("chunks", 1), 1, "chunks")
-    checkpoint = _merge(spec.checkpoint, asked.get("checkpoint", "except_last"), "except_last",
+    checkpoint = _merge(spec.checkpoint, asked.get("checkpoint", EXCEPT_LAST), EXCEPT_LAST,
                         "checkpoint")
     strategy = _merge(spec.strategy, asked.get("strategy", "auto"), "auto", "strategy")
     limits = asked.get("memory_limit")

@@ -33,7 +33,7 @@ from partitioner.errors import (
     PartitionError,
     StrategyError,
 )
-from partitioner.runtime.local import CHECKPOINT_MODES
+from partitioner.runtime.checkpointing import checkpoint_problem
 
 __all__ = ["PlanRequest", "STRATEGIES"]
 
@@ -87,9 +87,9 @@ class PlanRequest:
                                         or not isinstance(self.chunks, int) or self.chunks < 1):
             found.append((ChunksError, f"chunks={self.chunks!r}; pass a positive int "
                                        "(micro-batches per batch)"))
-        if self.checkpoint is not None and self.checkpoint not in CHECKPOINT_MODES:
-            found.append((StrategyError, f"checkpoint={self.checkpoint!r}; pass one of "
-                                         f"{CHECKPOINT_MODES}"))
+        unknown = checkpoint_problem(self.checkpoint) if self.checkpoint is not None else None
+        if unknown is not None:
+            found.append((StrategyError, unknown))
         if not isinstance(self.calibrate, bool):
             found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
         if self.balance is not None and self.split_points is not None:

@@ -56,6 +56,7 @@ from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
 from partitioner.plans.plan import Mesh, Plan, ShardSpec
 from partitioner.request import PlanRequest
+from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.module import ShardStore, TensorParallelModule
 from partitioner.runtime.tensor_parallel.multiprocess import DistributedTensorParallel
@@ -131,7 +132,7 @@ def plan_tensor_parallel(
     request = PlanRequest.make([g[0] for g in groups], "pipeline" if strategy == "auto"
                                else strategy, example_inputs=example_inputs,
                                example_kwargs=example_kwargs, chunks=1 if chunks is None
-                               else chunks, checkpoint=checkpoint or "except_last",
+                               else chunks, checkpoint=checkpoint or EXCEPT_LAST,
                                balance=balance, split_points=split_points,
                                memory_limit=memory_limit)
     found: dict[str, Any] = {}

@@ -1,14 +1,15 @@
 """Run stage graphs as a pipeline in one process, one worker thread per device.
 
-The forward of a mini-batch runs the forward actions of a GPipe schedule, the backward (when
-autograd reaches the pipeline's output) runs its backward actions; both are plain lists from
-``partitioner.runtime.schedule``. The pipeline enters autograd as one ``torch.autograd.Function``
-whose
-backward drives the stages' backwards on their own workers, so the backward overlaps across
-devices too (autograd alone would run every CPU backward on one thread).
+The forward of a mini-batch runs the forward actions of a fill-drain schedule (GPipe, the one
+``partitioner.runtime.schedule_registry`` says this runtime executes), the backward (when
+autograd reaches the pipeline's output) runs its backward actions (:func:`split_phases`).
+The pipeline enters autograd as one ``torch.autograd.Function`` whose backward drives the
+stages' backwards on their own workers, so the backward overlaps across devices too
+(autograd alone would run every CPU backward on one thread).
 
-Checkpoint modes follow torchgpipe: ``always`` replays every micro-batch's forward in the
-backward, ``except_last`` all but the last micro-batch, ``never`` none.
+Checkpoint modes follow torchgpipe (``partitioner.runtime.checkpointing``): ``always``
+replays every micro-batch's forward in the backward, ``except_last`` all but the last
+micro-batch, ``never`` none.
 
 ::
 
@@ -43,9 +44,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from partitioner.errors import BackwardError, ChunksError, StageExecutionError
+from partitioner.errors import BackwardError, ChunksError, ScheduleError, StageExecutionError
+from partitioner.runtime.checkpointing import checkpoint_stop
 from partitioner.runtime.microbatch import gather, scatter
-from partitioner.runtime.schedule import Action, Schedule, clock_ticks, gpipe, split_phases
+from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks
+from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
 from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.transfer import Handoff, move_leaves, receive, send
 from partitioner.runtime.worker import (
@@ -56,16 +59,7 @@ from partitioner.runtime.worker import (
     use_threads,
 )
 
-__all__ = ["LocalPipeline", "CHECKPOINT_MODES", "checkpoint_stop", "thread_plan"]
-
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-def checkpoint_stop(mode: str, chunks: int) -> int:
-    """Micro-batches ``i < checkpoint_stop`` are checkpointed (torchgpipe's rule)."""
-    if mode not in CHECKPOINT_MODES:
-        raise ChunksError(f"checkpoint={mode!r}; pass one of {CHECKPOINT_MODES}")
-    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+__all__ = ["LocalPipeline", "split_phases", "thread_plan"]
 
 
 class LocalPipeline:
@@ -77,6 +71,9 @@ class LocalPipeline:
         devices: one device per stage (repeats allowed: each entry gets its own worker).
         chunks: micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        schedule: a schedule this runtime executes (``Runtime.ONE_PROCESS`` in
+            ``partitioner.runtime.schedule_registry``); it must split into a forward pass
+            and a backward pass.
         threads: intra-op threads of each CPU worker. By default they follow the schedule:
             an action gets the caller's intra-op threads divided by the number of CPU stages
             busy at its time in the schedule's clock ticks (:func:`thread_plan`), so a stage
@@ -85,11 +82,12 @@ class LocalPipeline:
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
-                 chunks: int = 1, checkpoint: str = "never", threads: int | None = None
-                 ) -> None:
+                 chunks: int = 1, checkpoint: str = "never", threads: int | None = None,
+                 schedule: str = "gpipe") -> None:
         if len(stages) != len(devices):
             raise ValueError(f"{len(stages)} stages for {len(devices)} devices")
         checkpoint_stop(checkpoint, max(chunks, 1))
+        self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
         if chunks < 1:
             raise ChunksError(f"chunks={chunks}; pass chunks >= 1")
         self.devices = list(devices)
@@ -119,7 +117,7 @@ class LocalPipeline:
 
     def schedule(self, n_microbatches: int) -> tuple[Schedule, Schedule]:
         """The forward and backward action lists used for ``n_microbatches``."""
-        return split_phases(gpipe(len(self.runners), n_microbatches))
+        return split_phases(self.schedule_kind.build(len(self.runners), n_microbatches))
 
     def _threads_for(self, n_microbatches: int) -> dict[Action, int]:
         """Intra-op threads per action (empty: fixed per worker)."""
@@ -127,7 +125,7 @@ class LocalPipeline:
             return {}
         if n_microbatches not in self._plans:
             self._plans[n_microbatches] = thread_plan(
-                gpipe(len(self.runners), n_microbatches),
+                self.schedule_kind.build(len(self.runners), n_microbatches),
                 [d.type == "cpu" for d in self.devices], self._budget)
         return self._plans[n_microbatches]
 
@@ -247,6 +245,7 @@ def thread_plan(schedule: Schedule, on_cpu: Sequence[bool], budget: int
     busy alongside it in the schedule's clock ticks (the most at any of its ticks).
 
     Example:
+        >>> from partitioner.runtime.schedules import gpipe
         >>> plan = thread_plan(gpipe(2, 2), [True, True], budget=2)
         >>> {str(a): n for a, n in plan.items()}["0F0"], {str(a): n for a, n in plan.items()}["0F1"]
         (2, 1)
@@ -258,6 +257,49 @@ def thread_plan(schedule: Schedule, on_cpu: Sequence[bool], budget: int
             if action is not None and on_cpu[j]:
                 out[action] = min(out.get(action, budget), max(1, budget // max(busy, 1)))
     return out
+
+
+def split_phases(schedule: Schedule) -> tuple[Schedule, Schedule]:
+    """Splits a fill-drain schedule into its forward pass and its backward pass.
+
+    For runtimes that run forward and backward in separate calls (``loss =
+    model(x)`` then ``loss.backward()``), which only works if no stage runs a forward
+    after any of its backwards.
+
+    Args:
+        schedule: Per stage, the ordered actions it runs.
+
+    Returns:
+        ``(forwards, backwards)``: per stage, its forward actions and its backward actions,
+        each in the schedule's order.
+
+    Raises:
+        ScheduleError: Naming every stage that runs a forward after a backward.
+
+    Example:
+        >>> from partitioner.runtime.schedules import gpipe
+        >>> forwards, backwards = split_phases(gpipe(2, 2))
+        >>> [str(a) for a in forwards[0]], [str(a) for a in backwards[0]]
+        (['0F0', '0F1'], ['0B1', '0B0'])
+    """
+    problems = []
+    for j, actions in enumerate(schedule):
+        first_b = next((a for a in actions if a.phase is Phase.BACKWARD), None)
+        if first_b is None:
+            continue
+        late = [a for a in actions[actions.index(first_b) :] if a.phase is Phase.FORWARD]
+        if late:
+            problems.append(f"stage {j} runs {late[0]} after {first_b}")
+    if problems:
+        raise ScheduleError(
+            f"cannot split into a forward pass then a backward pass: {'; '.join(problems)}; "
+            f"run such schedules action by action, or use a fill-drain schedule such as {GPIPE!r}"
+        )
+    return _phase_only(schedule, Phase.FORWARD), _phase_only(schedule, Phase.BACKWARD)
+
+
+def _phase_only(schedule: Schedule, phase: Phase) -> Schedule:
+    return tuple(tuple(a for a in actions if a.phase is phase) for actions in schedule)
 
 
 def _as_leaves(values: list[Any], device: torch.device, grad: bool) -> tuple[list[Any], Any]:

@@ -1,31 +1,20 @@
 """Pipeline schedules as data: which stage runs which forward or backward, in what order.
 
 Index letters used throughout: ``i`` micro-batch, ``j`` stage, ``k`` clock tick; ``P`` is
-the number of stages and ``m`` the number of micro-batches.
+the number of stages, ``m`` the number of micro-batches and ``v`` the virtual stages each
+stage holds (model chunks of an interleaved schedule; 1 otherwise).
 
 A schedule is a tuple with one entry per stage ``j``: the ordered :class:`Action` s that
-stage runs. An action prints as ``"1F0"`` (stage 1, forward, micro-batch 0). Schedules are
-built by pure functions (:func:`gpipe`, :func:`one_f_one_b`), checked by :func:`validate` and
-only *run* by the executor, so the ordering rules live here and tests can check a schedule
-without a model.
-
-Both schedules below have the same bubble, ``(P-1)/(m+P-1)`` for equal stages. They differ
-in memory: GPipe keeps the activations of all ``m`` micro-batches alive until the drain,
-while 1F1B starts each backward as soon as it can, so stage ``j`` holds at most ``P - j``.
-Charts are :func:`render` output for ``P=3, m=4`` with a backward twice as long as a
-forward (a label repeated across ticks is one action; ``.`` is a bubble)::
-
-    gpipe(3, 4): all forwards, then all backwards, last micro-batch first
-    0F0 0F1 0F2 0F3   .   .   .   .   .   . 0B3 0B3 0B2 0B2 0B1 0B1 0B0 0B0
-      . 1F0 1F1 1F2 1F3   .   .   . 1B3 1B3 1B2 1B2 1B1 1B1 1B0 1B0   .   .
-      .   . 2F0 2F1 2F2 2F3 2B3 2B3 2B2 2B2 2B1 2B1 2B0 2B0   .   .   .   .
-
-    one_f_one_b(3, 4): P-j-1 warm-up forwards, then one forward, one backward
-    0F0 0F1 0F2   .   .   .   . 0B0 0B0 0F3 0B1 0B1   . 0B2 0B2   . 0B3 0B3
-      . 1F0 1F1   .   . 1B0 1B0 1F2 1B1 1B1 1F3 1B2 1B2   . 1B3 1B3   .   .
-      .   . 2F0 2B0 2B0 2F1 2B1 2B1 2F2 2B2 2B2 2F3 2B3 2B3   .   .   .   .
+stage runs (``partitioner.runtime.action``, re-exported here). An action prints as
+``"1F0"`` (stage 1, forward, micro-batch 0); its ``stage`` is the virtual stage it runs,
+stage ``j`` holding virtual stages ``j, j + P, ..., j + (v - 1) P`` (Megatron-LM's
+placement; with ``v = 1`` the two are one). Schedules are built by pure functions
+(``partitioner.runtime.schedules``), found by name in one registry
+(``partitioner.runtime.schedule_registry``), checked by :func:`validate` and only *run* by
+an executor, so the ordering rules live here and tests check a schedule without a model.
 
 Example:
+    >>> from partitioner.runtime.schedules import gpipe
     >>> print(render(gpipe(2, 2), backward_time=1.0))
     0F0 0F1   .   . 0B1 0B0
       . 1F0 1F1 1B1 1B0   .
@@ -34,115 +23,23 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
 from partitioner.errors import ScheduleError
+from partitioner.runtime.action import Action, Phase, Schedule
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "Phase",
     "Schedule",
     "bubble_fraction",
+    "check_counts",
     "clock_ticks",
-    "gpipe",
+    "count_problems",
     "in_flight",
-    "make_schedule",
-    "one_f_one_b",
     "render",
-    "split_phases",
     "validate",
 ]
-
-
-class Phase(str, Enum):
-    """Whether an action runs a stage's forward or its backward."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-
-
-_ACTION_TEXT = re.compile(r"(\d+)([FB])(\d+)")
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One stage running one phase of one micro-batch.
-
-    Args:
-        stage: Index ``j`` of the stage, from 0.
-        phase: :attr:`Phase.FORWARD` or :attr:`Phase.BACKWARD`.
-        microbatch: Index ``i`` of the micro-batch, from 0.
-
-    Raises:
-        ScheduleError: If an index is not an int >= 0 or ``phase`` is not a :class:`Phase`.
-
-    Example:
-        >>> a = Action(1, Phase.FORWARD, 0)
-        >>> str(a), Action.parse("1F0") == a
-        ('1F0', True)
-    """
-
-    stage: int
-    phase: Phase
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        problems = [
-            *_index_problem("stage", self.stage, "number stages from 0"),
-            *_index_problem("microbatch", self.microbatch, "number micro-batches from 0"),
-        ]
-        if not isinstance(self.phase, Phase):
-            problems.append(
-                f"Action phase must be a Phase, got {self.phase!r}; "
-                "pass Phase.FORWARD or Phase.BACKWARD (Phase('F') converts a letter)"
-            )
-        if problems:
-            raise ScheduleError("; ".join(problems))
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.phase.value}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Reads an action written as ``str(action)`` does, such as ``"1F0"``.
-
-        Args:
-            text: Stage, phase letter (``F`` or ``B``) and micro-batch; outer spaces are ignored.
-
-        Returns:
-            The action.
-
-        Raises:
-            ScheduleError: If ``text`` is not of that form.
-
-        Example:
-            >>> Action.parse("2B3")
-            Action(stage=2, phase=<Phase.BACKWARD: 'B'>, microbatch=3)
-        """
-        found = _ACTION_TEXT.fullmatch(text.strip()) if isinstance(text, str) else None
-        if found is None:
-            raise ScheduleError(
-                f"cannot read {text!r} as an action; write stage, phase and micro-batch "
-                "like '1F0' (phase F for forward, B for backward)"
-            )
-        stage, letter, microbatch = found.groups()
-        return cls(int(stage), Phase(letter), int(microbatch))
-
-
-Schedule = tuple[tuple[Action, ...], ...]
-"""Per stage ``j``, the ordered actions that stage runs."""
-
-
-def _index_problem(name: str, value: object, fix: str) -> list[str]:
-    # bool is an int to Python but never a meaningful index.
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return []
-    return [f"Action {name} must be an int >= 0, got {value!r}; {fix}"]
 
 
 def _count_problem(name: str, value: object, fix: str) -> list[str]:
@@ -151,103 +48,61 @@ def _count_problem(name: str, value: object, fix: str) -> list[str]:
     return [f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); {fix}"]
 
 
-def _check_counts(n_stages: object, n_microbatches: object) -> None:
-    problems = [
+def count_problems(n_stages: object, n_microbatches: object, virtual: object = 1) -> list[str]:
+    """What is wrong with the counts a schedule is built or checked for; empty if nothing.
+
+    Example:
+        >>> count_problems(4, 8, virtual=2)
+        []
+        >>> count_problems(4, 0)[0]
+        'n_microbatches must be an int >= 1, got 0 (int); pass the number of micro-batches, e.g. 8'
+    """
+    return [
         *_count_problem("n_stages", n_stages, "pass the number of pipeline stages, e.g. 4"),
         *_count_problem(
             "n_microbatches", n_microbatches, "pass the number of micro-batches, e.g. 8"
         ),
+        *_count_problem("virtual", virtual, "pass the virtual stages per stage, e.g. 2"),
     ]
+
+
+def check_counts(n_stages: object, n_microbatches: object, virtual: object = 1) -> None:
+    """Raises if a count is not an int >= 1.
+
+    Raises:
+        ScheduleError: Naming every bad count, its value and a fix.
+    """
+    problems = count_problems(n_stages, n_microbatches, virtual)
     if problems:
         raise ScheduleError("; ".join(problems))
 
 
-def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
-    """The fill-drain schedule of GPipe.
-
-    Every stage runs all forwards in micro-batch order, then all backwards in *reverse*
-    micro-batch order, as torchgpipe's autograd does: the last micro-batch's forward is
-    the freshest, so its backward can start on the last stage without waiting.
-
-    Args:
-        n_stages: Number of stages ``P``, at least 1.
-        n_microbatches: Number of micro-batches ``m``, at least 1.
-
-    Returns:
-        The schedule, one tuple of actions per stage.
-
-    Raises:
-        ScheduleError: If a count is not an int >= 1.
-
-    Example:
-        >>> [" ".join(map(str, actions)) for actions in gpipe(2, 2)]
-        ['0F0 0F1 0B1 0B0', '1F0 1F1 1B1 1B0']
-    """
-    _check_counts(n_stages, n_microbatches)
-    return tuple(
-        tuple(Action(j, Phase.FORWARD, i) for i in range(n_microbatches))
-        + tuple(Action(j, Phase.BACKWARD, i) for i in reversed(range(n_microbatches)))
-        for j in range(n_stages)
-    )
-
-
-def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
-    """The 1F1B schedule (PipeDream-flush, Megatron's non-interleaved schedule).
-
-    Stage ``j`` runs ``min(P - j - 1, m)`` warm-up forwards, then alternates one forward
-    and one backward, then runs the remaining cool-down backwards. Backwards go in
-    micro-batch order, so stage ``j`` never holds more than ``min(P - j, m)`` micro-batches'
-    activations, against ``m`` for :func:`gpipe`, at the same bubble.
-
-    Args:
-        n_stages: Number of stages ``P``, at least 1.
-        n_microbatches: Number of micro-batches ``m``, at least 1.
-
-    Returns:
-        The schedule, one tuple of actions per stage.
-
-    Raises:
-        ScheduleError: If a count is not an int >= 1.
-
-    Example:
-        >>> [" ".join(map(str, actions)) for actions in one_f_one_b(2, 3)]
-        ['0F0 0F1 0B0 0F2 0B1 0B2', '1F0 1B0 1F1 1B1 1F2 1B2']
-    """
-    _check_counts(n_stages, n_microbatches)
-    return tuple(_one_f_one_b_stage(j, n_stages, n_microbatches) for j in range(n_stages))
-
-
-def _one_f_one_b_stage(j: int, n_stages: int, n_microbatches: int) -> tuple[Action, ...]:
-    warmup = min(n_stages - j - 1, n_microbatches)
-    actions = [Action(j, Phase.FORWARD, i) for i in range(warmup)]
-    for i in range(warmup, n_microbatches):
-        actions += [Action(j, Phase.FORWARD, i), Action(j, Phase.BACKWARD, i - warmup)]
-    cooldown = range(n_microbatches - warmup, n_microbatches)
-    actions += [Action(j, Phase.BACKWARD, i) for i in cooldown]
-    return tuple(actions)
-
-
-def validate(schedule: Schedule, n_stages: int, n_microbatches: int) -> None:
+def validate(
+    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int = 1
+) -> None:
     """Checks that a schedule runs every action once, in a legal order, without deadlock.
 
     Every problem found is collected and reported in one error: a wrong number of stage
-    lists; an entry that is not an :class:`Action`; an action in another stage's list; a
+    lists; an entry that is not an :class:`Action`, or sits in another stage's list; a
     micro-batch index out of range; a forward or backward missing or repeated; a backward
-    before its forward on the same stage; forwards out of micro-batch order. The deadlock
-    check runs each stage's list in order, one action at a time, where ``F(j, i)`` needs
-    ``F(j-1, i)`` and ``B(j, i)`` needs ``F(j, i)`` and ``B(j+1, i)``. It runs only when
-    the other checks pass: a missing or misplaced action, or a backward before its forward,
-    would show up again as a stuck stage.
+    before its forward; a virtual stage's forwards out of micro-batch order. The deadlock
+    check runs each stage's list in order, one action at a time, where ``F(k, i)`` (virtual
+    stage ``k``) needs ``F(k-1, i)`` and ``B(k, i)`` needs ``F(k, i)`` and ``B(k+1, i)``.
+    It runs only when the other checks pass: a missing or misplaced action, or a backward
+    before its forward, would show up again as a stuck stage.
 
     Args:
         schedule: Per stage, the ordered actions it runs.
-        n_stages: Number of stages ``P`` the schedule must cover.
+        n_stages: Number of stages ``P`` (lists) the schedule must cover.
         n_microbatches: Number of micro-batches ``m`` the schedule must cover.
+        virtual: Virtual stages ``v`` per stage; the actions name virtual stages
+            ``0 .. P v - 1``, stage ``j`` running those ``k`` with ``k % P == j``.
 
     Raises:
         ScheduleError: Listing every problem, if there is any.
 
     Example:
+        >>> from partitioner.runtime.schedules import gpipe
         >>> validate(gpipe(2, 3), 2, 3)
         >>> broken = (tuple(map(Action.parse, ["0F0", "0B0"])), (Action.parse("1F0"),))
         >>> try:
@@ -257,16 +112,18 @@ def validate(schedule: Schedule, n_stages: int, n_microbatches: int) -> None:
         schedule for 2 stages and 1 micro-batch has 1 problem:
           - stage 1 never runs 1B0; every stage runs each micro-batch's F and B once
     """
-    _check_counts(n_stages, n_microbatches)
-    problems = _placement_problems(schedule, n_stages, n_microbatches)
-    own = _own_actions(schedule, n_stages, n_microbatches)
-    problems += _count_problems(own, n_microbatches) + _order_problems(own)
+    check_counts(n_stages, n_microbatches, virtual)
+    problems = _placement_problems(schedule, n_stages, n_microbatches, virtual)
+    own = _own_actions(schedule, n_stages, n_microbatches, virtual)
+    problems += _count_problems(own, n_stages, n_microbatches, virtual)
+    problems += _order_problems(own)
     if not problems:
-        problems = _deadlock_problems(schedule)
+        problems = _deadlock_problems(schedule, n_stages * virtual)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
+        each = f" of {virtual} virtual stages each" if virtual > 1 else ""
         raise ScheduleError(
-            f"schedule for {_plural(n_stages, 'stage')} and "
+            f"schedule for {_plural(n_stages, 'stage')}{each} and "
             f"{_plural(n_microbatches, 'micro-batch')} has "
             f"{_plural(len(problems), 'problem')}:\n{listed}"
         )
@@ -277,13 +134,17 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{suffix}"
 
 
-def _placement_problems(schedule: Schedule, n_stages: int, n_microbatches: int) -> list[str]:
+def _placement_problems(
+    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int
+) -> list[str]:
     problems = []
     if len(schedule) != n_stages:
         problems.append(
             f"schedule has {len(schedule)} stage lists but n_stages={n_stages}; "
             "give one list of actions per stage"
         )
+    total = n_stages * virtual
+    counts = f"n_stages={n_stages}" + (f" and virtual={virtual}" if virtual > 1 else "")
     for j, actions in enumerate(schedule):
         for action in actions:
             if not isinstance(action, Action):
@@ -291,14 +152,14 @@ def _placement_problems(schedule: Schedule, n_stages: int, n_microbatches: int) 
                     f"stage {j} list holds {action!r}, not an Action; "
                     "build it with Action(...) or Action.parse('1F0')"
                 )
-            elif action.stage >= n_stages:
+            elif action.stage >= total:
                 problems.append(
-                    f"stage {j} list holds {action}, but n_stages={n_stages}; "
-                    f"use stages 0..{n_stages - 1}"
+                    f"stage {j} list holds {action}, but {counts}; use stages 0..{total - 1}"
                 )
-            elif action.stage != j:
+            elif action.stage % n_stages != j:
                 problems.append(
-                    f"stage {j} list holds {action}; move it to stage {action.stage}'s list"
+                    f"stage {j} list holds {action}; "
+                    f"move it to stage {action.stage % n_stages}'s list"
                 )
             elif action.microbatch >= n_microbatches:
                 problems.append(
@@ -308,28 +169,41 @@ def _placement_problems(schedule: Schedule, n_stages: int, n_microbatches: int) 
     return problems
 
 
-def _own_actions(schedule: Schedule, n_stages: int, n_microbatches: int) -> list[list[Action]]:
+def _own_actions(
+    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int
+) -> list[list[Action]]:
     # Misplaced entries are reported once, by _placement_problems, and skipped here.
     return [
         [
             a
             for a in actions
-            if isinstance(a, Action) and a.stage == j and a.microbatch < n_microbatches
+            if isinstance(a, Action)
+            and a.stage < n_stages * virtual
+            and a.stage % n_stages == j
+            and a.microbatch < n_microbatches
         ]
         for j, actions in enumerate(schedule[:n_stages])
     ]
 
 
-def _count_problems(own: list[list[Action]], n_microbatches: int) -> list[str]:
+def _count_problems(
+    own: list[list[Action]], n_stages: int, n_microbatches: int, virtual: int
+) -> list[str]:
     problems = []
+    each = " per virtual stage" if virtual > 1 else ""
     for j, actions in enumerate(own):
         counts = Counter(actions)
-        expected = [Action(j, p, i) for p in Phase for i in range(n_microbatches)]
+        expected = [
+            Action(k, p, i)
+            for k in range(j, n_stages * virtual, n_stages)
+            for p in Phase
+            for i in range(n_microbatches)
+        ]
         missing = [str(a) for a in expected if counts[a] == 0]
         if missing:
             problems.append(
                 f"stage {j} never runs {', '.join(missing)}; "
-                "every stage runs each micro-batch's F and B once"
+                f"every stage runs each micro-batch's F and B once{each}"
             )
         problems += [
             f"stage {j} runs {a} {n} times; run it once"
@@ -342,43 +216,45 @@ def _count_problems(own: list[list[Action]], n_microbatches: int) -> list[str]:
 def _order_problems(own: list[list[Action]]) -> list[str]:
     problems = []
     for j, actions in enumerate(own):
-        first_forward: dict[int, int] = {}
+        first_forward: dict[tuple[int, int], int] = {}
         for k, a in enumerate(actions):
             if a.phase is Phase.FORWARD:
-                first_forward.setdefault(a.microbatch, k)
+                first_forward.setdefault((a.stage, a.microbatch), k)
         problems += [
-            f"stage {j} runs {a} before {j}F{a.microbatch}; "
+            f"stage {j} runs {a} before {a.stage}F{a.microbatch}; "
             "a backward needs its forward's activations, so move it after"
             for k, a in enumerate(actions)
-            if a.phase is Phase.BACKWARD and first_forward.get(a.microbatch, -1) > k
+            if a.phase is Phase.BACKWARD and first_forward.get((a.stage, a.microbatch), -1) > k
         ]
-        order = [a.microbatch for a in actions if a.phase is Phase.FORWARD]
-        if order != sorted(order):
-            problems.append(
-                f"stage {j} runs forwards in micro-batch order {order}; "
-                f"run them as {sorted(order)}, since micro-batches flow through in order"
-            )
+        for stage in sorted({a.stage for a in actions}):
+            order = [a.microbatch for a in actions if a.phase is Phase.FORWARD and a.stage == stage]
+            whose = "" if stage == j else f" of virtual stage {stage}"
+            if order != sorted(order):
+                problems.append(
+                    f"stage {j} runs forwards{whose} in micro-batch order {order}; "
+                    f"run them as {sorted(order)}, since micro-batches flow through in order"
+                )
     return problems
 
 
-def _needs(action: Action, n_stages: int) -> tuple[Action, ...]:
-    j, i = action.stage, action.microbatch
+def _needs(action: Action, n_total: int) -> tuple[Action, ...]:
+    k, i = action.stage, action.microbatch
     if action.phase is Phase.FORWARD:
-        return (Action(j - 1, Phase.FORWARD, i),) if j > 0 else ()
-    after = (Action(j + 1, Phase.BACKWARD, i),) if j + 1 < n_stages else ()
-    return (Action(j, Phase.FORWARD, i), *after)
+        return (Action(k - 1, Phase.FORWARD, i),) if k > 0 else ()
+    after = (Action(k + 1, Phase.BACKWARD, i),) if k + 1 < n_total else ()
+    return (Action(k, Phase.FORWARD, i), *after)
 
 
-def _execute(schedule: Schedule) -> tuple[list[Action], list[int]]:
+def _execute(schedule: Schedule, n_total: int) -> tuple[list[Action], list[int]]:
     """Runs each stage's list in order; returns the actions in a feasible order and,
     per stage, how many of its actions ran (fewer than its list means it is stuck)."""
-    n_stages, done, order = len(schedule), set[Action](), list[Action]()
-    ran = [0] * n_stages
+    done, order = set[Action](), list[Action]()
+    ran = [0] * len(schedule)
     progressed = True
     while progressed:
         progressed = False
         for j, actions in enumerate(schedule):
-            while ran[j] < len(actions) and done.issuperset(_needs(actions[ran[j]], n_stages)):
+            while ran[j] < len(actions) and done.issuperset(_needs(actions[ran[j]], n_total)):
                 done.add(actions[ran[j]])
                 order.append(actions[ran[j]])
                 ran[j] += 1
@@ -386,12 +262,12 @@ def _execute(schedule: Schedule) -> tuple[list[Action], list[int]]:
     return order, ran
 
 
-def _deadlock_problems(schedule: Schedule) -> list[str]:
-    order, ran = _execute(schedule)
+def _deadlock_problems(schedule: Schedule, n_total: int) -> list[str]:
+    order, ran = _execute(schedule, n_total)
     done = set(order)
     waits = [
         f"stage {j} waits on {a} which needs "
-        + ", ".join(str(d) for d in _needs(a, len(schedule)) if d not in done)
+        + ", ".join(str(d) for d in _needs(a, n_total) if d not in done)
         for j, actions in enumerate(schedule)
         if ran[j] < len(actions)
         for a in [actions[ran[j]]]
@@ -423,7 +299,8 @@ def clock_ticks(
 
     A forward takes one tick, a backward ``backward_time / forward_time`` ticks (a whole
     number). Transfers between stages are free. The schedule is validated first, with
-    ``P`` its number of lists and ``m`` one more than its largest micro-batch index.
+    ``P`` its number of lists, ``m`` one more than its largest micro-batch index and ``v``
+    enough virtual stages per stage to hold its largest stage index.
 
     Args:
         schedule: Per stage, the ordered actions it runs.
@@ -438,24 +315,26 @@ def clock_ticks(
         ScheduleError: If the schedule is invalid or the time ratio is not a whole number.
 
     Example:
+        >>> from partitioner.runtime.schedules import gpipe
         >>> [[str(a) if a else "." for a in tick] for tick in clock_ticks(gpipe(2, 1))]
         [['0F0', '.'], ['.', '1F0'], ['.', '1B0'], ['.', '1B0'], ['0B0', '.'], ['0B0', '.']]
     """
     ticks = _ticks_per_phase(forward_time, backward_time)
     n_stages = len(schedule)
-    n_microbatches = 1 + max(
-        (a.microbatch for actions in schedule for a in actions if isinstance(a, Action)),
-        default=-1,
-    )
-    validate(schedule, n_stages, n_microbatches)
+    actions = [a for stage in schedule for a in stage if isinstance(a, Action)]
+    n_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
+    highest = 1 + max((a.stage for a in actions), default=0)
+    virtual = max(1, -(-highest // n_stages)) if n_stages else 1
+    validate(schedule, n_stages, n_microbatches, virtual)
     free, start, finish = [0] * n_stages, dict[Action, int](), dict[Action, int]()
-    for a in _execute(schedule)[0]:
-        start[a] = max([free[a.stage], *(finish[d] for d in _needs(a, n_stages))])
-        finish[a] = free[a.stage] = start[a] + ticks[a.phase]
+    for a in _execute(schedule, n_stages * virtual)[0]:
+        j = a.stage % n_stages
+        start[a] = max([free[j], *(finish[d] for d in _needs(a, n_stages * virtual))])
+        finish[a] = free[j] = start[a] + ticks[a.phase]
     grid: list[list[Action | None]] = [[None] * n_stages for _ in range(max(finish.values()))]
     for a, k0 in start.items():
         for k in range(k0, finish[a]):
-            grid[k][a.stage] = a
+            grid[k][a.stage % n_stages] = a
     return grid
 
 
@@ -463,7 +342,8 @@ def in_flight(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the peak number of micro-batches whose forward ran but backward has not.
 
     This is how many micro-batches' activations the stage must hold at once: ``m`` on
-    every stage for :func:`gpipe`, ``min(P - j, m)`` for :func:`one_f_one_b`.
+    every stage for GPipe, ``min(P - j, m)`` for 1F1B. With virtual stages a micro-batch
+    counts once per virtual stage it is in flight on.
 
     Args:
         schedule: Per stage, the ordered actions it runs.
@@ -472,6 +352,7 @@ def in_flight(schedule: Schedule) -> tuple[int, ...]:
         The peak per stage.
 
     Example:
+        >>> from partitioner.runtime.schedules import gpipe, one_f_one_b
         >>> in_flight(gpipe(3, 4)), in_flight(one_f_one_b(3, 4))
         ((4, 4, 4), (3, 2, 1))
     """
@@ -490,7 +371,7 @@ def bubble_fraction(
 ) -> float:
     """The share of stage-ticks left idle, ``idle / (P * makespan)``, per :func:`clock_ticks`.
 
-    For equal stages both :func:`gpipe` and :func:`one_f_one_b` give ``(P-1)/(m+P-1)``,
+    For equal stages both GPipe and 1F1B give ``(P-1)/(m+P-1)``,
     whatever the backward's length: fill and drain each cost ``P-1`` forwards and
     backwards.
 
@@ -506,6 +387,7 @@ def bubble_fraction(
         ScheduleError: As :func:`clock_ticks` does.
 
     Example:
+        >>> from partitioner.runtime.schedules import gpipe
         >>> bubble_fraction(gpipe(4, 8))
         0.2727272727272727
     """
@@ -530,6 +412,7 @@ def render(schedule: Schedule, forward_time: float = 1.0, backward_time: float =
         ScheduleError: As :func:`clock_ticks` does.
 
     Example:
+        >>> from partitioner.runtime.schedules import one_f_one_b
         >>> print(render(one_f_one_b(2, 2), backward_time=1.0))
         0F0 0F1   . 0B0   . 0B1
           . 1F0 1B0 1F1 1B1   .
@@ -540,73 +423,3 @@ def render(schedule: Schedule, forward_time: float = 1.0, backward_time: float =
         " ".join(str(tick[j] or ".").rjust(width) for tick in grid)
         for j in range(len(schedule))
     )
-
-
-def split_phases(schedule: Schedule) -> tuple[Schedule, Schedule]:
-    """Splits a fill-drain schedule into its forward pass and its backward pass.
-
-    For runtimes that run forward and backward in separate calls (``loss =
-    model(x)`` then ``loss.backward()``), which only works if no stage runs a forward
-    after any of its backwards.
-
-    Args:
-        schedule: Per stage, the ordered actions it runs.
-
-    Returns:
-        ``(forwards, backwards)``: per stage, its forward actions and its backward actions,
-        each in the schedule's order.
-
-    Raises:
-        ScheduleError: Naming every stage that runs a forward after a backward.
-
-    Example:
-        >>> forwards, backwards = split_phases(gpipe(2, 2))
-        >>> [str(a) for a in forwards[0]], [str(a) for a in backwards[0]]
-        (['0F0', '0F1'], ['0B1', '0B0'])
-    """
-    problems = []
-    for j, actions in enumerate(schedule):
-        first_b = next((a for a in actions if a.phase is Phase.BACKWARD), None)
-        if first_b is None:
-            continue
-        late = [a for a in actions[actions.index(first_b) :] if a.phase is Phase.FORWARD]
-        if late:
-            problems.append(f"stage {j} runs {late[0]} after {first_b}")
-    if problems:
-        raise ScheduleError(
-            f"cannot split into a forward pass then a backward pass: {'; '.join(problems)}; "
-            "run such schedules action by action, or use a fill-drain schedule such as 'gpipe'"
-        )
-    return _phase_only(schedule, Phase.FORWARD), _phase_only(schedule, Phase.BACKWARD)
-
-
-def _phase_only(schedule: Schedule, phase: Phase) -> Schedule:
-    return tuple(tuple(a for a in actions if a.phase is phase) for actions in schedule)
-
-
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
-"""The schedules :func:`make_schedule` knows, by name."""
-
-
-def make_schedule(name: str, n_stages: int, n_microbatches: int) -> Schedule:
-    """Builds a schedule by its name in :data:`SCHEDULES`.
-
-    Args:
-        name: ``"gpipe"`` or ``"1f1b"``.
-        n_stages: Number of stages ``P``, at least 1.
-        n_microbatches: Number of micro-batches ``m``, at least 1.
-
-    Returns:
-        The schedule, one tuple of actions per stage.
-
-    Raises:
-        ScheduleError: If the name is unknown or a count is not an int >= 1.
-
-    Example:
-        >>> make_schedule("1f1b", 2, 2) == one_f_one_b(2, 2)
-        True
-    """
-    if name not in SCHEDULES:
-        known = ", ".join(repr(n) for n in sorted(SCHEDULES))
-        raise ScheduleError(f"unknown schedule {name!r}; use one of {known}")
-    return SCHEDULES[name](n_stages, n_microbatches)

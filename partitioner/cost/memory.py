@@ -26,8 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partitioner.errors import MemoryModelError
+from partitioner.runtime.checkpointing import ALWAYS, NEVER, checkpoint_problem
+from partitioner.runtime.schedule_registry import SCHEDULES, name_problem
 
-__all__ = ["MemoryModelError", "OPTIMIZERS", "CHECKPOINTS", "MemoryBreakdown", "in_flight",
+__all__ = ["MemoryModelError", "OPTIMIZERS", "MemoryBreakdown", "in_flight",
            "per_parameter_bytes", "optimizer_traffic", "optimizer_temporaries",
            "activation_memory", "device_memory"]
 
@@ -36,8 +38,6 @@ OPTIMIZERS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2,
 """Optimizer state tensors kept per parameter (``"adam"`` is PyTorch's default
 implementation, one element-wise pass per operation; ``"fused_adam"`` one pass in all, as
 apex's FusedAdam or ``torch.optim.Adam(fused=True)``)."""
-
-CHECKPOINTS = ("never", "always", "except_last")
 
 
 def _check(name: str, value: str, known: tuple[str, ...] | dict[str, int]) -> None:
@@ -50,7 +50,8 @@ def in_flight(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
     """Peak micro-batches (chunk-micro-batches when interleaved) a stage holds activations of.
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        schedule: a name of ``partitioner.runtime.schedule_registry.SCHEDULES``, whose entry
+            knows its peak (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``).
         n_stages: ``p``, devices in the pipeline.
         n_microbatches: ``m``.
         stage: ``j``, the device's position.
@@ -59,13 +60,10 @@ def in_flight(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
     Raises:
         MemoryModelError: for an unknown schedule.
     """
-    _check("schedule", schedule, ("gpipe", "1f1b", "interleaved"))
-    p, m, j = n_stages, n_microbatches, stage
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b" or virtual == 1:
-        return min(p - j, m)
-    return min(2 * (p - j - 1) + (virtual - 1) * p + 1, m * virtual)
+    unknown = name_problem(schedule)
+    if unknown is not None:
+        raise MemoryModelError(unknown)
+    return SCHEDULES[schedule].in_flight(n_stages, n_microbatches, stage, virtual)
 
 
 def per_parameter_bytes(optimizer: str, element: int, mixed_precision: bool) -> int:
@@ -132,10 +130,12 @@ def activation_memory(checkpoint: str, held: int, full: float, stage_input: floa
         >>> activation_memory("never", 4, 100.0, 10.0), activation_memory("always", 4, 100.0, 10.0)
         (400.0, 140.0)
     """
-    _check("checkpoint", checkpoint, CHECKPOINTS)
-    if checkpoint == "never" or held == 0:
+    unknown = checkpoint_problem(checkpoint)
+    if unknown is not None:
+        raise MemoryModelError(unknown)
+    if checkpoint == NEVER or held == 0:
         return held * full
-    if checkpoint == "always":
+    if checkpoint == ALWAYS:
         return held * stage_input + full
     return (held - 1) * stage_input + full
 

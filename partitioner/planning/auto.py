@@ -2,19 +2,20 @@
 
 For ``n`` devices the search enumerates every ``dp x tp x pp = n`` (tensor parallelism only
 inside a node and only when some layer can be split), the micro-batch counts, the schedule
-(GPipe, 1F1B, and Megatron's interleaved 1F1B with ``v`` chunks per device) and the
-checkpoint mode. Each configuration gets a lower bound on its step time from the per-layer
-costs alone (perfect balance, the schedule's unavoidable fill and drain) and a cheap memory
-bound; configurations are then predicted (:func:`partitioner.planning.predict.predict`, which runs
-the
-exact stage-split solver) in order of their bound, a branch and bound that stops when no
+(every schedule of ``partitioner.runtime.schedule_registry``: GPipe, 1F1B, and Megatron's
+interleaved 1F1B with ``v`` chunks per device) and the checkpoint mode. Each configuration
+gets a lower bound on its step time from the per-layer costs alone (perfect balance, the
+schedule's unavoidable fill and drain) and a cheap memory bound; configurations are then
+predicted (:func:`partitioner.planning.predict.predict`, which runs the exact stage-split
+solver) in order of their bound, a branch and bound that stops when no
 bound beats the best prediction, or when the planning budget (5 s by default) runs out --
 then the best found is returned with its gap to the smallest bound not yet explored. The
 order is deterministic: equal inputs give equal plans.
 
 When the plan will run here, only configurations the runtime can execute are chosen:
 :func:`executable` is that predicate, and :data:`LOCAL_RUNTIME` says what the runtime can do
-today (one process, pipeline only, GPipe). Widening it is one line.
+today (one process, pipeline only, the schedules the registry says it executes: GPipe).
+Widening it is one line.
 
 Example:
     >>> from partitioner.cost.devices import Cluster
@@ -42,11 +43,20 @@ from partitioner.planning.predict import Config, Prediction, layer_profile, pred
 from partitioner.planning.records import to_record
 from partitioner.planning.simulate import refine
 from partitioner.plans.explain import format_bytes
+from partitioner.runtime.checkpointing import ALWAYS, EXCEPT_LAST, NEVER
+from partitioner.runtime.schedule_registry import (
+    GPIPE,
+    SCHEDULES,
+    Runtime,
+    schedule_kind,
+    schedule_names,
+)
 
 __all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "executable", "SearchResult", "search",
            "configurations", "CHECKPOINT_ORDER"]
 
-CHECKPOINT_ORDER = ("never", "except_last", "always")
+CHECKPOINT_ORDER = (NEVER, EXCEPT_LAST, ALWAYS)
+"""Checkpoint modes from the least recomputation to the most (the search's order)."""
 
 
 @dataclass(frozen=True)
@@ -55,19 +65,21 @@ class RuntimeSupport:
 
     Attributes:
         name: shown in explanations.
-        schedules: schedule names it runs.
+        schedules: schedule names it runs (by default those the registry says the
+            one-process runtime executes).
         data_parallel: whether it runs ``dp > 1``.
         tensor_parallel: whether it runs ``tp > 1``.
     """
 
     name: str
-    schedules: tuple[str, ...] = ("gpipe",)
+    schedules: tuple[str, ...] = schedule_names([Runtime.ONE_PROCESS])
     data_parallel: bool = False
     tensor_parallel: bool = False
 
 
-LOCAL_RUNTIME = RuntimeSupport("the one-process runtime (runtime/local.py)")
-"""Today's runtime: pipeline stages in one process, GPipe schedule."""
+LOCAL_RUNTIME = RuntimeSupport(Runtime.ONE_PROCESS.label,
+                               schedule_names([Runtime.ONE_PROCESS]))
+"""Today's runtime: pipeline stages in one process, the schedules it executes (GPipe)."""
 
 
 def executable(config: Config, cluster: Cluster,
@@ -145,7 +157,7 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
     splittable = workload.max_tp != 1
     tps = [t for t in _divisors(min(n, cluster.devices_per_node))
            if t == 1 or (splittable and t in workload_tp_degrees(workload, cluster))]
-    names = tuple(schedules) if schedules is not None else ("gpipe", "1f1b", "interleaved")
+    names = tuple(schedules) if schedules is not None else tuple(SCHEDULES)
     modes = (checkpoint,) if checkpoint is not None else CHECKPOINT_ORDER
     for tp in tps:
         for pp in _divisors(n // tp):
@@ -161,8 +173,8 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
                 counts = [m for m in _divisors(per_replica) if m <= max_microbatches
                           or per_replica // m <= 8]
             for m, name, mode in itertools.product(counts, names, modes):
-                if mode == "except_last" and m == 1 and mode != checkpoint:
-                    continue  # replays nothing: "never" at no less memory
+                if mode == EXCEPT_LAST and m == 1 and mode != checkpoint:
+                    continue  # replays nothing: NEVER at no less memory
                 for v in _chunk_counts(name, pp, m, layers):
                     yield Config(dp, tp, pp, m, name, v, mode, optimizer, overlap_grad_reduce,
                                  overlap_p2p)
@@ -175,13 +187,14 @@ def workload_tp_degrees(workload: Workload, cluster: Cluster) -> tuple[int, ...]
 
 
 def _chunk_counts(schedule: str, pp: int, m: int, layers: int) -> list[int]:
+    """Virtual stages per stage worth trying (none: the schedule does not apply)."""
+    kind = schedule_kind(schedule)
     if pp == 1:
-        return [1] if schedule == "gpipe" else []
-    if schedule != "interleaved":
+        # One stage runs every schedule alike: try it once, as GPipe.
+        return [1] if schedule == GPIPE else []
+    if not kind.virtual:
         return [1]
-    if m % pp:
-        return []
-    return [v for v in range(2, layers // pp + 1) if v <= 8]
+    return [v for v in range(2, min(layers // pp, 8) + 1) if not kind.problems(pp, m, v)]
 
 
 class _Bounds:
@@ -218,7 +231,7 @@ class _Bounds:
                      for lay in w.layers)
         acts = sum(lay.activations_on(c.tp if lay.splittable else 1) for lay in w.layers)
         held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)
-        least = acts * samples / c.pp if c.checkpoint != "never" else \
+        least = acts * samples / c.pp if c.checkpoint != NEVER else \
             acts * samples * held / (c.pp * c.virtual)
         return (static / c.pp + least) <= self.capacity
 
@@ -321,7 +334,7 @@ def _nothing_fits(workload: Workload, cluster: Cluster, queue: list[Config], cap
     if not queue:
         return MemoryLimitError(f"none of the configurations for {cluster.size} devices can run "
                                 f"here ({not_executable} need a runtime this machine lacks)")
-    frugal = max(queue, key=lambda c: (c.pp, c.checkpoint == "always", c.chunks, -c.dp))
+    frugal = max(queue, key=lambda c: (c.pp, c.checkpoint == ALWAYS, c.chunks, -c.dp))
     reason = predict(workload, cluster, frugal, capacity=capacity).reason
     message = reason or (f"no configuration of {workload.name} fits {cluster.describe()}; "
                          "use more or larger devices")

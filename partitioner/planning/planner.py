@@ -11,7 +11,6 @@ candidates with their costs (``Plan.candidates``, read by ``Plan.explain()`` and
 
 Example:
     >>> from partitioner.cost.devices import Cluster
-from partitioner.cost.machine import local_cluster
     >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
     >>> w = gpt_workload(GPTShape(8, 1024, 16, 1024, 50304), batch=64)
     >>> names = [layer.name for layer in w.layers]
@@ -44,6 +43,8 @@ from partitioner.plans.fingerprint import fingerprint
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs, Stage
 from partitioner.plans.spec import Spec
 from partitioner.request import PlanRequest
+from partitioner.runtime.checkpointing import EXCEPT_LAST
+from partitioner.runtime.schedule_registry import GPIPE
 
 __all__ = ["pipeline_plan", "auto_plan", "plan_from", "plan_request", "record"]
 
@@ -101,7 +102,7 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     else:
         plan = pipeline_plan(workload, analysis.layer_names, cluster, strategy=strategy,
                              chunks=request.chunks or 1,
-                             checkpoint=request.checkpoint or "except_last", boundaries=cuts,
+                             checkpoint=request.checkpoint or EXCEPT_LAST, boundaries=cuts,
                              capacity=capacity, capture=method)
     return _check_host_memory(plan, cluster)
 
@@ -135,7 +136,7 @@ def _uncosted_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     stages = [Stage(j, str(device), tuple(names[cuts[j]:cuts[j + 1]]))
               for j, device in enumerate(request.devices)]
     return Plan(strategy, tuple(str(d) for d in request.devices), tuple(stages),
-                request.chunks or 1, request.checkpoint or "except_last", "gpipe",
+                request.chunks or 1, request.checkpoint or EXCEPT_LAST, GPIPE,
                 analysis.captured.method)
 
 
@@ -209,7 +210,7 @@ def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     Raises:
         MemoryLimitError: no split fits (only when the split is the planner's to choose).
     """
-    config = Config(1, 1, cluster.size, chunks, "gpipe", 1, checkpoint, optimizer)
+    config = Config(1, 1, cluster.size, chunks, GPIPE, 1, checkpoint, optimizer)
     prediction = predict(workload, cluster, config, boundaries, capacity)
     if prediction.reason:
         raise MemoryLimitError(prediction.reason)

@@ -2,9 +2,10 @@
 
 A :class:`Config` says how a :class:`~partitioner.cost.cost.Workload` is spread over a
 :class:`~partitioner.cost.devices.Cluster`: ``dp x tp x pp`` devices, ``chunks`` micro-batches per
-replica, the schedule (``gpipe``, ``1f1b``, or Megatron's ``interleaved`` 1F1B with
-``virtual`` model chunks per device) and the checkpoint mode. :func:`predict` finds the
-optimal stage split (``partitioner.planning.solver``, unless boundaries are given) and costs it:
+replica, the schedule (a name of ``partitioner.runtime.schedule_registry``: ``gpipe``,
+``1f1b``, or Megatron's ``interleaved`` 1F1B with ``virtual`` model chunks per device) and
+the checkpoint mode. :func:`predict` finds the optimal stage split
+(``partitioner.planning.solver``, unless boundaries are given) and costs it:
 
 * per stage and micro-batch: forward, backward and replayed forward of its layers on one
   tensor-parallel rank (``partitioner.cost.cost``), plus the layers' tensor-parallel all-reduces
@@ -41,7 +42,6 @@ from partitioner.cost.comm import all_gather_time, all_reduce_time
 from partitioner.cost.cost import Workload, phase_times, shared_work
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
-    CHECKPOINTS,
     OPTIMIZERS,
     MemoryBreakdown,
     activation_memory,
@@ -52,11 +52,17 @@ from partitioner.cost.memory import (
 )
 from partitioner.errors import ConfigError
 from partitioner.planning.solver import InfeasibleError, PartitionProblem, evaluate, solve
+from partitioner.runtime.checkpointing import (
+    ALWAYS,
+    EXCEPT_LAST,
+    NEVER,
+    checkpoint_problem,
+    checkpoint_stop,
+)
+from partitioner.runtime.schedule_registry import name_problem, schedule_kind
 
-__all__ = ["ConfigError", "SCHEDULE_NAMES", "Config", "StageProfile", "Prediction", "predict",
-           "layer_profile", "replayed", "stage_problem"]
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+__all__ = ["ConfigError", "Config", "StageProfile", "Prediction", "predict", "layer_profile",
+           "replayed", "stage_problem"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class Config:
         tp: tensor-parallel ranks per stage (inside one node).
         pp: pipeline stages (devices along the pipeline).
         chunks: micro-batches per replica per step (``m``).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        schedule: a name of ``partitioner.runtime.schedule_registry.SCHEDULES``:
+            ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
         virtual: model chunks per device (``v``; interleaved only, else 1).
         checkpoint: ``"never"``, ``"always"`` or ``"except_last"``.
         optimizer: a key of :data:`partitioner.cost.memory.OPTIMIZERS`.
@@ -93,13 +100,14 @@ class Config:
         problems = [f"{k}={getattr(self, k)!r}" for k in ("dp", "tp", "pp", "chunks", "virtual")
                     if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int)
                     or getattr(self, k) < 1]
-        if self.schedule not in SCHEDULE_NAMES:
-            problems.append(f"schedule={self.schedule!r} (use one of {SCHEDULE_NAMES})")
-        elif (self.schedule == "interleaved") != (self.virtual > 1):
-            problems.append(f"virtual={self.virtual} with schedule={self.schedule!r} "
-                            "(interleaved needs virtual >= 2, the others 1)")
-        if self.checkpoint not in CHECKPOINTS:
-            problems.append(f"checkpoint={self.checkpoint!r} (use one of {CHECKPOINTS})")
+        unknown = name_problem(self.schedule)
+        if unknown is not None:
+            problems.append(unknown)
+        elif not problems:
+            problems += schedule_kind(self.schedule).problems(self.pp, self.chunks, self.virtual)
+        unfit = checkpoint_problem(self.checkpoint)
+        if unfit is not None:
+            problems.append(unfit)
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer={self.optimizer!r} (use one of {sorted(OPTIMIZERS)})")
         if problems:
@@ -225,7 +233,7 @@ class Prediction:
 
 def replayed(checkpoint: str, chunks: int) -> int:
     """Micro-batches whose forward is replayed in the backward (torchgpipe's rule)."""
-    return {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+    return checkpoint_stop(checkpoint, chunks)
 
 
 def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
@@ -288,7 +296,7 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
                                optimizer=config.optimizer, element=element,
                                mixed_precision=workload.mixed_precision).total
         act = layer.activations_on(tp) * samples
-        memory.append(static + (act * held / config.virtual if config.checkpoint == "never"
+        memory.append(static + (act * held / config.virtual if config.checkpoint == NEVER
                                 else act))
     n = config.stages
     return PartitionProblem((tuple(compute),) * n, (tuple(transfer),) * n, tuple(memory),
@@ -441,6 +449,7 @@ def _sharing(works: list[tuple[float, ...]]) -> tuple[float, ...]:
 def _assemble(workload: Workload, cluster: Cluster, config: Config,
               stages: tuple[StageProfile, ...], capacity: float, reason: str) -> Prediction:
     p, m, v = config.pp, config.chunks, config.virtual
+    kind = schedule_kind(config.schedule)
     share = replayed(config.checkpoint, m) / m
     blocked = 0.0 if config.overlap_p2p else 1.0
     work = [s.forward + s.backward + share * s.replay
@@ -478,10 +487,10 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         chunk = max(s.activation_bytes for s in mine)
         acts = activation_memory(config.checkpoint, held, chunk,
                                  max(s.input_bytes for s in mine))
-        if config.checkpoint == "except_last" and config.schedule != "gpipe":
+        if config.checkpoint == EXCEPT_LAST and not kind.last_backward_first:
             # The last micro-batch is kept whole on every chunk of the device while earlier
             # ones are replayed (GPipe runs its backward first, 1F1B does not).
-            acts = activation_memory("always", held, chunk, max(s.input_bytes for s in mine)) \
+            acts = activation_memory(ALWAYS, held, chunk, max(s.input_bytes for s in mine)) \
                 + sum(s.activation_bytes for s in mine)
         params = sum(s.param_bytes for s in mine)
         memory.append(device_memory(params, sum(s.buffer_bytes for s in mine), acts,

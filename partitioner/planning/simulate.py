@@ -1,9 +1,8 @@
 """A discrete-event simulation of one training step of a plan.
 
-Every device runs its list of actions in order (``partitioner.runtime.schedule``'s GPipe and 1F1B,
-or
-Megatron's interleaved 1F1B from :func:`interleaved`); an action starts when the device is
-free and its inputs have arrived:
+Every device runs its list of actions in order, as the plan's schedule gives them
+(``partitioner.runtime.schedule_registry``: GPipe, 1F1B, Megatron's interleaved 1F1B, any
+registered schedule); an action starts when the device is free and its inputs have arrived:
 
 * ``F(k, i)`` (virtual stage ``k``, micro-batch ``i``) needs the activations of
   ``F(k - 1, i)``, sent over the link between their devices;
@@ -47,10 +46,10 @@ from typing import Any
 from partitioner.cost.devices import Cluster
 from partitioner.errors import SimulationError
 from partitioner.planning.predict import Prediction, StageProfile, replayed
-from partitioner.runtime.schedule import Action, Phase, Schedule, gpipe, one_f_one_b
+from partitioner.runtime.schedule import Action, Phase
+from partitioner.runtime.schedule_registry import make_schedule
 
-__all__ = ["SimulationError", "SimulationResult", "simulate", "interleaved", "device_actions",
-           "refine"]
+__all__ = ["SimulationError", "SimulationResult", "simulate", "refine"]
 
 
 @dataclass(frozen=True)
@@ -73,57 +72,6 @@ class SimulationResult:
     peak_memory: tuple[float, ...]
     timeline: tuple[tuple[Action, float, float], ...]
     transfers: tuple[tuple[str, float, float], ...]
-
-
-def interleaved(n_devices: int, n_chunks: int, n_microbatches: int) -> Schedule:
-    """Megatron-LM's interleaved 1F1B: per device, its actions over its ``v`` model chunks.
-
-    Device ``j`` holds virtual stages ``j, j + p, ..., j + (v - 1) p``. It runs
-    ``2 (p - j - 1) + (v - 1) p`` warm-up forwards, then alternates one forward and one
-    backward, then drains; forwards walk the chunks in order over groups of ``p``
-    micro-batches, backwards in reverse chunk order. ``m`` must be a multiple of ``p``.
-
-    Raises:
-        SimulationError: ``m`` is not a multiple of ``p``, or a count is below 1.
-
-    Example:
-        >>> [" ".join(map(str, a)) for a in interleaved(2, 2, 2)]
-        ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
-    """
-    p, v, m = n_devices, n_chunks, n_microbatches
-    if min(p, v, m) < 1 or m % p:
-        raise SimulationError(f"interleaved needs m a multiple of p: got p={p}, v={v}, m={m}; "
-                              f"use m in {p}, {2 * p}, ...")
-    total = m * v
-
-    def action(j: int, k: int, phase: Phase) -> Action:
-        chunk = (k % (p * v)) // p
-        if phase is Phase.BACKWARD:
-            chunk = v - chunk - 1
-        return Action(chunk * p + j, phase, (k // (p * v)) * p + k % p)
-
-    out = []
-    for j in range(p):
-        warmup = min(2 * (p - j - 1) + (v - 1) * p, total)
-        actions = [action(j, k, Phase.FORWARD) for k in range(warmup)]
-        for r in range(total - warmup):
-            actions += [action(j, warmup + r, Phase.FORWARD), action(j, r, Phase.BACKWARD)]
-        actions += [action(j, k, Phase.BACKWARD) for k in range(total - warmup, total)]
-        out.append(tuple(actions))
-    return tuple(out)
-
-
-def device_actions(schedule: str, n_devices: int, n_microbatches: int,
-                   n_chunks: int = 1) -> Schedule:
-    """Per device, its ordered actions for a schedule by name."""
-    if schedule == "gpipe":
-        return gpipe(n_devices, n_microbatches)
-    if schedule == "1f1b":
-        return one_f_one_b(n_devices, n_microbatches)
-    if schedule == "interleaved":
-        return interleaved(n_devices, n_chunks, n_microbatches)
-    raise SimulationError(f"schedule {schedule!r} cannot be simulated; use gpipe, 1f1b or "
-                          "interleaved")
 
 
 class _Host:
@@ -162,7 +110,7 @@ class _Simulation:
         self.p = prediction
         self.config = c = prediction.config
         self.stages = prediction.stages
-        self.order = device_actions(c.schedule, c.pp, c.chunks, c.virtual)
+        self.order = make_schedule(c.schedule, c.pp, c.chunks, c.virtual)
         self.replay_below = replayed(c.checkpoint, c.chunks)
         spec = cluster.spec(0)
         shared = cluster.is_local and bool(spec.shared_speedup) and c.pp > 1
@@ -389,6 +337,7 @@ def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:
 
     Raises:
         SimulationError: the plan has no cost record.
+        ScheduleError: the plan's schedule cannot be built for its counts.
     """
     from partitioner.planning.records import from_record
     if isinstance(plan, Prediction):

@@ -25,6 +25,7 @@ from typing import Any
 from partitioner.errors import PlanFormatError
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import Fingerprint
+from partitioner.runtime.checkpointing import checkpoint_problem
 
 __all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
            "VERSION", "SHARD_KINDS"]
@@ -133,7 +134,7 @@ class Plan:
         stages: the stages, in order.
         chunks: micro-batches per mini-batch.
         checkpoint: "always", "except_last" or "never".
-        schedule: the pipeline schedule ("gpipe").
+        schedule: the pipeline schedule, a name of ``partitioner.runtime.schedule_registry``.
         capture: how the model was captured ("fx" or "export").
         predicted_step_time: seconds per training step, if costed.
         predicted_bubble: idle fraction of the schedule, if costed.
@@ -178,8 +179,9 @@ class Plan:
             problems.append(f"stage indices {[s.index for s in self.stages]} are not 0..P-1")
         if self.chunks < 1:
             problems.append(f"chunks={self.chunks}; it must be >= 1")
-        if self.checkpoint not in ("always", "except_last", "never"):
-            problems.append(f"checkpoint={self.checkpoint!r}; use always, except_last or never")
+        unknown = checkpoint_problem(self.checkpoint)
+        if unknown is not None:
+            problems.append(unknown)
         names = [name for s in self.stages for name in s.layers]
         if len(set(names)) != len(names):
             problems.append("a layer appears in two stages")

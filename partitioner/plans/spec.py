@@ -49,8 +49,8 @@ from torch import nn
 
 from partitioner.errors import PartitionError, SpecError
 from partitioner.plans.plan import SHARD_KINDS, ShardSpec
-from partitioner.runtime.local import CHECKPOINT_MODES
-from partitioner.runtime.schedule import SCHEDULES
+from partitioner.runtime.checkpointing import CHECKPOINT_MODES
+from partitioner.runtime.schedule_registry import Runtime, schedule_names
 
 __all__ = ["Spec", "StageSpec", "SpecError", "resolve_spec", "stage_boundaries", "shard_specs",
            "read_document", "summarize_names"]
@@ -139,7 +139,8 @@ class Spec:
             "balance": _int_list(data, "balance", problems),
             "chunks": _positive(data, "chunks", problems),
             "checkpoint": _choice(data, "checkpoint", CHECKPOINT_MODES, problems),
-            "schedule": _choice(data, "schedule", tuple(SCHEDULES), problems),
+            # A spec's schedule is run, so only a schedule some runtime executes.
+            "schedule": _choice(data, "schedule", schedule_names(Runtime), problems),
             "strategy": _choice(data, "strategy", ("auto", "pipeline"), problems),
             "memory_limit": _memory(data, problems),
             "mesh": _mesh(data.get("mesh"), problems),

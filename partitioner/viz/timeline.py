@@ -30,7 +30,8 @@ from typing import Any
 
 from partitioner.errors import TimelineError
 from partitioner.plans.plan import Plan
-from partitioner.runtime.schedule import Action, Phase, clock_ticks, make_schedule
+from partitioner.runtime.schedule import Action, Phase, clock_ticks
+from partitioner.runtime.schedule_registry import make_schedule
 from partitioner.viz.dot import device_color, quote
 
 __all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "measured_timeline",

@@ -1,9 +1,9 @@
 """Run one rank's stage of a pipeline across processes: its actions, P2P, the loss.
 
-Every rank holds one stage ``j`` and runs that stage's list from the same validated
-schedules the one-process runtime uses (``partitioner.runtime.schedule``: GPipe or 1F1B), one action
-at a time, with the same :class:`~partitioner.runtime.stage.StageRunner` doing each micro-batch's
-forward, checkpointed replay and backward::
+Every rank holds one stage ``j`` and runs that stage's list of a validated schedule (one
+``partitioner.runtime.schedule_registry`` says this runtime executes: GPipe or 1F1B), one
+action at a time, with the same :class:`~partitioner.runtime.stage.StageRunner` as the
+one-process runtime doing each micro-batch's forward, checkpointed replay and backward::
 
     1f1b, P=2, m=4      rank of stage 0:  0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
                         rank of stage 1:  1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
@@ -45,11 +45,12 @@ from partitioner.errors import (
     StageExecutionError,
     StrategyError,
 )
+from partitioner.runtime.checkpointing import checkpoint_problem, checkpoint_stop
 from partitioner.runtime.distributed.data_parallel import GradReducer, TiedGradients
 from partitioner.runtime.distributed.p2p import Boundary, Pending, PipeLinks
-from partitioner.runtime.local import CHECKPOINT_MODES, checkpoint_stop
 from partitioner.runtime.microbatch import batch_size, scatter
-from partitioner.runtime.schedule import SCHEDULES, Action, Phase, make_schedule, validate
+from partitioner.runtime.schedule import Action, Phase, validate
+from partitioner.runtime.schedule_registry import Runtime, make_schedule, runtime_problem
 from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.transfer import move_leaves
 
@@ -85,7 +86,8 @@ class DistributedPipeline:
         n_stages: ``P``.
         links: P2P links to the neighbouring stages of this replica.
         interfaces: predicts the boundaries of each micro-batch from stage 0's inputs.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: a schedule the multi-process runtime executes (``"gpipe"`` or ``"1f1b"``;
+            ``Runtime.MULTI_PROCESS`` in ``partitioner.runtime.schedule_registry``).
         chunks: micro-batches per step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         restructure: turns the last stage's output into what the model returns.
@@ -107,11 +109,8 @@ class DistributedPipeline:
                  dp_size: int = 1,
                  loss_rank: bool | None = None, loss_reduction: str = "mean",
                  grad_scale: float = 1.0) -> None:
-        problems = []
-        if schedule not in SCHEDULES:
-            problems.append(f"schedule={schedule!r}; use one of {sorted(SCHEDULES)}")
-        if checkpoint not in CHECKPOINT_MODES:
-            problems.append(f"checkpoint={checkpoint!r}; use one of {CHECKPOINT_MODES}")
+        problems = [p for p in (runtime_problem(schedule, Runtime.MULTI_PROCESS),
+                                checkpoint_problem(checkpoint)) if p is not None]
         if loss_reduction not in LOSS_REDUCTIONS:
             problems.append(f"loss_reduction={loss_reduction!r}; use one of {LOSS_REDUCTIONS}")
         if problems:

@@ -13,7 +13,16 @@ from models import gpt2, mlp
 from torch import nn
 
 from partitioner import partition
-from partitioner.errors import BackwardError, PartitionError, StageExecutionError
+from partitioner.errors import (
+    BackwardError,
+    ChunksError,
+    PartitionError,
+    ScheduleError,
+    StageExecutionError,
+)
+from partitioner.runtime.action import Schedule
+from partitioner.runtime.local import LocalPipeline, split_phases
+from partitioner.runtime.schedules import gpipe, one_f_one_b
 
 
 class _Boom(nn.Module):
@@ -220,3 +229,66 @@ def test_a_no_grad_forward_between_forward_and_backward_keeps_the_gradients() ->
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad)
     pm.close()
+
+
+def _text_of(schedule: Schedule) -> list[str]:
+    return [" ".join(str(a) for a in actions) for actions in schedule]
+
+
+def _stages(n: int) -> list[torch.fx.GraphModule]:
+    class Stage(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (x * 2,)
+
+    return [torch.fx.symbolic_trace(Stage()) for _ in range(n)]
+
+
+def test_the_pipeline_runs_the_schedules_the_registry_gives_it() -> None:
+    pipe = LocalPipeline(_stages(2), [torch.device("cpu")] * 2, chunks=3)
+    try:
+        forwards, backwards = pipe.schedule(3)
+        assert _text_of(forwards) == ["0F0 0F1 0F2", "1F0 1F1 1F2"]
+        assert _text_of(backwards) == ["0B2 0B1 0B0", "1B2 1B1 1B0"]
+        assert pipe.schedule_kind.name == "gpipe"
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize(("schedule", "expected"), [
+    ("1f1b", "schedule='1f1b' is not executed by the one-process runtime.*use one of 'gpipe' "
+             "\\('1f1b' runs in the multi-process runtime\\)"),
+    ("interleaved", "'interleaved' is simulated and predicted only"),
+    ("zb", "schedule='zb' is not a registered schedule; use one of 'gpipe', '1f1b'"),
+])
+def test_the_pipeline_refuses_schedules_it_does_not_execute(schedule: str, expected: str) -> None:
+    with pytest.raises(ScheduleError, match=expected):
+        LocalPipeline(_stages(2), [torch.device("cpu")] * 2, chunks=2, schedule=schedule)
+
+
+def test_the_pipeline_refuses_unknown_checkpoint_modes() -> None:
+    with pytest.raises(ChunksError, match="checkpoint='sometimes' is not a checkpoint mode; "
+                                          "use one of 'always', 'except_last', 'never'"):
+        LocalPipeline(_stages(1), [torch.device("cpu")], checkpoint="sometimes")
+
+
+def test_split_phases_separates_gpipe() -> None:
+    forwards, backwards = split_phases(gpipe(2, 3))
+    assert _text_of(forwards) == ["0F0 0F1 0F2", "1F0 1F1 1F2"]
+    assert _text_of(backwards) == ["0B2 0B1 0B0", "1B2 1B1 1B0"]
+
+
+def test_split_phases_rejects_one_f_one_b_naming_each_stage() -> None:
+    with pytest.raises(ScheduleError, match="cannot split") as caught:
+        split_phases(one_f_one_b(3, 4))
+    message = str(caught.value)
+    assert "stage 0 runs 0F3 after 0B0" in message
+    assert "stage 1 runs 1F2 after 1B0" in message
+    assert "stage 2 runs 2F1 after 2B0" in message
+    assert "use a fill-drain schedule such as 'gpipe'" in message
+
+
+def test_split_phases_accepts_one_f_one_b_with_one_microbatch() -> None:
+    # With m=1 there is no later forward, so 1F1B degenerates to fill-drain.
+    forwards, backwards = split_phases(one_f_one_b(2, 1))
+    assert _text_of(forwards) == ["0F0", "1F0"]
+    assert _text_of(backwards) == ["0B0", "1B0"]

@@ -1,4 +1,5 @@
-"""Tests of runtime/schedule.py: schedules are checked as data, without running a model."""
+"""Tests of runtime/schedule.py, runtime/schedules.py and runtime/schedule_registry.py:
+schedules are checked as data, without running a model."""
 
 from __future__ import annotations
 
@@ -8,24 +9,51 @@ from fractions import Fraction
 import pytest
 
 import partitioner.runtime.schedule
-from partitioner.errors import ScheduleError
+import partitioner.runtime.schedule_registry
+import partitioner.runtime.schedules
+from partitioner.errors import PartitionError, ScheduleError
 from partitioner.runtime.schedule import (
-    SCHEDULES,
     Action,
     Phase,
     Schedule,
     bubble_fraction,
     clock_ticks,
-    gpipe,
     in_flight,
-    make_schedule,
-    one_f_one_b,
     render,
-    split_phases,
     validate,
 )
+from partitioner.runtime.schedule_registry import (
+    GPIPE,
+    INTERLEAVED,
+    ONE_F_ONE_B,
+    SCHEDULES,
+    Runtime,
+    ScheduleKind,
+    check_runtime,
+    make_schedule,
+    runtime_problem,
+    schedule_kind,
+    schedule_names,
+)
+from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
+VIRTUAL = [1, 2, 3, 4]
+
+
+def grid(kind: ScheduleKind) -> list[tuple[int, int, int]]:
+    """Every (P, m, v) up to 6 stages, 12 micro-batches and 4 virtual stages that ``kind``
+    can be built for."""
+    sizes = [(p, m, v) for p in range(1, 7) for m in range(1, 13) for v in VIRTUAL]
+    return [size for size in sizes if not kind.problems(*size)]
+
+
+def registered(test: object) -> object:
+    """Parametrizes ``test`` over every registered schedule and each size of its grid."""
+    cases = [pytest.param(kind, *size, id=f"{name}-{size}")
+             for name, kind in SCHEDULES.items() for size in grid(kind)]
+    return pytest.mark.parametrize(("kind", "n_stages", "n_microbatches", "virtual"),
+                                   cases)(test)  # type: ignore[arg-type]
 
 
 def schedule_of(*stages: str) -> Schedule:
@@ -40,6 +68,13 @@ def text_of(schedule: Schedule) -> list[str]:
 def problems_of(schedule: Schedule, n_stages: int, n_microbatches: int) -> str:
     with pytest.raises(ScheduleError) as caught:
         validate(schedule, n_stages, n_microbatches)
+    return str(caught.value)
+
+
+def problems_of_virtual(schedule: Schedule, n_stages: int, n_microbatches: int,
+                        virtual: int) -> str:
+    with pytest.raises(ScheduleError) as caught:
+        validate(schedule, n_stages, n_microbatches, virtual)
     return str(caught.value)
 
 
@@ -145,13 +180,151 @@ def test_builders_report_both_bad_counts() -> None:
 def test_make_schedule_builds_by_name() -> None:
     assert make_schedule("gpipe", 3, 5) == gpipe(3, 5)
     assert make_schedule("1f1b", 3, 5) == one_f_one_b(3, 5)
-    assert set(SCHEDULES) == {"gpipe", "1f1b"}
+    assert make_schedule("interleaved", 3, 6, 2) == interleaved(3, 6, 2)
+    assert tuple(SCHEDULES) == (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+    assert all(name == kind.name for name, kind in SCHEDULES.items())
 
 
-def test_make_schedule_unknown_name_lists_known_names() -> None:
-    with pytest.raises(ScheduleError, match="unknown schedule 'zero_bubble'") as caught:
-        make_schedule("zero_bubble", 2, 2)
-    assert "'1f1b', 'gpipe'" in str(caught.value)
+@pytest.mark.parametrize("name", ["zero_bubble", "GPipe", "", None, 3])
+def test_unknown_schedule_names_the_value_and_the_registered_names(name: object) -> None:
+    for lookup in (lambda: schedule_kind(name), lambda: make_schedule(name, 2, 2),  # type: ignore[arg-type]
+                   lambda: check_runtime(name, Runtime.ONE_PROCESS)):
+        with pytest.raises(ScheduleError) as caught:
+            lookup()
+        assert isinstance(caught.value, PartitionError) and isinstance(caught.value, ValueError)
+        message = str(caught.value)
+        assert f"schedule={name!r} is not a registered schedule" in message
+        assert "use one of 'gpipe', '1f1b', 'interleaved'" in message
+
+
+# The registry
+
+
+@registered
+def test_every_registered_schedule_validates(
+    kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
+) -> None:
+    schedule = kind.build(n_stages, n_microbatches, virtual)
+    validate(schedule, n_stages, n_microbatches, virtual)
+    assert make_schedule(kind.name, n_stages, n_microbatches, virtual) == schedule
+    clock_ticks(schedule)  # its own P, m and v are read back from the actions
+
+
+@registered
+def test_every_registered_peak_matches_its_schedule(
+    kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
+) -> None:
+    peaks = in_flight(kind.build(n_stages, n_microbatches, virtual))
+    assert tuple(kind.in_flight(n_stages, n_microbatches, j, virtual)
+                 for j in range(n_stages)) == peaks
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_registered_rule_is_the_generator_s(name: str) -> None:
+    # The entry states which counts its generator accepts (the search enumerates from
+    # them without building): the generator must refuse exactly the others.
+    kind = SCHEDULES[name]
+    for p, m, v in [(p, m, v) for p in range(1, 6) for m in range(1, 11) for v in VIRTUAL]:
+        problems = kind.problems(p, m, v)
+        args = (p, m, v) if kind.virtual else (p, m)
+        if problems:
+            if kind.virtual or v == 1:  # a generator without virtual stages cannot see v
+                with pytest.raises(ScheduleError):
+                    kind.generate(*args)
+            with pytest.raises(ScheduleError) as caught:
+                kind.build(p, m, v)
+            assert str(caught.value) == "; ".join(problems)
+        else:
+            assert kind.generate(*args) == kind.build(p, m, v)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_last_backward_first_is_what_the_schedule_does(name: str) -> None:
+    kind = SCHEDULES[name]
+    for p, m, v in grid(kind)[:60]:
+        if m < 2:
+            continue
+        firsts = [next(a for a in actions if a.phase is Phase.BACKWARD)
+                  for actions in kind.build(p, m, v)]
+        assert all(a.microbatch == m - 1 for a in firsts) == kind.last_backward_first
+
+
+def test_virtual_stages_are_asked_of_interleaved_only() -> None:
+    with pytest.raises(ScheduleError, match="'interleaved' needs virtual >= 2.*got virtual=1"):
+        make_schedule("interleaved", 2, 4)
+    with pytest.raises(ScheduleError, match="'1f1b' runs one virtual stage per stage, got "
+                                            "virtual=2; pass virtual=1, or use one of "
+                                            "'interleaved'"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="groups of the 4 stages, got 6 micro-batches"):
+        make_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="virtual must be an int >= 1, got 0"):
+        make_schedule("gpipe", 4, 6, 0)
+
+
+def test_runtimes_execute_what_the_registry_says() -> None:
+    assert schedule_names([Runtime.ONE_PROCESS]) == (GPIPE,)
+    assert schedule_names([Runtime.MULTI_PROCESS]) == (GPIPE, ONE_F_ONE_B)
+    assert schedule_names(Runtime) == (GPIPE, ONE_F_ONE_B)
+    assert schedule_names(virtual=True) == (INTERLEAVED,)
+    assert SCHEDULES[INTERLEAVED].runtimes == frozenset()
+    assert check_runtime(GPIPE, Runtime.ONE_PROCESS) is SCHEDULES[GPIPE]
+    assert runtime_problem(ONE_F_ONE_B, Runtime.MULTI_PROCESS) is None
+    with pytest.raises(ScheduleError, match="'1f1b' runs in the multi-process runtime"):
+        check_runtime(ONE_F_ONE_B, Runtime.ONE_PROCESS)
+    message = str(runtime_problem(INTERLEAVED, Runtime.MULTI_PROCESS))
+    assert "schedule='interleaved' is not executed by the multi-process runtime" in message
+    assert "use one of 'gpipe', '1f1b'" in message and "simulated and predicted only" in message
+
+
+def test_the_registry_cannot_be_changed_by_accident() -> None:
+    with pytest.raises(TypeError):
+        SCHEDULES["mine"] = SCHEDULES[GPIPE]  # type: ignore[index]
+
+
+# Interleaved
+
+
+def test_interleaved_runs_every_virtual_stage_s_actions_once_per_stage() -> None:
+    p, m, v = 3, 6, 2
+    for j, actions in enumerate(interleaved(p, m, v)):
+        expected = {Action(c * p + j, phase, i) for c in range(v) for phase in Phase
+                    for i in range(m)}
+        assert set(actions) == expected and len(actions) == len(expected)
+
+
+def test_interleaved_walks_chunks_in_groups_of_p_microbatches() -> None:
+    assert text_of(interleaved(2, 2, 2)) == [
+        "0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1",
+    ]
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches", "virtual", "expected"), [
+    (4, 6, 2, "n_microbatches=6 is not a multiple of n_stages=4"),
+    (2, 4, 1, "virtual=1; interleaving needs 2 or more"),
+    (2, 4, 0, "virtual must be an int >= 1, got 0"),
+])
+def test_interleaved_refuses_counts_it_cannot_run(
+    n_stages: int, n_microbatches: int, virtual: int, expected: str
+) -> None:
+    with pytest.raises(ScheduleError, match=expected):
+        interleaved(n_stages, n_microbatches, virtual)
+
+
+def test_interleaved_divides_the_bubble_by_the_virtual_stages() -> None:
+    # Each action is one chunk, 1/v of a stage: with forward and backward of one tick the
+    # fill and drain are (P - 1) chunk ticks each, so the bubble is (P-1) / (v m + P - 1).
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (3, 6, 3)]:
+        bubble = bubble_fraction(interleaved(p, m, v), 1.0, 1.0)
+        assert Fraction(bubble).limit_denominator(1000) == Fraction(p - 1, v * m + p - 1)
+
+
+def test_render_draws_interleaved_one_row_per_stage() -> None:
+    assert render(interleaved(2, 2, 2), 1.0, 1.0) == (
+        "0F0 0F1 2F0 2F1   . 2B0   . 2B1 0B0 0B1\n"
+        "  . 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1   ."
+    )
 
 
 # Memory and bubble
@@ -334,32 +507,36 @@ def test_validate_accepts_a_hand_written_valid_schedule() -> None:
     validate(schedule_of("0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"), 2, 2)
 
 
-# Splitting into passes
+def test_validate_with_virtual_stages_reads_stage_k_on_list_k_mod_p() -> None:
+    validate(schedule_of("0F0 2F0 2B0 0B0", "1F0 3F0 3B0 1B0"), 2, 1, virtual=2)
+    message = problems_of_virtual(schedule_of("0F0 3F0 2B0 0B0", "1F0 2F0 3B0 1B0"), 2, 1, 2)
+    assert "stage 0 list holds 3F0; move it to stage 1's list" in message
+    assert "stage 1 list holds 2F0; move it to stage 0's list" in message
+    assert "schedule for 2 stages of 2 virtual stages each and 1 micro-batch" in message
 
 
-def test_split_phases_separates_gpipe() -> None:
-    forwards, backwards = split_phases(gpipe(2, 3))
-    assert text_of(forwards) == ["0F0 0F1 0F2", "1F0 1F1 1F2"]
-    assert text_of(backwards) == ["0B2 0B1 0B0", "1B2 1B1 1B0"]
+def test_validate_with_virtual_stages_reports_missing_chunks_and_high_stages() -> None:
+    message = problems_of_virtual(schedule_of("0F0 0B0 4F0", "1F0 3F0 3B0 1B0"), 2, 1, 2)
+    assert "stage 0 list holds 4F0, but n_stages=2 and virtual=2; use stages 0..3" in message
+    assert ("stage 0 never runs 2F0, 2B0; every stage runs each micro-batch's F and B once "
+            "per virtual stage") in message
 
 
-def test_split_phases_rejects_one_f_one_b_naming_each_stage() -> None:
-    with pytest.raises(ScheduleError, match="cannot split") as caught:
-        split_phases(one_f_one_b(3, 4))
-    message = str(caught.value)
-    assert "stage 0 runs 0F3 after 0B0" in message
-    assert "stage 1 runs 1F2 after 1B0" in message
-    assert "stage 2 runs 2F1 after 2B0" in message
+def test_validate_with_virtual_stages_checks_each_chunk_s_order_and_dependencies() -> None:
+    message = problems_of_virtual(
+        schedule_of("0F0 0F1 2F1 2F0 2B0 2B1 0B0 0B1", "1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1"),
+        2, 2, 2)
+    assert "stage 0 runs forwards of virtual stage 2 in micro-batch order [1, 0]" in message
+    # Virtual stage 0's backward needs 1B0, which needs 2B0, queued behind 0B0 on stage 0.
+    stuck = problems_of_virtual(
+        schedule_of("0F0 2F0 0B0 2B0", "1F0 3F0 3B0 1B0"), 2, 1, 2)
+    assert ("deadlock: stage 0 waits on 0B0 which needs 1B0; "
+            "stage 1 waits on 1B0 which needs 2B0") in stuck
 
 
-def test_split_phases_accepts_one_f_one_b_with_one_microbatch() -> None:
-    # With m=1 there is no later forward, so 1F1B degenerates to fill-drain.
-    forwards, backwards = split_phases(one_f_one_b(2, 1))
-    assert text_of(forwards) == ["0F0", "1F0"]
-    assert text_of(backwards) == ["0B0", "1B0"]
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(partitioner.runtime.schedule)
+@pytest.mark.parametrize("module", [partitioner.runtime.schedule, partitioner.runtime.schedules,
+                                    partitioner.runtime.schedule_registry])
+def test_docstring_examples_run(module: object) -> None:
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
     assert result.attempted > 0
     assert result.failed == 0

@@ -15,9 +15,9 @@ from partitioner.cost.memory import (
     optimizer_traffic,
     per_parameter_bytes,
 )
-from partitioner.planning.simulate import interleaved
-from partitioner.runtime.schedule import Phase, gpipe, one_f_one_b
+from partitioner.runtime.schedule import Phase
 from partitioner.runtime.schedule import in_flight as schedule_in_flight
+from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b
 
 
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 5), (4, 8), (4, 2), (8, 3)])
@@ -38,7 +38,7 @@ def _peak_chunks(actions: tuple) -> int:
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 4, 6), (8, 2, 16)])
 def test_interleaved_in_flight_matches_the_schedule(p: int, v: int, m: int) -> None:
-    schedule = interleaved(p, v, m)
+    schedule = interleaved(p, m, v)
     for j in range(p):
         assert in_flight("interleaved", p, m, j, v) == _peak_chunks(schedule[j])
 

@@ -21,8 +21,16 @@ WORKLOAD = gpt_workload(GPTShape(16, 2048, 16, 1024, 50304), batch=64)
 def test_config_validation_collects_problems() -> None:
     with pytest.raises(ConfigError, match="dp=0.*schedule='zigzag'.*checkpoint='maybe'"):
         Config(dp=0, schedule="zigzag", checkpoint="maybe")
-    with pytest.raises(ConfigError, match="interleaved needs virtual >= 2"):
+    with pytest.raises(ConfigError, match="'interleaved' needs virtual >= 2"):
         Config(pp=2, schedule="interleaved")
+    with pytest.raises(ConfigError, match="'gpipe' runs one virtual stage per stage"):
+        Config(pp=2, schedule="gpipe", virtual=2)
+    # The registry's rules, not only its names: interleaving goes in groups of pp.
+    with pytest.raises(ConfigError, match="groups of the 4 stages, got 6 micro-batches"):
+        Config(pp=4, chunks=6, schedule="interleaved", virtual=2)
+    with pytest.raises(ConfigError, match="schedule='zigzag' is not a registered schedule; "
+                                          "use one of 'gpipe', '1f1b', 'interleaved'"):
+        Config(schedule="zigzag")
     with pytest.raises(ConfigError, match="optimizer='lion'") as info:
         Config(optimizer="lion")
     assert isinstance(info.value, ValueError)

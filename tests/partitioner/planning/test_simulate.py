@@ -18,9 +18,10 @@ from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.memory import MemoryBreakdown
 from partitioner.cost.transformer_model import GPTShape, gpt_workload
 from partitioner.planning.predict import Config, Prediction, StageProfile, predict
-from partitioner.planning.simulate import SimulationError, device_actions, interleaved, simulate
+from partitioner.planning.simulate import SimulationError, simulate
 from partitioner.plans.plan import Plan
-from partitioner.runtime.schedule import Action, Phase
+from partitioner.runtime.schedule import Action
+from partitioner.runtime.schedule_registry import SCHEDULES, make_schedule
 
 GPUS = Cluster.preset("A100-80GB", nodes=2)
 
@@ -65,15 +66,23 @@ def test_simulated_peak_memory_holds_m_or_p_minus_j_micro_batches(p: int, m: int
     assert onef.peak_memory == tuple(10.0 * min(p - j, m) for j in range(p))
 
 
-def test_interleaved_runs_every_action_once_per_device() -> None:
-    p, v, m = 3, 2, 6
-    schedule = interleaved(p, v, m)
-    for j, actions in enumerate(schedule):
-        expected = {Action(c * p + j, phase, i) for c in range(v) for phase in Phase
-                    for i in range(m)}
-        assert set(actions) == expected and len(actions) == len(expected)
-    with pytest.raises(SimulationError, match="m a multiple of p"):
-        interleaved(4, 2, 6)
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("p,m", [(1, 2), (2, 4), (3, 6), (4, 8)])
+def test_the_simulator_runs_every_registered_schedule_as_the_registry_builds_it(
+        name: str, p: int, m: int) -> None:
+    kind = SCHEDULES[name]
+    v = 2 if kind.virtual else 1
+    config = Config(pp=p, chunks=m, schedule=name, virtual=v)
+    result = simulate(_equal_stages(config), GPUS)
+    # Every action of the registry's schedule ran once, each device in its list's order.
+    order = make_schedule(name, p, m, v)
+    assert sorted(a for a, _, _ in result.timeline) == sorted(a for acts in order for a in acts)
+    for j, actions in enumerate(order):
+        ran = sorted((start, a) for a, start, _ in result.timeline if a.stage % p == j)
+        assert tuple(a for _, a in ran) == actions
+    # Peak memory: 10 bytes per (chunk-)micro-batch in flight, as the registry says.
+    assert result.peak_memory == tuple(10.0 * kind.in_flight(p, m, j, v) for j in range(p))
+    assert result.pipeline_time >= m * v * 3.0 - 1e-9
 
 
 def test_timeline_is_actions_without_overlap_per_device() -> None:
@@ -159,12 +168,6 @@ def test_a_plan_without_costs_cannot_be_simulated() -> None:
     with pytest.raises(SimulationError, match="no cost record") as info:
         simulate(plan)
     assert isinstance(info.value, ValueError)
-
-
-def test_schedules_by_name() -> None:
-    assert len(device_actions("gpipe", 2, 3)) == 2
-    with pytest.raises(SimulationError, match="schedule 'zero-bubble'"):
-        device_actions("zero-bubble", 2, 3)
 
 
 def test_doctests() -> None:

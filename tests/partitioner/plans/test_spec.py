@@ -148,3 +148,12 @@ def test_layer_matching_and_name_summaries() -> None:
     assert layer_matches("layer1", "layer1.0") and layer_matches("0_1", "0.1")
     assert layer_matches("h.1", "h.1#2")
     assert summarize_names([f"h.{k}" for k in range(48)]) == "h.0 .. h.47"
+
+
+def test_a_spec_schedule_is_one_some_runtime_executes() -> None:
+    # Taken from the schedule registry: interleaved is registered, but only simulated.
+    assert Spec.from_dict({"schedule": "1f1b"}).schedule == "1f1b"
+    assert Spec.from_dict({"schedule": "gpipe"}).schedule == "gpipe"
+    for name in ("interleaved", "zero_bubble"):
+        with pytest.raises(SpecError, match=f"schedule: '{name}'; use one of gpipe, 1f1b$"):
+            Spec.from_dict({"schedule": name})

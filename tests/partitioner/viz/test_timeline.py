@@ -10,7 +10,8 @@ from models import mlp
 
 from partitioner import make_plan, partition
 from partitioner.plans.plan import Plan, Stage
-from partitioner.runtime.schedule import Action, bubble_fraction, gpipe
+from partitioner.runtime.schedule import Action, bubble_fraction
+from partitioner.runtime.schedules import gpipe
 from partitioner.viz import (
     Timeline,
     measured_timeline,

@@ -1,0 +1,63 @@
+"""Activation checkpointing modes: which micro-batches replay their forward in the backward.
+
+The modes are torchgpipe's. A checkpointed micro-batch keeps only its stage input through
+the forward and runs the forward again just before its backward, trading compute for the
+memory of its activations:
+
+* ``always``: every micro-batch is checkpointed;
+* ``except_last``: all but the last, whose backward runs first under GPipe, so replaying
+  it would only repeat work whose activations are needed at once;
+* ``never``: none; every micro-batch keeps its activations until its backward.
+
+Plans, specs, the planner and the runtimes all take the names from here.
+
+Example:
+    >>> [checkpoint_stop(mode, 4) for mode in CHECKPOINT_MODES]
+    [4, 3, 0]
+"""
+
+from __future__ import annotations
+
+from partitioner.errors import ChunksError
+
+__all__ = ["ALWAYS", "CHECKPOINT_MODES", "EXCEPT_LAST", "NEVER", "checkpoint_problem",
+           "checkpoint_stop"]
+
+ALWAYS = "always"
+EXCEPT_LAST = "except_last"
+NEVER = "never"
+
+CHECKPOINT_MODES = (ALWAYS, EXCEPT_LAST, NEVER)
+"""Every checkpoint mode, in the order messages list them."""
+
+
+def checkpoint_problem(mode: object) -> str | None:
+    """Why ``mode`` is not a checkpoint mode, or ``None`` if it is.
+
+    Example:
+        >>> print(checkpoint_problem("sometimes"))
+        checkpoint='sometimes' is not a checkpoint mode; use one of 'always', 'except_last', 'never'
+    """
+    if isinstance(mode, str) and mode in CHECKPOINT_MODES:
+        return None
+    listed = ", ".join(repr(m) for m in CHECKPOINT_MODES)
+    return f"checkpoint={mode!r} is not a checkpoint mode; use one of {listed}"
+
+
+def checkpoint_stop(mode: str, chunks: int) -> int:
+    """Micro-batches ``i < checkpoint_stop`` are checkpointed (torchgpipe's rule).
+
+    Args:
+        mode: A name of :data:`CHECKPOINT_MODES`.
+        chunks: The number of micro-batches ``m``.
+
+    Returns:
+        ``m`` for ``always``, ``m - 1`` for ``except_last``, 0 for ``never``.
+
+    Raises:
+        ChunksError: If ``mode`` is not a checkpoint mode.
+    """
+    problem = checkpoint_problem(mode)
+    if problem is not None:
+        raise ChunksError(problem)
+    return {ALWAYS: chunks, EXCEPT_LAST: chunks - 1, NEVER: 0}[mode]

@@ -1,0 +1,262 @@
+"""The one registry of pipeline schedules: by name, how each is built and who runs it.
+
+Plans, specs, the predictor, the simulator, the search and the runtimes all look a schedule
+up here. Each :class:`ScheduleKind` holds its generator (a pure function of
+``partitioner.runtime.schedules``), whether it needs virtual stages, the rules its counts
+must keep, and the :class:`Runtime` s that execute it; a schedule no runtime executes is
+still simulated and predicted. Today the one-process runtime executes ``gpipe``, the
+multi-process runtime ``gpipe`` and ``1f1b``, and ``interleaved`` (``v >= 2`` model
+chunks per stage) is simulated and predicted only. Adding a schedule is adding its
+generator and one entry to :data:`SCHEDULES`; the tests then validate it over a grid of
+sizes and simulate it.
+
+Example:
+    >>> [str(a) for a in make_schedule("1f1b", 2, 2)[0]]
+    ['0F0', '0F1', '0B0', '0B1']
+    >>> schedule_names([Runtime.ONE_PROCESS]), schedule_names([Runtime.MULTI_PROCESS])
+    (('gpipe',), ('gpipe', '1f1b'))
+    >>> schedule_kind("interleaved").virtual, schedule_kind("interleaved").runtimes
+    (True, frozenset())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+from types import MappingProxyType
+
+from partitioner.errors import ScheduleError
+from partitioner.runtime.action import Schedule
+from partitioner.runtime.schedule import count_problems, in_flight
+from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b
+
+__all__ = [
+    "GPIPE",
+    "INTERLEAVED",
+    "ONE_F_ONE_B",
+    "Runtime",
+    "SCHEDULES",
+    "ScheduleKind",
+    "check_runtime",
+    "make_schedule",
+    "name_problem",
+    "runtime_problem",
+    "schedule_kind",
+    "schedule_names",
+]
+
+GPIPE = "gpipe"
+ONE_F_ONE_B = "1f1b"
+INTERLEAVED = "interleaved"
+
+
+class Runtime(str, Enum):
+    """A runtime that executes schedules."""
+
+    ONE_PROCESS = "one-process"
+    MULTI_PROCESS = "multi-process"
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``"the one-process runtime (runtime/local.py)"``."""
+        where = {Runtime.ONE_PROCESS: "runtime/local.py",
+                 Runtime.MULTI_PROCESS: "runtime/distributed/pipeline.py"}[self]
+        return f"the {self.value} runtime ({where})"
+
+
+InFlight = Callable[[int, int, int, int], int]
+"""``(P, m, j, v)`` to the peak (chunk-)micro-batches stage ``j`` holds activations of."""
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One registered schedule.
+
+    Attributes:
+        name: What plans, specs and configurations call it.
+        generate: The pure function building it, called ``generate(P, m)``, or
+            ``generate(P, m, v)`` when ``virtual``; returns the actions per stage.
+        virtual: Whether it needs ``v >= 2`` virtual stages per stage (else exactly 1).
+        runtimes: The runtimes that execute it; empty: simulated and predicted only.
+        grouped: Whether micro-batches go through in groups of ``P`` (``m`` a multiple of
+            ``P``).
+        last_backward_first: Whether each stage's first backward is the last micro-batch's
+            (fill-drain), so the one micro-batch ``except_last`` keeps whole is freed
+            before any checkpointed one is replayed.
+        peak: The in-flight peak in closed form; ``None``: counted from the schedule.
+    """
+
+    name: str
+    generate: Callable[..., Schedule]
+    virtual: bool = False
+    runtimes: frozenset[Runtime] = frozenset()
+    grouped: bool = False
+    last_backward_first: bool = False
+    peak: InFlight | None = None
+
+    def problems(self, n_stages: int, n_microbatches: int, virtual: int = 1) -> list[str]:
+        """What keeps this schedule from being built for these counts; empty if nothing."""
+        found = count_problems(n_stages, n_microbatches, virtual)
+        if found:
+            return found
+        if self.virtual and virtual < 2:
+            found.append(f"schedule {self.name!r} needs virtual >= 2 (model chunks per stage), "
+                         f"got virtual={virtual}; pass 2 or more, or use one of "
+                         f"{_listed(schedule_names(virtual=False))}")
+        elif not self.virtual and virtual != 1:
+            found.append(f"schedule {self.name!r} runs one virtual stage per stage, got "
+                         f"virtual={virtual}; pass virtual=1, or use one of "
+                         f"{_listed(schedule_names(virtual=True))}")
+        if self.grouped and n_microbatches % n_stages:
+            found.append(f"schedule {self.name!r} runs micro-batches in groups of the "
+                         f"{n_stages} stages, got {n_microbatches} micro-batches; use a "
+                         f"multiple of {n_stages}")
+        return found
+
+    def build(self, n_stages: int, n_microbatches: int, virtual: int = 1) -> Schedule:
+        """The schedule for ``P`` stages, ``m`` micro-batches and ``v`` virtual stages.
+
+        Raises:
+            ScheduleError: Listing :meth:`problems`, if there are any.
+        """
+        found = self.problems(n_stages, n_microbatches, virtual)
+        if found:
+            raise ScheduleError("; ".join(found))
+        if self.virtual:
+            return self.generate(n_stages, n_microbatches, virtual)
+        return self.generate(n_stages, n_microbatches)
+
+    def in_flight(self, n_stages: int, n_microbatches: int, stage: int, virtual: int = 1
+                  ) -> int:
+        """Peak micro-batches (chunk-micro-batches with virtual stages) stage ``j`` holds
+        activations of, as ``partitioner.runtime.schedule.in_flight`` counts them."""
+        if self.peak is not None:
+            return self.peak(n_stages, n_microbatches, stage, virtual)
+        return _counted_peaks(self, n_stages, n_microbatches, virtual)[stage]
+
+    def runs_on(self, runtime: Runtime) -> bool:
+        """Whether ``runtime`` executes this schedule."""
+        return runtime in self.runtimes
+
+
+@lru_cache(maxsize=256)
+def _counted_peaks(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
+                   ) -> tuple[int, ...]:
+    return in_flight(kind.build(n_stages, n_microbatches, virtual))
+
+
+SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for kind in (
+    ScheduleKind(GPIPE, gpipe, runtimes=frozenset({Runtime.ONE_PROCESS, Runtime.MULTI_PROCESS}),
+                 last_backward_first=True, peak=lambda p, m, j, v: m),
+    ScheduleKind(ONE_F_ONE_B, one_f_one_b, runtimes=frozenset({Runtime.MULTI_PROCESS}),
+                 peak=lambda p, m, j, v: min(p - j, m)),
+    ScheduleKind(INTERLEAVED, interleaved, virtual=True, grouped=True,
+                 peak=lambda p, m, j, v: min(2 * (p - j - 1) + (v - 1) * p + 1, m * v)),
+)})
+"""Every schedule by name, in the order messages list them."""
+
+
+def _listed(names: Iterable[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def schedule_names(runtimes: Iterable[Runtime] | None = None, *, virtual: bool | None = None
+                   ) -> tuple[str, ...]:
+    """Registered names, optionally only those some of ``runtimes`` execute, or only those
+    that need (``virtual=True``) or refuse (``False``) virtual stages.
+
+    Example:
+        >>> schedule_names(), schedule_names([Runtime.ONE_PROCESS]), schedule_names(Runtime)
+        (('gpipe', '1f1b', 'interleaved'), ('gpipe',), ('gpipe', '1f1b'))
+    """
+    wanted = None if runtimes is None else frozenset(runtimes)
+    return tuple(name for name, kind in SCHEDULES.items()
+                 if (wanted is None or kind.runtimes & wanted)
+                 and (virtual is None or kind.virtual == virtual))
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` is not a registered schedule, or ``None`` if it is.
+
+    Example:
+        >>> print(name_problem("zero_bubble"))  # doctest: +NORMALIZE_WHITESPACE
+        schedule='zero_bubble' is not a registered schedule;
+        use one of 'gpipe', '1f1b', 'interleaved'
+    """
+    return None if _lookup(name) else _unknown(name)
+
+
+def _lookup(name: object) -> ScheduleKind | None:
+    return SCHEDULES.get(name) if isinstance(name, str) else None
+
+
+def _unknown(name: object) -> str:
+    return f"schedule={name!r} is not a registered schedule; use one of {_listed(SCHEDULES)}"
+
+
+def schedule_kind(name: object) -> ScheduleKind:
+    """The registered schedule called ``name``.
+
+    Raises:
+        ScheduleError: If no schedule has that name, naming it and the registered ones.
+    """
+    kind = _lookup(name)
+    if kind is None:
+        raise ScheduleError(_unknown(name))
+    return kind
+
+
+def make_schedule(name: str, n_stages: int, n_microbatches: int, virtual: int = 1) -> Schedule:
+    """Builds a schedule by its name in :data:`SCHEDULES`.
+
+    Args:
+        name: A registered name, such as ``"gpipe"`` or ``"1f1b"``.
+        n_stages: Number of stages ``P``, at least 1.
+        n_microbatches: Number of micro-batches ``m``, at least 1.
+        virtual: Virtual stages per stage ``v``: 1, or 2 or more for ``"interleaved"``.
+
+    Returns:
+        The schedule, one tuple of actions per stage.
+
+    Raises:
+        ScheduleError: If the name is unknown or the counts do not suit the schedule.
+
+    Example:
+        >>> from partitioner.runtime.schedules import one_f_one_b
+        >>> make_schedule("1f1b", 2, 2) == one_f_one_b(2, 2)
+        True
+    """
+    return schedule_kind(name).build(n_stages, n_microbatches, virtual)
+
+
+def runtime_problem(name: object, runtime: Runtime) -> str | None:
+    """Why ``runtime`` cannot execute the schedule ``name``, or ``None`` if it can.
+
+    Example:
+        >>> print(runtime_problem("1f1b", Runtime.ONE_PROCESS))  # doctest: +NORMALIZE_WHITESPACE
+        schedule='1f1b' is not executed by the one-process runtime (runtime/local.py);
+        use one of 'gpipe' ('1f1b' runs in the multi-process runtime)
+    """
+    kind = _lookup(name)
+    if kind is None:
+        return _unknown(name)
+    if kind.runs_on(runtime):
+        return None
+    where = " and ".join(f"the {r.value} runtime" for r in Runtime if kind.runs_on(r))
+    return (f"schedule={name!r} is not executed by {runtime.label}; use one of "
+            f"{_listed(schedule_names([runtime]))} ({name!r} "
+            + (f"runs in {where})" if where else "is simulated and predicted only)"))
+
+
+def check_runtime(name: object, runtime: Runtime) -> ScheduleKind:
+    """The schedule ``name``, if ``runtime`` executes it.
+
+    Raises:
+        ScheduleError: If the name is unknown or ``runtime`` does not execute it.
+    """
+    problem = runtime_problem(name, runtime)
+    if problem is not None:
+        raise ScheduleError(problem)
+    return schedule_kind(name)

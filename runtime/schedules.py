@@ -1,0 +1,167 @@
+"""The pipeline schedules, each a pure function returning the actions per stage.
+
+Index letters as in ``partitioner.runtime.schedule``: ``i`` micro-batch, ``j`` stage; ``P``
+stages, ``m`` micro-batches, ``v`` virtual stages per stage. Each function checks its
+counts, returns one tuple of :class:`~partitioner.runtime.action.Action` s per stage, and
+knows nothing of models or devices; ``partitioner.runtime.schedule_registry`` names them
+and says which runtime executes which.
+
+GPipe and 1F1B have the same bubble, ``(P-1)/(m+P-1)`` for equal stages. They differ in
+memory: GPipe keeps the activations of all ``m`` micro-batches alive until the drain,
+while 1F1B starts each backward as soon as it can, so stage ``j`` holds at most ``P - j``.
+Interleaving ``v`` model chunks per stage divides the bubble by ``v``, for more messages
+and more micro-batches in flight. Charts are ``render`` output with a backward twice as
+long as a forward (a label repeated across ticks is one action; ``.`` is a bubble)::
+
+    gpipe(3, 4): all forwards, then all backwards, last micro-batch first
+    0F0 0F1 0F2 0F3   .   .   .   .   .   . 0B3 0B3 0B2 0B2 0B1 0B1 0B0 0B0
+      . 1F0 1F1 1F2 1F3   .   .   . 1B3 1B3 1B2 1B2 1B1 1B1 1B0 1B0   .   .
+      .   . 2F0 2F1 2F2 2F3 2B3 2B3 2B2 2B2 2B1 2B1 2B0 2B0   .   .   .   .
+
+    one_f_one_b(3, 4): P-j-1 warm-up forwards, then one forward, one backward
+    0F0 0F1 0F2   .   .   .   . 0B0 0B0 0F3 0B1 0B1   . 0B2 0B2   . 0B3 0B3
+      . 1F0 1F1   .   . 1B0 1B0 1F2 1B1 1B1 1F3 1B2 1B2   . 1B3 1B3   .   .
+      .   . 2F0 2B0 2B0 2F1 2B1 2B1 2F2 2B2 2B2 2F3 2B3 2B3   .   .   .   .
+
+    interleaved(3, 3, 2): stage j holds virtual stages j and j + 3, each half its work
+    0F0 0F1 0F2 3F0 3F1 3F2   .   .   .   . 3B0 3B0   . 3B1 3B1   . 3B2 3B2 0B0 0B0 0B1 0B1 0B2 0B2
+      . 1F0 1F1 1F2 4F0 4F1 4F2   . 4B0 4B0   . 4B1 4B1   . 4B2 4B2 1B0 1B0 1B1 1B1 1B2 1B2   .   .
+      .   . 2F0 2F1 2F2 5F0 5B0 5B0 5F1 5B1 5B1 5F2 5B2 5B2 2B0 2B0 2B1 2B1 2B2 2B2   .   .   .   .
+
+Example:
+    >>> from partitioner.runtime.schedule import render
+    >>> print(render(one_f_one_b(2, 2), backward_time=1.0))
+    0F0 0F1   . 0B0   . 0B1
+      . 1F0 1B0 1F1 1B1   .
+"""
+
+from __future__ import annotations
+
+from partitioner.errors import ScheduleError
+from partitioner.runtime.action import Action, Phase, Schedule
+from partitioner.runtime.schedule import check_counts
+
+__all__ = ["gpipe", "interleaved", "one_f_one_b"]
+
+
+def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
+    """The fill-drain schedule of GPipe.
+
+    Every stage runs all forwards in micro-batch order, then all backwards in *reverse*
+    micro-batch order, as torchgpipe's autograd does: the last micro-batch's forward is
+    the freshest, so its backward can start on the last stage without waiting.
+
+    Args:
+        n_stages: Number of stages ``P``, at least 1.
+        n_microbatches: Number of micro-batches ``m``, at least 1.
+
+    Returns:
+        The schedule, one tuple of actions per stage.
+
+    Raises:
+        ScheduleError: If a count is not an int >= 1.
+
+    Example:
+        >>> [" ".join(map(str, actions)) for actions in gpipe(2, 2)]
+        ['0F0 0F1 0B1 0B0', '1F0 1F1 1B1 1B0']
+    """
+    check_counts(n_stages, n_microbatches)
+    return tuple(
+        tuple(Action(j, Phase.FORWARD, i) for i in range(n_microbatches))
+        + tuple(Action(j, Phase.BACKWARD, i) for i in reversed(range(n_microbatches)))
+        for j in range(n_stages)
+    )
+
+
+def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
+    """The 1F1B schedule (PipeDream-flush, Megatron's non-interleaved schedule).
+
+    Stage ``j`` runs ``min(P - j - 1, m)`` warm-up forwards, then alternates one forward
+    and one backward, then runs the remaining cool-down backwards. Backwards go in
+    micro-batch order, so stage ``j`` never holds more than ``min(P - j, m)`` micro-batches'
+    activations, against ``m`` for :func:`gpipe`, at the same bubble.
+
+    Args:
+        n_stages: Number of stages ``P``, at least 1.
+        n_microbatches: Number of micro-batches ``m``, at least 1.
+
+    Returns:
+        The schedule, one tuple of actions per stage.
+
+    Raises:
+        ScheduleError: If a count is not an int >= 1.
+
+    Example:
+        >>> [" ".join(map(str, actions)) for actions in one_f_one_b(2, 3)]
+        ['0F0 0F1 0B0 0F2 0B1 0B2', '1F0 1B0 1F1 1B1 1F2 1B2']
+    """
+    check_counts(n_stages, n_microbatches)
+    return tuple(_one_f_one_b_stage(j, n_stages, n_microbatches) for j in range(n_stages))
+
+
+def _one_f_one_b_stage(j: int, n_stages: int, n_microbatches: int) -> tuple[Action, ...]:
+    warmup = min(n_stages - j - 1, n_microbatches)
+    actions = [Action(j, Phase.FORWARD, i) for i in range(warmup)]
+    for i in range(warmup, n_microbatches):
+        actions += [Action(j, Phase.FORWARD, i), Action(j, Phase.BACKWARD, i - warmup)]
+    cooldown = range(n_microbatches - warmup, n_microbatches)
+    actions += [Action(j, Phase.BACKWARD, i) for i in cooldown]
+    return tuple(actions)
+
+
+def interleaved(n_stages: int, n_microbatches: int, virtual: int) -> Schedule:
+    """Megatron-LM's interleaved 1F1B: per stage, its actions over its ``v`` model chunks.
+
+    Stage ``j`` holds virtual stages ``j, j + P, ..., j + (v - 1) P``. It runs
+    ``min(2 (P - j - 1) + (v - 1) P, m v)`` warm-up forwards, then alternates one forward
+    and one backward, then drains; forwards walk the chunks in order over groups of ``P``
+    micro-batches, backwards in reverse chunk order, so ``m`` must be a multiple of ``P``.
+    Stage ``j`` holds at most ``min(2 (P - j - 1) + (v - 1) P + 1, m v)`` chunk-micro-batches.
+
+    Args:
+        n_stages: Number of stages ``P``, at least 1.
+        n_microbatches: Number of micro-batches ``m``, a multiple of ``P``.
+        virtual: Virtual stages (model chunks) per stage ``v``, at least 2.
+
+    Returns:
+        The schedule, one tuple of actions per stage; actions name virtual stages.
+
+    Raises:
+        ScheduleError: If a count is not an int >= 1, ``v < 2`` or ``m`` is not a
+            multiple of ``P``.
+
+    Example:
+        >>> [" ".join(map(str, actions)) for actions in interleaved(2, 2, 2)]
+        ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
+    """
+    check_counts(n_stages, n_microbatches, virtual)
+    p, m, v = n_stages, n_microbatches, virtual
+    problems = []
+    if v < 2:
+        problems.append(f"virtual={v}; interleaving needs 2 or more model chunks per stage "
+                        "(use one_f_one_b for one)")
+    if m % p:
+        problems.append(f"n_microbatches={m} is not a multiple of n_stages={p}; micro-batches "
+                        f"go through in groups of {p}, so use {p}, {2 * p}, ...")
+    if problems:
+        raise ScheduleError("interleaved: " + "; ".join(problems))
+    return tuple(_interleaved_stage(j, p, m, v) for j in range(p))
+
+
+def _interleaved_stage(j: int, p: int, m: int, v: int) -> tuple[Action, ...]:
+    total = m * v
+
+    def action(k: int, phase: Phase) -> Action:
+        # The k-th forward (or backward) of stage j: chunk by position in a group of p * v,
+        # backwards walking the chunks from the last.
+        chunk = (k % (p * v)) // p
+        if phase is Phase.BACKWARD:
+            chunk = v - chunk - 1
+        return Action(chunk * p + j, phase, (k // (p * v)) * p + k % p)
+
+    warmup = min(2 * (p - j - 1) + (v - 1) * p, total)
+    actions = [action(k, Phase.FORWARD) for k in range(warmup)]
+    for r in range(total - warmup):
+        actions += [action(warmup + r, Phase.FORWARD), action(r, Phase.BACKWARD)]
+    actions += [action(k, Phase.BACKWARD) for k in range(total - warmup, total)]
+    return tuple(actions)
