@@ -11,7 +11,6 @@ candidates with their costs (``Plan.candidates``, read by ``Plan.explain()`` and
 
 Example:
     >>> from partitioner.cost.devices import Cluster
-from partitioner.cost.machine import local_cluster
     >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
     >>> w = gpt_workload(GPTShape(8, 1024, 16, 1024, 50304), batch=64)
     >>> names = [layer.name for layer in w.layers]
