@@ -7,9 +7,10 @@ it is not. A :class:`~partitioner.plans.spec.Spec` is compiled: its globs resolv
 model's layers, the rest planned, and the result recorded like any other plan.
 
 Both paths, and plain planning, end in :func:`partitioner.planning.planner.record`, which
-writes into the plan what the file format promises: the model's fingerprint, the planner's inputs
-and the bytes each stage
-sends per micro-batch.
+writes into the plan what the file format promises: the model's fingerprint, the planner's
+inputs (with the example batch's input signature) and the bytes each stage sends per
+micro-batch. A plan of a model that only ``torch.export`` captures is applied without
+example inputs by making inputs of that signature for the capture alone.
 
 Example:
     >>> import torch
@@ -24,15 +25,17 @@ Example:
 from __future__ import annotations
 
 import itertools
+import reprlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import parse_devices
-from partitioner.errors import PlanMismatchError
+from partitioner.errors import ExampleInputsError, PlanFormatError, PlanMismatchError
 from partitioner.planning.planner import plan_request, record
 from partitioner.plans.fingerprint import differences, fingerprint
 from partitioner.plans.plan import FORMAT, Mesh, Plan
@@ -53,9 +56,11 @@ def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
     read as a hand-written spec.
 
     Raises:
-        PlanFormatError: a malformed plan file.
-        SpecError: a malformed spec, or a file that cannot be read or parsed.
+        PlanFormatError: a malformed plan file, or ``source`` of another type.
+        SpecError: a malformed spec, or a file that is missing, too large, cannot be read
+            or parsed (``partitioner.plans.spec.read_document``).
     """
+    _check_source(source)
     data = source if isinstance(source, dict) else read_document(source)
     if isinstance(data, dict) and data.get("format") == FORMAT:
         return Plan.from_dict(data)
@@ -77,6 +82,7 @@ def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest
         PlanMismatchError: the plan was made for another model or disagrees with the call.
         SpecError: a spec that is malformed or does not fit the model.
     """
+    _check_source(source)
     given = source if isinstance(source, (Plan, Spec)) else load_plan(source)
     if isinstance(given, Spec):
         return _compile(model, given, request)
@@ -97,7 +103,8 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest
     if problems:
         raise PlanMismatchError("the call disagrees with the plan it applies:\n"
                                 + "\n".join(f"  - {p}" for p in problems))
-    analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False)
+    inputs, kwargs = _capture_inputs(model, plan, request)
+    analysis = analyze(model, inputs, kwargs, need_costs=False)
     names = analysis.layer_names
     if names != list(plan.layers):
         missing = [n for n in plan.layers if n not in names]
@@ -109,9 +116,49 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest
     _check_executable(plan)
     settled = PlanRequest.make(list(plan.devices), "auto", chunks=plan.chunks,
                                checkpoint=plan.checkpoint, balance=plan.balance,
-                               example_inputs=request.example_inputs,
-                               example_kwargs=request.example_kwargs)
+                               example_inputs=inputs, example_kwargs=kwargs)
     return analysis, plan, settled
+
+
+def _check_source(source: Any) -> None:
+    """Refuse a ``plan=`` that is none of the things it may be, or an empty path."""
+    if isinstance(source, (Plan, Spec, dict, Path)) or (isinstance(source, str) and source):
+        return
+    shown = reprlib.repr(source)
+    if isinstance(source, str):
+        raise PlanFormatError("plan='' is an empty path; pass the path of a plan or spec "
+                              "file, or plan=None to plan the model")
+    raise PlanFormatError(f"plan={shown} is not a plan (it is of type {type(source).__name__}); "
+                          "pass the path of a plan or spec file (str or Path), a Plan, a Spec, "
+                          "or a spec as a dict")
+
+
+def _capture_inputs(model: nn.Module, plan: Plan, request: PlanRequest
+                    ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
+    """The inputs to capture the model with: the caller's, or for a plan of a model that
+    only ``torch.export`` captures, inputs made from the plan's input signature."""
+    given = request.example_inputs, dict(request.example_kwargs or {}) or None
+    if plan.capture != "export" or given != (None, None):
+        return given
+    signature = plan.planner.signature if plan.planner is not None else None
+    if signature is None:
+        raise ExampleInputsError(
+            "the plan's model is captured with torch.export, which runs the model, and the "
+            "plan records no input signature (it predates them, or was written by hand); "
+            "pass example_inputs=(x,) with one batch, or save the plan again")
+    if signature.opaque:
+        raise ExampleInputsError(
+            f"the plan records {', '.join(signature.opaque)} by type only, so they cannot be "
+            "made again to capture the model with torch.export; pass example_inputs=(...) and "
+            "example_kwargs={...} with one batch")
+    return signature.example(_home(model))
+
+
+def _home(model: nn.Module) -> torch.device:
+    """Where the model's tensors live (a ``meta`` model is captured with ``meta`` inputs)."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:

@@ -166,7 +166,9 @@ def partition_distributed(
         raise StrategyError(f"the plan's layers are not this model's: missing here "
                             f"{missing[:8]}, not in the plan {extra[:8]}; re-plan the model")
     home = _model_device(model)
-    graphs = build_stage_graphs(analysis, replace(made, devices=(str(home),) * len(made.stages)))
+    here = tuple(replace(s, device=str(home)) for s in made.stages)  # as devices must say
+    graphs = build_stage_graphs(analysis, replace(made, devices=(str(home),) * len(here),
+                                                  stages=here))
     mesh = Mesh(shape)
     bucket_bytes = int(bucket_mb * 2**20)
     digest, summary = _digest(made, graphs, shape, loss_reduction, bucket_bytes, seed)

@@ -41,6 +41,7 @@ from partitioner.planning.simulate import refine
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import fingerprint
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs, Stage
+from partitioner.plans.signature import describe
 from partitioner.plans.spec import Spec
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
@@ -142,7 +143,11 @@ def _uncosted_plan(analysis: Analysis, request: PlanRequest, strategy: str,
 
 def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanRequest,
            asked_strategy: str, spec: Spec | None = None) -> Plan:
-    """``plan`` with the fingerprint, planner inputs and per-stage send bytes filled in."""
+    """``plan`` with the fingerprint, planner inputs and per-stage send bytes filled in.
+
+    The planner inputs include the example batch's input signature, so the plan can be
+    applied again to a model that only ``torch.export`` captures without example inputs.
+    """
     stages = plan.stages
     if analysis.boundaries is not None:
         cut, sends = 0, []
@@ -152,7 +157,8 @@ def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanReques
         stages = tuple(sends)
     inputs = PlannerInputs(asked_strategy, request.balance, request.split_points,
                            request.memory_limit, _describe(request.example_inputs),
-                           spec.source if spec is not None else None)
+                           spec.source if spec is not None else None,
+                           describe(request.example_inputs, request.example_kwargs))
     return replace(plan, stages=stages, planner=inputs, fingerprint=fingerprint(model))
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from partitioner.errors import PlanFormatError
+
 __all__ = ["Fingerprint", "TensorEntry", "fingerprint", "differences"]
 
 
@@ -68,7 +70,9 @@ class Fingerprint:
         """Read :meth:`to_dict` output.
 
         Raises:
-            ValueError: when the digest does not match the entries (the file was edited).
+            PlanFormatError: when the digest does not match the entries (the file was
+                edited by hand); a ``ValueError`` too. The fields' types are checked
+                before, with the rest of the plan (``partitioner.plans.plan_check``).
             KeyError, TypeError: when a field is missing or of the wrong type.
         """
         modules = tuple(str(m) for m in data["modules"])
@@ -76,9 +80,10 @@ class Fingerprint:
         buffers = _entries_from_dict(data.get("buffers", {}))
         digest = _digest(modules, params, buffers)
         if data["digest"] != digest:
-            raise ValueError(f"fingerprint digest {data['digest']!r} does not match its entries "
-                             f"({digest!r}); the modules or tensors were edited by hand; "
-                             "re-plan the model, or drop the fingerprint to skip the check")
+            raise PlanFormatError(f"fingerprint digest {data['digest']!r} does not match its "
+                                  f"entries ({digest!r}); the modules or tensors were edited "
+                                  "by hand; re-plan the model, or drop the fingerprint to skip "
+                                  "the check")
         return cls(digest, str(data.get("model", "")), modules, params, buffers)
 
 

@@ -6,7 +6,9 @@ micro-batch count, schedule and checkpoint mode, what the planner was asked and 
 and a fingerprint of the model it was made for. It is the only thing the partitioner hands
 the runtime besides the stage graphs, and it can be written to JSON and read back: the file
 is meant to be read, diffed and edited by people (``docs/design/002-plan-files.md``), its
-JSON Schema ships as ``partitioner/plans/plan_schema.json``, and loading it runs no code.
+JSON Schema ships as ``partitioner/plans/plan_schema.json``, and loading it runs no code:
+the file is size- and depth-checked (``partitioner.plans.documents``), then checked field by
+field as the schema says (``partitioner.plans.plan_check``), then built.
 
 Example:
     >>> stage = Stage(0, "cpu", ("0", "1"))
@@ -18,13 +20,16 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from partitioner.errors import PlanFormatError
+from partitioner.plans.documents import check_document, parse_json, read_text
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import Fingerprint
+from partitioner.plans.plan_check import document_problems
+from partitioner.plans.signature import InputSignature
 from partitioner.runtime.checkpointing import checkpoint_problem
 
 __all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
@@ -112,8 +117,11 @@ class PlannerInputs:
         split_points: ``split_points=`` as given, if any.
         memory_limit: bytes per device the planner had to respect, if given.
         example_inputs: the example batch the layers were costed on, as
-            ``"float32[64, 32]"`` per positional input.
+            ``"float32[64, 32]"`` per positional input (for people).
         spec: the hand-written spec the plan was compiled from, if any (as written).
+        signature: the example batch's inputs, positional and keyword (shapes, dtypes,
+            batch dimension, non-tensor values): what applying the plan captures the model
+            with when no example inputs are given (``partitioner.plans.signature``).
     """
 
     strategy: str = "auto"
@@ -122,6 +130,7 @@ class PlannerInputs:
     memory_limit: tuple[float, ...] | None = None
     example_inputs: tuple[str, ...] = ()
     spec: dict[str, Any] | None = field(default=None, compare=False)
+    signature: InputSignature | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,10 @@ class Plan:
             problems.append(f"mesh pp={self.mesh.pp} but there are {len(self.stages)} stages")
         if len(self.devices) != len(self.stages):
             problems.append(f"{len(self.stages)} stages but {len(self.devices)} devices")
+        problems += [f"stages[{j}].device is {s.device!r} but devices[{j}] is "
+                     f"{self.devices[j]!r}: the plan would report one and run on the other; "
+                     "make them the same" for j, s in enumerate(self.stages)
+                     if j < len(self.devices) and s.device != self.devices[j]]
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             problems.append(f"stage indices {[s.index for s in self.stages]} are not 0..P-1")
         if self.chunks < 1:
@@ -242,7 +255,12 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output (validated, no code run)."""
+        """Rebuild a plan from :meth:`to_dict` output (validated, no code run).
+
+        Raises:
+            PlanFormatError: listing every field that breaks the format
+                (``plan_schema.json``), or what the fields say together that cannot be.
+        """
         if not isinstance(data, dict):
             raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
@@ -250,24 +268,11 @@ class Plan:
         if data.get("version") != VERSION:
             raise PlanFormatError(f"plan file version {data.get('version')!r}; this "
                                   f"partitioner reads version {VERSION}")
-        body = {k: v for k, v in data.items() if k not in ("format", "version")}
-        try:
-            stages = tuple(Stage(**{**s, "layers": tuple(s["layers"])}) for s in body.pop("stages"))
-            mesh = body.pop("mesh", None)
-            shards = body.pop("shard_specs", None) or {}
-            planner = body.pop("planner", None)
-            printed = body.pop("fingerprint", None)
-            return cls(**{**body, "stages": stages, "devices": tuple(body["devices"]),
-                          "notes": tuple(body.get("notes", ())),
-                          "mesh": Mesh(**mesh) if mesh is not None else None,
-                          "shard_specs": {str(k): ShardSpec(**v) for k, v in shards.items()},
-                          "planner": _planner_from_dict(planner),
-                          "fingerprint": Fingerprint.from_dict(printed) if printed else None,
-                          "candidates": tuple(body.get("candidates", ()))})
-        except (TypeError, KeyError, AttributeError, ValueError) as error:
-            if isinstance(error, PlanFormatError):
-                raise
-            raise PlanFormatError(f"malformed plan: {type(error).__name__}: {error}") from error
+        check_document(data, "the plan", PlanFormatError)
+        problems = document_problems(data)
+        if problems:
+            raise PlanFormatError("invalid plan:\n" + "\n".join(f"  {p}" for p in problems))
+        return cls(**_fields_from_dict(data))
 
     def to_json(self) -> str:
         """The plan file's text: indented JSON, short lists on one line, one name a line."""
@@ -279,27 +284,62 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan written by :meth:`save`."""
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            PlanFormatError: naming the path, when it is missing, a directory, not UTF-8
+                text, larger than ``partitioner.plans.documents.MAX_DOCUMENT_BYTES``, not
+                JSON, nested too deeply, or not a valid plan.
+        """
+        data = parse_json(read_text(path, PlanFormatError), path, PlanFormatError)
         try:
-            data = json.loads(Path(path).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise PlanFormatError(f"{path} is not JSON: {error}") from error
-        except OSError as error:
-            raise PlanFormatError(f"cannot read plan file {path}: {error}") from error
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except PlanFormatError as error:
+            raise PlanFormatError(f"plan file {str(path)!r}: {error}") from error
+
+
+def _fields_from_dict(data: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments of a checked plan document (integral floats made ints)."""
+    body = {k: v for k, v in data.items() if k not in ("format", "version")}
+    mesh, shards = body.get("mesh"), body.get("shard_specs") or {}
+    printed = body.get("fingerprint")
+    body.update(
+        stages=tuple(_stage(s) for s in body["stages"]), devices=tuple(body["devices"]),
+        chunks=int(body.get("chunks", 1)), notes=tuple(body.get("notes", ())),
+        mesh=Mesh(**{k: int(v) for k, v in mesh.items()}) if mesh is not None else None,
+        shard_specs={str(k): ShardSpec(int(v["dim"]), v["kind"]) for k, v in shards.items()},
+        planner=_planner_from_dict(body.get("planner")),
+        fingerprint=Fingerprint.from_dict(printed) if printed else None,
+        candidates=tuple(body.get("candidates", ())))
+    return body
+
+
+def _stage(data: dict[str, Any]) -> Stage:
+    counts = ("index", "predicted_memory", "param_bytes", "send_bytes")
+    fixed: dict[str, Any] = {k: int(v) if k in counts and v is not None else v
+                             for k, v in data.items()}
+    return Stage(**{**fixed, "layers": tuple(data["layers"])})
 
 
 def _planner_to_dict(planner: PlannerInputs | None) -> dict[str, Any] | None:
-    return None if planner is None else asdict(planner)
+    if planner is None:
+        return None
+    body = {f.name: getattr(planner, f.name) for f in fields(planner)}
+    body["signature"] = planner.signature.to_dict() if planner.signature else None
+    return body
 
 
 def _planner_from_dict(data: dict[str, Any] | None) -> PlannerInputs | None:
     if data is None:
         return None
     tuples = ("balance", "split_points", "memory_limit", "example_inputs")
-    fields: dict[str, Any] = {k: tuple(v) if k in tuples and v is not None else v
-                              for k, v in data.items()}
-    return PlannerInputs(**fields)
+    body: dict[str, Any] = {k: tuple(v) if k in tuples and v is not None else v
+                            for k, v in data.items()}
+    if body.get("balance") is not None:
+        body["balance"] = tuple(int(b) for b in body["balance"])
+    signature = body.get("signature")
+    body["signature"] = InputSignature.from_dict(signature) if signature is not None else None
+    return PlannerInputs(**body)
 
 
 def readable_json(value: Any, indent: int = 2, width: int = 88) -> str:

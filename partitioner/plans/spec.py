@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import difflib
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from typing import Any
 from torch import nn
 
 from partitioner.errors import PartitionError, SpecError
+from partitioner.plans.documents import check_document, parse_json, parse_yaml, read_text
 from partitioner.plans.plan import SHARD_KINDS, ShardSpec
 from partitioner.runtime.checkpointing import CHECKPOINT_MODES
 from partitioner.runtime.schedule_registry import Runtime, schedule_names
@@ -126,6 +126,7 @@ class Spec:
         if not isinstance(data, dict):
             raise SpecError(f"a spec is a mapping of keys such as 'stages' and 'chunks', got "
                             f"{type(data).__name__}")
+        check_document(data, "the spec", SpecError)
         problems = _unknown_keys(data, _KEYS, "")
         if data.get("format", SPEC_FORMAT) != SPEC_FORMAT:
             problems.append(f"format: {data['format']!r}; a spec has format {SPEC_FORMAT!r} "
@@ -157,31 +158,27 @@ class Spec:
         return cls.from_dict(read_document(path))
 
 
-def read_document(path: str | Path) -> Any:
-    """Parse a JSON or YAML file into plain data; never runs code (``yaml.safe_load``).
+def read_document(path: str | Path) -> dict[str, Any]:
+    """Parse a JSON or YAML file into a mapping; never runs code (``yaml.safe_load``).
+
+    ``.yaml``/``.yml`` files are read as YAML, anything else as JSON. The size is checked
+    before parsing, the depth and expansion after (``partitioner.plans.documents``).
 
     Raises:
-        SpecError: the file is missing or does not parse, or PyYAML is needed and absent.
+        SpecError: naming the path, when the file is missing or a directory, cannot be read,
+            is too large, is not UTF-8 text, does not parse, nests too deeply, or is not a
+            mapping; or when it is YAML and PyYAML is absent.
     """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise SpecError(f"cannot read {path} as text: {error}") from error
-    if path.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError as error:
-            raise SpecError(f"{path} is YAML, which needs PyYAML: pip install "
-                            "'partitioner[yaml]' (or write the spec as JSON)") from error
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise SpecError(f"{path} is not valid YAML: {error}") from error
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise SpecError(f"{path} is not valid JSON: {error}") from error
+    text = read_text(path, SpecError, "plan or spec file")
+    if Path(path).suffix.lower() in (".yaml", ".yml"):
+        data = parse_yaml(text, path, SpecError, "spec")
+    else:
+        data = parse_json(text, path, SpecError, "plan or spec file")
+    if not isinstance(data, dict):
+        shown = "empty" if data is None else f"a {type(data).__name__}"
+        raise SpecError(f"{str(path)!r} is {shown}, not a mapping; a plan or spec file holds "
+                        "keys such as 'stages' and 'chunks' at its top level")
+    return data
 
 
 def resolve_spec(spec: Spec, layers: Sequence[str], model: nn.Module

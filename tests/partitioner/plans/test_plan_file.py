@@ -40,7 +40,7 @@ def test_schema_rejects_what_loading_rejects() -> None:
            "stages": [{"index": 0, "device": "cpu", "layers": []}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, _schema())
-    with pytest.raises(PlanFormatError, match="no layers"):
+    with pytest.raises(PlanFormatError, match="stages\\[0\\].layers: \\[\\]; give a non-empty"):
         Plan.from_dict(bad)
 
 
@@ -178,8 +178,9 @@ def test_loading_runs_no_code(tmp_path: Path) -> None:
 def test_malformed_fields_raise_plan_format_errors() -> None:
     base = {"format": "partitioner.plan", "version": 1, "strategy": "x", "devices": ["cpu"],
             "stages": [{"index": 0, "device": "cpu", "layers": ["a"]}]}
-    for key, value, match in (("mesh", {"dp": 0}, "mesh dp=0"),
+    for key, value, match in (("mesh", {"dp": 0}, "mesh.dp: 0; give an integer >= 1"),
                               ("shard_specs", {"a.w": {"dim": 0, "kind": "diag"}}, "diag"),
-                              ("stages", [{"index": 0, "device": "cpu"}], "malformed")):
+                              ("stages", [{"index": 0, "device": "cpu"}],
+                               r"stages\[0\].layers: missing")):
         with pytest.raises(PlanFormatError, match=match):
             Plan.from_dict({**base, key: value})
