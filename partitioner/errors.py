@@ -49,6 +49,7 @@ __all__ = [
     "CollectiveAborted",
     "ShardSizeError",
     "TensorParallelExecutionError",
+    "ClosedError",
 ]
 
 
@@ -313,3 +314,10 @@ class CollectiveAborted(PartitionError, RuntimeError):
 
 class TensorParallelExecutionError(PartitionError, RuntimeError):
     """An exception raised inside one tensor-parallel rank, naming the rank and node."""
+
+
+# Raised by partitioner.runtime.wrapper.
+
+
+class ClosedError(PartitionError, RuntimeError):
+    """A partitioned model was run after ``close()`` released its threads or hooks."""
