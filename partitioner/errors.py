@@ -51,6 +51,7 @@ __all__ = [
     "CollectiveAborted",
     "ShardSizeError",
     "TensorParallelExecutionError",
+    "ClosedError",
 ]
 
 
@@ -323,3 +324,10 @@ class CollectiveAborted(PartitionError, RuntimeError):
 
 class TensorParallelExecutionError(PartitionError, RuntimeError):
     """An exception raised inside one tensor-parallel rank, naming the rank and node."""
+
+
+# Raised by partitioner.runtime.wrapper.
+
+
+class ClosedError(PartitionError, RuntimeError):
+    """A partitioned model was run after ``close()`` released its threads or hooks."""

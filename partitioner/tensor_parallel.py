@@ -62,8 +62,9 @@ from partitioner.runtime.tensor_parallel.module import ShardStore, TensorParalle
 from partitioner.runtime.tensor_parallel.multiprocess import DistributedTensorParallel
 from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParallelError
 
-__all__ = ["partition_tensor_parallel", "plan_tensor_parallel", "TensorParallelSetup",
-           "parallelize", "shard_stage", "stage_shardings", "device_groups"]
+__all__ = ["partition_tensor_parallel", "plan_tensor_parallel", "plan_groups",
+           "TensorParallelSetup", "parallelize", "shard_stage", "stage_shardings",
+           "device_groups"]
 
 TensorParallelOption = int | Mapping[str, str]
 
@@ -124,7 +125,6 @@ def plan_tensor_parallel(
         PartitionError: a subclass naming the offending value and a fix.
     """
     groups, rules = device_groups(devices, tensor_parallel)
-    tp = len(groups[0])
     if example_inputs is None:
         raise ExampleInputsError("tensor parallelism needs example_inputs: the shapes decide "
                                  "what splits; pass example_inputs=(x,) with one batch")
@@ -135,6 +135,20 @@ def plan_tensor_parallel(
                                else chunks, checkpoint=checkpoint or EXCEPT_LAST,
                                balance=balance, split_points=split_points,
                                memory_limit=memory_limit)
+    return plan_groups(model, groups, rules, request)
+
+
+def plan_groups(model: nn.Module, groups: list[list[torch.device]],
+                rules: TensorParallelRules, request: PlanRequest) -> TensorParallelSetup:
+    """:func:`plan_tensor_parallel` for device groups and a request already validated.
+
+    Args:
+        model: the model.
+        groups: per pipeline stage, one device per tensor-parallel rank.
+        rules: rules overriding the automatic choice of splits.
+        request: the planning options, one device per stage (``groups``' first ones).
+    """
+    tp = len(groups[0])
     found: dict[str, Any] = {}
 
     def regroup(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
@@ -269,7 +283,8 @@ def parallelize(model: nn.Module, group: Any = None, *,
     captured = analysis.captured
     module = DistributedTensorParallel(factory, comm, shard_plan.shardings, sources, unused,
                                        bind=captured.placeholder_values,
-                                       restructure=captured.restructure, plan=shard_plan)
+                                       restructure=captured.restructure, plan=shard_plan,
+                                       training=model.training)
     return module.train(model.training)
 
 

@@ -3,8 +3,9 @@
 It owns the user's model as ``.module`` (the seeds' habit from ``DataParallel``), so
 ``parameters()``, ``train()``/``eval()`` and optimizers work as before, and its
 ``state_dict()`` carries the original model's keys, so a state dict moves freely between the
-partitioned and the unpartitioned model. Calling it runs the pipeline built for the current
-train/eval mode (built once per mode, on first use).
+partitioned and the unpartitioned model (the :class:`~partitioner.runtime.wrapper.ModelWrapper`
+base strips and adds the ``module.`` prefix). It starts in the model's train/eval mode;
+calling it runs the pipeline built for the current mode (built once per mode, on first use).
 
 Example:
     >>> import torch
@@ -26,10 +27,9 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
+from partitioner.runtime.wrapper import ModelWrapper
 
 __all__ = ["PartitionedModule"]
-
-_PREFIX = "module."
 
 
 def _bind_positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -39,11 +39,12 @@ def _bind_positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]
     return list(args)
 
 
-class PartitionedModule(nn.Module):
+class PartitionedModule(ModelWrapper):
     """A model split into pipeline stages over devices.
 
     Args:
-        module: the user's model (its parameters are the stages' parameters).
+        module: the user's model (its parameters are the stages' parameters; its train/eval
+            mode is the wrapper's first).
         plan: the plan it runs (kept as ``.plan``; the runtime does not read it).
         stage_factory: given the training flag, returns one graph per stage.
         devices: one device per stage.
@@ -53,14 +54,15 @@ class PartitionedModule(nn.Module):
         restructure: maps the last stage's output to what the model returns.
     """
 
+    inner = "module"
+
     def __init__(self, module: nn.Module, plan: Any,
                  stage_factory: Callable[[bool], Sequence[fx.GraphModule]],
                  devices: Sequence[torch.device], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] = _bind_positional,
                  restructure: Callable[[Any], Any] = lambda out: out) -> None:
-        super().__init__()
+        super().__init__(plan, module.training)
         self.module = module
-        self.plan = plan
         self.devices = list(devices)
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -68,13 +70,16 @@ class PartitionedModule(nn.Module):
         self._bind = bind
         self._restructure = restructure
         self._pipelines: dict[bool, LocalPipeline] = {}
-        self.register_state_dict_post_hook(_strip_prefix)
-        self.register_load_state_dict_pre_hook(_add_prefix)
 
     def pipeline(self, training: bool | None = None) -> LocalPipeline:
-        """The pipeline for train (or eval) mode, built on first use."""
+        """The pipeline for train (or eval) mode, built on first use.
+
+        Raises:
+            ClosedError: after :meth:`close`.
+        """
         mode = self.training if training is None else training
         if mode not in self._pipelines:
+            self._ensure_open("run the pipeline")
             stages = self._stage_factory(mode)
             self._pipelines[mode] = LocalPipeline(stages, self.devices, self.chunks,
                                                   self.checkpoint)
@@ -84,31 +89,8 @@ class PartitionedModule(nn.Module):
         values = self._bind(args, kwargs)
         return self._restructure(self.pipeline().run(values))
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Stop the worker threads (they also stop when the module is collected)."""
         for pipe in self._pipelines.values():
             pipe.close()
         self._pipelines.clear()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                  local_metadata: Any) -> None:
-    for key in list(state_dict):
-        if key.startswith(prefix + _PREFIX):
-            state_dict[prefix + key[len(prefix) + len(_PREFIX):]] = state_dict.pop(key)
-    metadata: dict[str, Any] = getattr(state_dict, "_metadata", None) or {}
-    for key in list(metadata):
-        if key.startswith(prefix + "module"):
-            metadata[prefix + key[len(prefix) + len("module"):].lstrip(".")] = metadata.pop(key)
-
-
-def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    for key in list(state_dict):
-        if key.startswith(prefix) and not key.startswith(prefix + _PREFIX):
-            state_dict[prefix + _PREFIX + key[len(prefix):]] = state_dict.pop(key)

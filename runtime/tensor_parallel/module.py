@@ -105,7 +105,8 @@ class TensorParallelModule(TensorParallelState):
     Args:
         plan: the plan it runs (kept as ``.plan``; the runtime does not read it).
         stages: one :class:`TensorParallelStage` per stage, built for ``training`` mode.
-        training: the mode ``stages`` were built for.
+        training: the mode ``stages`` were built for (the model's when it was partitioned:
+            the module starts in it).
         stage_factory: given the other training flag, its stages (sharing the tensors).
         shardings: by original state-dict key; keys not named are replicated.
         sources: by original state-dict key, the stage and rank-graph attribute holding it.
@@ -122,8 +123,7 @@ class TensorParallelModule(TensorParallelState):
                  unused: dict[str, torch.Tensor], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] | None = None,
                  restructure: Callable[[Any], Any] = lambda out: out) -> None:
-        super().__init__(shardings, sources)
-        self.plan = plan
+        super().__init__(shardings, sources, plan=plan, training=training)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self._factory = stage_factory
@@ -156,9 +156,14 @@ class TensorParallelModule(TensorParallelState):
         return [stage.devices for stage in self._build(self.training)]
 
     def pipeline(self, training: bool | None = None) -> LocalPipeline:
-        """The pipeline for train (or eval) mode, built on first use."""
+        """The pipeline for train (or eval) mode, built on first use.
+
+        Raises:
+            ClosedError: after :meth:`close`.
+        """
         mode = self.training if training is None else training
         if mode not in self._pipelines:
+            self._ensure_open("run the pipeline")
             stages = self._build(mode)
             graphs: list[fx.GraphModule] = stages  # type: ignore[assignment]
             # Every rank of every stage computes on its own thread: they share the cores.
@@ -198,7 +203,7 @@ class TensorParallelModule(TensorParallelState):
     def _rank_tensors(self, key: str) -> list[tuple[int, torch.Tensor]]:
         return list(enumerate(self.local_tensors(key)))
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Stop the worker threads (they also stop when the module is collected)."""
         for pipe in self._pipelines.values():
             pipe.close()
@@ -206,12 +211,6 @@ class TensorParallelModule(TensorParallelState):
         for mode in list(self.stages):
             for stage in self._stages(mode):
                 stage.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _get(module: nn.Module, path: str) -> torch.Tensor:

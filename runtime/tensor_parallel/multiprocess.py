@@ -8,8 +8,9 @@ no extra thread, no extra step.
 
 ``state_dict()`` is a collective: every rank must call it, and every rank gets the whole,
 unsplit tensors under the original model's keys. ``load_state_dict`` takes such a state dict
-on every rank and keeps the rank's slices (the hooks of
-:mod:`partitioner.runtime.tensor_parallel.state`).
+on every rank and keeps the rank's slices (:mod:`partitioner.runtime.tensor_parallel.state`).
+``clip_grad_norm_`` is a collective too: the ranks' partial norms are all-reduced over the
+group (:class:`~partitioner.runtime.wrapper.GroupNorms`).
 
 Dropout on replicated values draws from a generator seeded alike on every rank (the seed is
 agreed once, at construction, from rank 0's global generator), dropout on split values from
@@ -30,6 +31,7 @@ from partitioner.runtime import rng
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.sharding import Sharding, unshard
 from partitioner.runtime.tensor_parallel.state import TensorParallelState
+from partitioner.runtime.wrapper import GroupNorms
 
 __all__ = ["DistributedTensorParallel", "agree_seed"]
 
@@ -58,6 +60,8 @@ class DistributedTensorParallel(TensorParallelState):
         bind: maps a call's ``(args, kwargs)`` to the graph's placeholder values.
         restructure: maps the graph's output to what the model returns.
         plan: what was decided (kept as ``.plan``), if any.
+        training: the model's train/eval mode when it was partitioned (the module starts in
+            it, and builds that mode's graph first).
     """
 
     def __init__(self, graph_factory: Callable[[bool], fx.GraphModule],
@@ -65,9 +69,8 @@ class DistributedTensorParallel(TensorParallelState):
                  sources: dict[str, str], unused: dict[str, torch.Tensor],
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]],
                  restructure: Callable[[Any], Any] = lambda out: out,
-                 plan: Any = None) -> None:
-        super().__init__(shardings, sources)
-        self.plan = plan
+                 plan: Any = None, training: bool = True) -> None:
+        super().__init__(shardings, sources, plan=plan, training=training)
         self.comm = comm
         self._factory = graph_factory
         self._bind = bind
@@ -77,6 +80,7 @@ class DistributedTensorParallel(TensorParallelState):
         seed = agree_seed(comm)
         device = next(iter(self._graph(self.training).parameters()),
                       torch.empty(0)).device
+        self._combine_norms = GroupNorms(comm.group, device=device)
         self._replicated = torch.Generator(device).manual_seed(seed)
         self._private = torch.Generator(device).manual_seed(seed + 1 + comm.rank)
 
@@ -99,6 +103,7 @@ class DistributedTensorParallel(TensorParallelState):
         return self.graphs[mode]  # type: ignore[return-value]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_open("run the model")
         gm = self._graph(self.training)
         with rng.use_generator(self._replicated), rng.use_shard_generator(self._private):
             out = gm(*self._bind(args, kwargs))
@@ -130,7 +135,3 @@ class DistributedTensorParallel(TensorParallelState):
 
     def _rank_tensors(self, key: str) -> list[tuple[int, torch.Tensor]]:
         return [(self.rank, self.local_tensor(key))]
-
-    def _peer_values(self, x: torch.Tensor) -> list[torch.Tensor]:
-        device = self.local_tensor(self.original_keys()[0]).device if self._sources else x.device
-        return [v.cpu() for v in self.comm.all_gather(x.to(device), "grad_norm")]

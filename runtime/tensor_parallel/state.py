@@ -3,12 +3,14 @@
 Both tensor-parallel runtimes, the one-process :class:`~partitioner.runtime.tensor_parallel.module.
 TensorParallelModule` (every rank a thread) and the one-rank-per-process
 :class:`~partitioner.runtime.tensor_parallel.multiprocess.DistributedTensorParallel`, hold rank
-graphs whose
-parameters are slices, under names of their own. :class:`TensorParallelState`, their common
-base, makes their ``state_dict()`` the original model's: its hooks replace the rank entries
-by the original keys with whole tensors (``full_tensor``, which each runtime gathers its own
-way) and, on ``load_state_dict``, split each whole tensor into the entries of the ranks held
-here. It also keeps the original entries no graph uses, so the state dict stays complete.
+graphs whose parameters are slices, under names of their own. :class:`TensorParallelState`,
+their common base (itself a :class:`~partitioner.runtime.wrapper.ModelWrapper`), makes their
+``state_dict()`` the original model's: it replaces the rank entries by the original keys with
+whole tensors (``full_tensor``, which each runtime gathers its own way) and, on
+``load_state_dict``, splits each whole tensor into the entries of the ranks held here. It
+also keeps the original entries no graph uses, so the state dict stays complete, and tells
+``clip_grad_norm_`` which gradients count: every slice of a split parameter, one copy of a
+replicated one.
 
 Example:
     >>> import torch
@@ -41,31 +43,36 @@ import torch
 from torch import nn
 
 from partitioner.runtime.tensor_parallel.sharding import Sharding, shard_tensor
+from partitioner.runtime.wrapper import ModelWrapper, NormCombiner, local_norms
 
 __all__ = ["TensorParallelState"]
 
 
-class TensorParallelState(nn.Module):
+class TensorParallelState(ModelWrapper):
     """Base of a tensor-parallel model whose state dict has the original model's keys.
 
     A subclass says which tensors it holds for an original key (:meth:`_rank_tensors`) and
-    how it makes one whole (:meth:`full_tensor`); the state-dict hooks do the rest. It calls
-    :meth:`_keep_unused` once its rank graphs' container is registered, so the unused
+    how it makes one whole (:meth:`full_tensor`); the state-dict mapping does the rest. It
+    calls :meth:`_keep_unused` once its rank graphs' container is registered, so the unused
     entries come after the graphs' in ``parameters()``.
 
     Args:
         shardings: by original state-dict key; keys not named are replicated.
         sources: by original state-dict key, where the rank graphs hold it (read by the
             subclass; here only its keys, in order, matter).
+        plan: what was decided (kept as ``.plan``).
+        training: the model's train/eval mode when it was partitioned.
+        combine_norms: how this process's partial gradient norm combines with the other
+            ranks' (one process holding every rank: as it is).
     """
 
-    def __init__(self, shardings: Mapping[str, Sharding], sources: Mapping[str, Any]) -> None:
-        super().__init__()
+    def __init__(self, shardings: Mapping[str, Sharding], sources: Mapping[str, Any], *,
+                 plan: Any = None, training: bool = True,
+                 combine_norms: NormCombiner = local_norms) -> None:
+        super().__init__(plan, training, combine_norms=combine_norms)
         self.shardings = dict(shardings)
         self._sources = dict(sources)
         self._unused_keys: dict[str, str] = {}
-        self.register_state_dict_post_hook(_gather_state)
-        self.register_load_state_dict_pre_hook(_split_state)
 
     def original_keys(self) -> list[str]:
         """The original model's state-dict keys, in its order."""
@@ -79,23 +86,9 @@ class TensorParallelState(nn.Module):
         """The ``(rank, tensor)`` pairs held here for the original entry ``key``."""
         raise NotImplementedError(f"{type(self).__name__} must define _rank_tensors")
 
-    def _peer_values(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``x`` from every process of the tensor-parallel group (here: only this one)."""
-        return [x]
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` by the unsplit model's gradient norm.
-
-        ``clip_grad_norm_(tm.parameters())`` would count a replicated parameter once per
-        rank; here each gradient counts once: every slice of a split parameter, one copy of
-        a replicated one (rank 0's). With one rank per process this is a collective over
-        the group. Call it after ``backward()`` and before ``optimizer.step()``.
-
-        Returns:
-            The total norm before clipping (float64), the same on every rank.
-        """
-        norm_type = float(norm_type)
+    def _norm_grads(self) -> list[torch.Tensor]:
+        """Each gradient of the unsplit model once: every slice of a split parameter, one
+        copy of a replicated one (rank 0's)."""
         seen: set[int] = set()
         counted: list[torch.Tensor] = []
         for key in self.original_keys():
@@ -105,22 +98,7 @@ class TensorParallelState(nn.Module):
                     continue
                 seen.add(id(tensor))
                 counted.append(tensor.grad.detach())
-        if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in counted), default=0.0)
-            total = torch.stack(self._peer_values(torch.tensor(local, dtype=torch.float64))
-                                ).max()
-        else:
-            local = sum((float(g.double().norm(norm_type)) ** norm_type for g in counted), 0.0)
-            total = torch.stack(self._peer_values(torch.tensor(local, dtype=torch.float64))
-                                ).sum() ** (1.0 / norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
-                               f"{float(total)}; pass error_if_nonfinite=False to scale anyway")
-        factor = min(1.0, max_norm / (float(total) + 1e-6))
-        for param in self.parameters():
-            if param.grad is not None:
-                param.grad.mul_(factor)
-        return total
+        return counted
 
     def _keep_unused(self, unused: Mapping[str, torch.Tensor]) -> None:
         """Hold a copy of each original entry no graph uses, in ``self.unused``."""
@@ -147,43 +125,38 @@ class TensorParallelState(nn.Module):
             return None
         return sharding
 
+    def _state_to_original(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Replace the ranks' entries by the original keys with whole tensors."""
+        inner = tuple(f"{prefix}{name}." for name, _ in self.named_children())
+        for key in [k for k in state_dict if k.startswith(inner)]:
+            del state_dict[key]
+        for key in self.original_keys():
+            state_dict[prefix + key] = self.full_tensor(key)
 
-def _gather_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                  local_metadata: Any) -> None:
-    """Replace the ranks' entries by the original keys with whole tensors."""
-    assert isinstance(module, TensorParallelState)
-    inner = tuple(f"{prefix}{name}." for name, _ in module.named_children())
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        del state_dict[key]
-    for key in module.original_keys():
-        state_dict[prefix + key] = module.full_tensor(key)
+    def _state_from_original(self, state_dict: dict[str, Any], prefix: str,
+                             missing_keys: list[str]) -> None:
+        """Turn whole tensors under the original keys into the entries of the ranks held
+        here.
 
-
-def _split_state(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                 local_metadata: Any, strict: bool, missing_keys: list[str],
-                 unexpected_keys: list[str], error_msgs: list[str]) -> None:
-    """Turn whole tensors under the original keys into the entries of the ranks held here.
-
-    Entries of a missing key, and entries of no original key, keep their current values.
-    """
-    assert isinstance(module, TensorParallelState)
-    held = {key: module._rank_tensors(key) for key in module.original_keys()}  # builds graphs
-    entries = _entries(module, prefix)
-    names: dict[int, list[str]] = {}
-    for name, tensor in entries:
-        names.setdefault(id(tensor), []).append(name)
-    for key, tensors in held.items():
-        if prefix + key not in state_dict:
-            missing_keys.append(prefix + key)
-            continue
-        value = state_dict.pop(prefix + key)
-        sharding = module._split_sharding(key)
-        for rank, tensor in tensors:
-            piece = value if sharding is None else shard_tensor(value, sharding, rank)
-            for name in names.get(id(tensor), []):
-                state_dict[name] = piece
-    for name, tensor in entries:
-        state_dict.setdefault(name, tensor.detach())
+        Entries of a missing key, and entries of no original key, keep their current values.
+        """
+        held = {key: self._rank_tensors(key) for key in self.original_keys()}  # builds graphs
+        entries = _entries(self, prefix)
+        names: dict[int, list[str]] = {}
+        for name, tensor in entries:
+            names.setdefault(id(tensor), []).append(name)
+        for key, tensors in held.items():
+            if prefix + key not in state_dict:
+                missing_keys.append(prefix + key)
+                continue
+            value = state_dict.pop(prefix + key)
+            sharding = self._split_sharding(key)
+            for rank, tensor in tensors:
+                piece = value if sharding is None else shard_tensor(value, sharding, rank)
+                for name in names.get(id(tensor), []):
+                    state_dict[name] = piece
+        for name, tensor in entries:
+            state_dict.setdefault(name, tensor.detach())
 
 
 def _entries(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:

@@ -422,6 +422,12 @@ def scenario_errors(args: dict[str, Any]) -> None:
     gpipe = partition_distributed(build("mlp"), (x,), plan=plan_path, schedule="gpipe",
                                   chunks=2, failure=POLICY)
     report(case="plan_override", schedule=gpipe.plan.schedule, chunks=gpipe.plan.chunks)
+    # The model's train/eval mode is the wrapper's first; a closed wrapper refuses to train.
+    evaluating = partition_distributed(build("mlp").eval(), (x,), failure=POLICY)
+    report(case="mode", evaluating=evaluating.training, training=same.training)
+    evaluating.close()
+    evaluating.close()
+    attempt("closed", lambda: evaluating.step(x, x, F.mse_loss))
 
 
 def main() -> None:

@@ -121,12 +121,19 @@ def mistakes() -> dict[str, dict[str, Any]]:
     ("mesh", "MeshError", "pp=2"),
     ("wrong_model", "StrategyError", "the plan was made for another model"),
     ("loss", "LossError", "return a scalar tensor"),
+    ("closed", "ClosedError", "cannot train: this DistributedModel was closed"),
 ])
 def test_mistakes_raise_partition_errors_naming_a_fix(mistakes: Any, case: str, kind: str,
                                                       phrase: str) -> None:
     record = mistakes[case]
     assert record["type"] == kind and record["partition_error"], record
     assert phrase in record["message"]
+
+
+@pytest.mark.slow
+def test_the_model_starts_in_the_models_mode(mistakes: Any) -> None:
+    """Regression (issue #12): a DistributedModel of a model in eval mode said training."""
+    assert mistakes["mode"] == {"case": "mode", "evaluating": False, "training": True}
 
 
 @pytest.mark.slow

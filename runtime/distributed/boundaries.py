@@ -1,0 +1,107 @@
+"""What crosses a pipeline stage's boundaries, predicted without running the model.
+
+A rank holds one stage, yet must know the shapes and dtypes it will receive before the
+first message arrives (to post its receives) and what it sends (to check it).
+:class:`BoundaryPredictor` runs stages ``0..j`` on fake tensors (no compute, no data) once
+per distinct micro-batch signature and keeps the result; every rank predicts the same
+boundaries from the same graphs and the same stage-0 inputs.
+
+Example:
+    >>> import torch
+    >>> from torch import fx, nn
+    >>> graphs = [fx.symbolic_trace(nn.Linear(4, 3)), fx.symbolic_trace(nn.Linear(3, 2))]
+    >>> predict = BoundaryPredictor(graphs, 1, [torch.device("cpu")] * 2)
+    >>> interface = predict.interface([torch.randn(5, 4)])
+    >>> sent = interface.inputs
+    >>> interface.outputs is None, [tuple(m.shape) for m in sent.metas(sent.tensor_positions)]
+    (True, [(5, 3)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from partitioner.runtime.distributed.p2p import Boundary, BoundaryMismatchError
+from partitioner.runtime.distributed.pipeline import StageInterface
+
+__all__ = ["BoundaryPredictor"]
+
+
+class BoundaryPredictor:
+    """What crosses this stage's boundaries, predicted by running stages ``0..j`` on fake
+    tensors (no compute, no data), once per distinct micro-batch signature.
+
+    Args:
+        graphs: every stage's graph (other stages only lend their structure and shapes).
+        stage: this rank's stage ``j``.
+        devices: where each stage's parameters live on this rank.
+    """
+
+    def __init__(self, graphs: Sequence[fx.GraphModule], stage: int,
+                 devices: Sequence[torch.device]) -> None:
+        self.graphs = list(graphs)
+        self.stage = stage
+        self.devices = list(devices)
+        self._cache: dict[Any, StageInterface] = {}
+
+    def __call__(self, micro: list[list[Any]]) -> list[StageInterface]:
+        return [self.interface(values) for values in micro]
+
+    def interface(self, values: list[Any]) -> StageInterface:
+        """This stage's interface for one micro-batch of stage-0 placeholder values."""
+        key = _signature(values)
+        if key not in self._cache:
+            self._cache[key] = self._predict(values)
+        return self._cache[key]
+
+    def _predict(self, values: list[Any]) -> StageInterface:
+        j, last = self.stage, len(self.graphs) - 1
+        boundaries: list[Boundary] = []
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad(), \
+                _eval_mode(self.graphs[:j + 1]):
+            current = pytree.tree_map(
+                lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, values)
+            for k in range(min(j, last - 1) + 1):
+                device = self.devices[k]
+                current = pytree.tree_map(
+                    lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor) else v, current)
+                gm = self.graphs[k]
+                try:
+                    out = type(gm).forward(gm, *current)
+                except Exception as error:
+                    raise BoundaryMismatchError(
+                        f"cannot predict what stage {k} sends on ({type(error).__name__}: "
+                        f"{error}); values crossing stages must have shapes that follow from "
+                        "the input shapes (no data-dependent shapes at a boundary)") from error
+                boundaries.append(Boundary.of(out))
+                current = list(out)
+        return StageInterface(boundaries[j - 1] if j > 0 else None,
+                              boundaries[j] if j < last else None)
+
+
+def _signature(values: list[Any]) -> Any:
+    leaves, spec = pytree.tree_flatten(values)
+    return str(spec), tuple((tuple(v.shape), v.dtype, v.device.type)
+                            if isinstance(v, torch.Tensor) else ("value", repr(v))
+                            for v in leaves)
+
+
+@contextmanager
+def _eval_mode(graphs: Sequence[nn.Module]) -> Iterator[None]:
+    # Eval mode keeps batch norm from updating real running statistics with fake values.
+    modes = {m: m.training for gm in graphs for m in gm.modules()}
+    for m in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training

@@ -1,0 +1,300 @@
+"""This rank's part of a model partitioned over processes: :class:`DistributedModel`.
+
+``partitioner.distributed.partition_distributed`` decides the plan and cuts the stage graphs;
+:func:`assemble` builds the rank from them: point-to-point links to the neighbouring stages
+(``p2p``), the gradient all-reduce between replicas (``data_parallel``), one process group
+per weight tied across stages, the predictor of what crosses each boundary
+(``boundaries``), and the rank's pipeline (``pipeline``). The runtime knows nothing of the
+planner: it receives the plan's settings as data (:class:`RunSettings`) and keeps the plan
+itself only for the user.
+
+What a :class:`DistributedModel` shares with the other wrappers (the original model's
+state-dict keys with tensor-parallel slices gathered whole, ``clip_grad_norm_`` over the
+whole model, ``close``, the model's train/eval mode) comes from
+:class:`~partitioner.runtime.wrapper.ModelWrapper`.
+
+Example:
+    >>> import torch
+    >>> a = torch.nn.Linear(2, 2)
+    >>> find_ties([torch.fx.symbolic_trace(a), torch.fx.symbolic_trace(a)])
+    [((0, 'weight'), (1, 'weight')), ((0, 'bias'), (1, 'bias'))]
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from partitioner.runtime.distributed.boundaries import BoundaryPredictor
+from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, save_checkpoint
+from partitioner.runtime.distributed.data_parallel import (
+    DEFAULT_BUCKET_BYTES,
+    GradReducer,
+    TiedGradients,
+)
+from partitioner.runtime.distributed.failure import Watchdog
+from partitioner.runtime.distributed.mesh import Coords, Mesh
+from partitioner.runtime.distributed.p2p import PipeLinks
+from partitioner.runtime.distributed.pipeline import DistributedPipeline
+from partitioner.runtime.stage import StageRunner
+from partitioner.runtime.tensor_parallel.shard_state import ShardState
+from partitioner.runtime.wrapper import GroupNorms, ModelWrapper
+
+__all__ = ["DistributedModel", "RunSettings", "assemble", "find_ties", "model_device"]
+
+Binder = Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How a rank runs its stage: the plan's pipeline settings and the call's options.
+
+    Attributes:
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        chunks: micro-batches per step.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        loss_reduction: how ``loss_fn`` reduces a micro-batch, ``"mean"`` or ``"sum"``.
+        bucket_bytes: the data-parallel all-reduce bucket size.
+        seed: base seed of the stages' dropout generators.
+        plan_record: the plan as checkpoints store it (``Plan.to_dict()``).
+    """
+
+    schedule: str
+    chunks: int
+    checkpoint: str
+    loss_reduction: str = "mean"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    seed: int = 0
+    plan_record: Mapping[str, Any] = field(default_factory=dict)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s first tensor lives (CPU for a model without tensors)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
+             stage: fx.GraphModule, mesh: Mesh, device: torch.device, settings: RunSettings,
+             *, bind: Binder, restructure: Callable[[Any], Any], watchdog: Watchdog,
+             shards: ShardState | None = None, batched: bool = False) -> DistributedModel:
+    """This rank's :class:`DistributedModel` (collective: every rank calls it).
+
+    Args:
+        model: the whole model (its other stages stay where they are).
+        plan: the plan every rank runs (kept as ``.plan``; not read here).
+        graphs: every stage's graph (this rank's moved to ``device``).
+        stage: this rank's stage graph (its tensor-parallel rank graph when split).
+        mesh: this rank's place in the (pp, dp, tp) mesh and its groups.
+        device: where this rank computes.
+        settings: the plan's pipeline settings and the call's options.
+        bind: maps a call's ``(args, kwargs)`` to stage 0's placeholder values.
+        restructure: maps the last stage's output to what the model returns.
+        watchdog: this process's failure watchdog.
+        shards: the stage's split entries when it is split over ``tp`` ranks.
+        batched: batch the point-to-point transfers (NCCL).
+    """
+    j, shape = mesh.stage, mesh.shape
+    home = model_device(model)
+    devices = [device if k == j else home for k in range(len(graphs))]
+    links = PipeLinks(mesh.group("pp"), mesh.neighbour("pp", -1), mesh.neighbour("pp", 1),
+                      device, batched=batched)
+    # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
+    reducer = (GradReducer(list(stage.parameters()), mesh.group("dp"), settings.bucket_bytes,
+                           predivided=True) if shape.dp > 1 else None)
+    ties = find_ties(graphs)
+    # A weight tied across stages is counted by its first stage only in gradient norms.
+    not_first = frozenset(name for tie in ties for k, name in tie[1:] if k == j)
+    pipeline = DistributedPipeline(
+        StageRunner(j, stage, device, shard=mesh.shard if shards is not None else None),
+        n_stages=shape.pp, links=links, interfaces=BoundaryPredictor(graphs, j, devices),
+        schedule=settings.schedule, chunks=settings.chunks, checkpoint=settings.checkpoint,
+        restructure=restructure, reducer=reducer, tied=_tie_groups(ties, mesh, stage),
+        dp_size=shape.dp, loss_rank=j == shape.pp - 1 and mesh.shard == 0,
+        loss_reduction=settings.loss_reduction, grad_scale=1.0 / shape.dp)
+    return DistributedModel(model, plan, mesh, pipeline, stage, bind=bind, seed=settings.seed,
+                            watchdog=watchdog, shards=shards, norm_skip=not_first,
+                            plan_record=settings.plan_record)
+
+
+def find_ties(graphs: Sequence[fx.GraphModule]) -> list[tuple[tuple[int, str], ...]]:
+    """Parameters used by more than one stage: per shared tensor, ``(stage, name)`` pairs."""
+    users: dict[int, list[tuple[int, str]]] = {}
+    for j, gm in enumerate(graphs):
+        for name, param in gm.named_parameters():
+            if all(stage != j for stage, _ in users.get(id(param), [])):
+                users.setdefault(id(param), []).append((j, name))
+    return [tuple(u) for u in users.values() if len(u) > 1]
+
+
+def _tie_groups(ties: list[tuple[tuple[int, str], ...]], mesh: Mesh,
+                stage: fx.GraphModule) -> TiedGradients | None:
+    """One process group per tie and replica (collective); this rank's parameters in them."""
+    mine = []
+    for tie in ties:
+        for replica in range(mesh.shape.dp):
+            for shard in range(mesh.shape.tp):
+                ranks = [mesh.shape.rank_of(Coords(j, replica, shard)) for j, _ in tie]
+                group = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    name = next(n for j, n in tie if j == mesh.stage)
+                    mine.append((stage.get_parameter(name), group))
+    return TiedGradients(mine) if mine else None
+
+
+class DistributedModel(ModelWrapper):
+    """This rank's stage of a model partitioned over processes.
+
+    ``parameters()`` are this rank's stage's (give them to any optimizer); ``state_dict()``
+    is this stage's part with the original model's keys, whole tensors even when the stage
+    is split over ``tp`` ranks (then it is a collective: every rank of the stage replica's
+    tp group calls it, and ``load_state_dict`` keeps each rank's slice); ``train()``/
+    ``eval()`` work as usual, and it starts in the model's mode. Calling it is not
+    supported: a pipeline stage alone has no meaningful output, so training goes through
+    :meth:`step` and evaluation through :meth:`evaluate`.
+
+    Args:
+        model: the whole model (not a submodule: its other stages are not this rank's).
+        plan: the plan every rank runs (kept as ``.plan``).
+        mesh: this rank's place in the mesh.
+        pipeline: the runtime executing the stage.
+        stage: this rank's stage graph.
+        bind: maps a call's ``(args, kwargs)`` to stage 0's placeholder values.
+        seed: base seed of the stages' dropout generators.
+        watchdog: this process's failure watchdog.
+        shards: the stage's split entries when it is split over ``tp`` ranks.
+        norm_skip: parameters whose gradients another stage counts (tied weights).
+        plan_record: the plan as checkpoints store it.
+
+    Attributes:
+        plan: the plan every rank runs.
+        mesh: this rank's place in the (pp, dp, tp) mesh and its groups.
+        pipeline: the runtime executing the stage.
+        steps: training steps run so far (saved in checkpoints; seeds dropout).
+    """
+
+    inner = "stage"
+    _model: nn.Module
+
+    def __init__(self, model: nn.Module, plan: Any, mesh: Mesh, pipeline: DistributedPipeline,
+                 stage: fx.GraphModule, *, bind: Binder, seed: int, watchdog: Watchdog,
+                 shards: ShardState | None = None, norm_skip: frozenset[str] = frozenset(),
+                 plan_record: Mapping[str, Any] | None = None) -> None:
+        # Replicas hold the same averaged gradients: the world's sum counts each dp times.
+        norms = GroupNorms(None, copies=mesh.shape.dp, device=pipeline.runner.device)
+        super().__init__(plan, model.training, shards=shards, combine_norms=norms)
+        self.stage = stage
+        self.mesh = mesh
+        self.pipeline = pipeline
+        self.steps = 0
+        self.__dict__["_model"] = model  # not a submodule: its other stages are not ours
+        self._bind = bind
+        self._seed = seed
+        self._watchdog = watchdog
+        self._norm_skip = norm_skip
+        self._plan_record = dict(plan_record or {})
+
+    @property
+    def stage_index(self) -> int:
+        """The pipeline stage this rank runs."""
+        return self.mesh.stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes the loss."""
+        return self.mesh.stage == self.mesh.shape.pp - 1
+
+    def _values(self, inputs: Any, kwargs: dict[str, Any] | None) -> list[Any]:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return self._bind(args, dict(kwargs or {}))
+
+    def _step_seed(self) -> int:
+        key = (self._seed, self.steps, self.mesh.replica, self.mesh.stage)
+        return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little")
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             kwargs: dict[str, Any] | None = None) -> float:
+        """One training step's forward and backward over the pipeline; returns its loss.
+
+        Every rank of a replica passes the same batch (stage 0 reads ``inputs``, the last
+        stage ``targets``; the others use their shapes). Gradients accumulate into this
+        stage's ``.grad`` exactly as full-batch training would produce them (averaged over
+        replicas); then call your optimizer's ``step()``.
+
+        Args:
+            inputs: the model's positional input (a tensor) or a tuple of them.
+            targets: what ``loss_fn`` compares with (any pytree split like the inputs).
+            loss_fn: ``loss_fn(outputs, targets) -> scalar``, run per micro-batch.
+            kwargs: keyword inputs of the model.
+
+        Returns:
+            The loss of the whole batch, averaged over replicas, on every rank.
+
+        Raises:
+            ClosedError: after :meth:`close` (the replicas' gradient all-reduce is gone).
+        """
+        self._ensure_open("train")
+        with self._watchdog.guard():
+            loss = self.pipeline.step(self._values(inputs, kwargs), targets, loss_fn,
+                                      seed=self._step_seed())
+        self.steps += 1
+        return loss
+
+    def evaluate(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 *, kwargs: dict[str, Any] | None = None) -> float:
+        """The loss of a batch without autograd (call ``eval()`` first for eval mode)."""
+        self._ensure_open("evaluate")
+        with self._watchdog.guard():
+            return self.pipeline.evaluate(self._values(inputs, kwargs), targets, loss_fn,
+                                          seed=self._step_seed())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a DistributedModel runs one pipeline stage; train with "
+                        "dpm.step(inputs, targets, loss_fn) and evaluate with dpm.evaluate(...)")
+
+    def save(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write one consolidated checkpoint from rank 0 (collective; all ranks call it).
+
+        ``torch.load(path)["model"]`` loads into the unpartitioned model; :meth:`load`
+        resumes a partitioned run from it.
+        """
+        contributes = self.mesh.replica == 0 and self.mesh.shard == 0
+        base = self._model.state_dict() if self.mesh.rank == 0 else {}
+        same: dict[int, list[str]] = {}
+        for key, tensor in self._model.state_dict(keep_vars=True).items():
+            same.setdefault(id(tensor), []).append(key)
+        with self._watchdog.guard():
+            save_checkpoint(path, self.stage, contributes=contributes,
+                            group=self.mesh.group("pp"), base_state=base, optimizer=optimizer,
+                            extra={"steps": self.steps, "plan": self._plan_record},
+                            aliases=[keys for keys in same.values() if len(keys) > 1],
+                            shards=self._shards)
+
+    def load(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Resume from a checkpoint written by :meth:`save` (each rank reads its part)."""
+        extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards)
+        self.steps = int(extra.get("steps", 0))
+
+    def _norm_grads(self) -> list[torch.Tensor]:
+        """This rank's share of the model's gradients, each counted once over the world:
+        replicas hold the same averaged gradients (:class:`GroupNorms` divides by their
+        number), a replicated parameter of a split stage counts on tp rank 0, a split one by
+        all its slices, a weight tied across stages on its first stage."""
+        split = self._shards.shardings if self._shards is not None else {}
+        return [p.grad.detach() for name, p in self.stage.named_parameters()
+                if p.grad is not None and name not in self._norm_skip
+                and (name in split or self.mesh.shard == 0)]
+
+    def _release(self) -> None:
+        """Remove the data-parallel hooks (the process group stays up)."""
+        if self.pipeline.reducer is not None:
+            self.pipeline.reducer.close()
