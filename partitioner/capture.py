@@ -3,8 +3,10 @@
 ``torch.fx.symbolic_trace`` is tried first: it keeps modules as ``call_module`` nodes and is
 fast. Models with data-dependent control flow (transformers' GPT-2, BERT) defeat it, so
 ``torch.export`` (non-strict, batch dimension dynamic) is tried next; its parameter
-placeholders are turned back into ``get_attr`` nodes naming the original parameters, and the
-layer structure is recovered later from each node's ``nn_module_stack``.
+placeholders are turned back into ``get_attr`` nodes naming the original parameters, each
+``nn.MultiheadAttention`` call export inlined becomes one ``call_module`` node again, as
+symbolic tracing keeps it (``partitioner.passes.fold_attention``), and the layer structure is
+recovered later from each node's ``nn_module_stack``.
 
 Either way the result is a :class:`Captured`: a ``GraphModule`` whose parameters *are* the
 model's parameters (same tensor objects), plus how call arguments become placeholder values
@@ -34,6 +36,7 @@ from torch import nn
 import partitioner.passes as _passes
 import partitioner.runtime as _runtime
 from partitioner.errors import ExampleInputsError, TraceError
+from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 
 __all__ = ["Captured", "capture", "module_paths"]
 
@@ -129,8 +132,19 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     batch = _batch_size((args, kwargs))
     dynamic = {name: pytree.tree_map(lambda v: _dynamic_dim(v, batch), value)
                for name, value in bound.arguments.items()}
-    program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
-    gm = _unlift(program)
+    kept = attention_paths(model)
+    try:
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False,
+                                      preserve_module_call_signature=kept)
+    except Exception:
+        if not kept:
+            raise
+        # An attention called with two argument structures has no one signature to keep;
+        # export inlines it then (and tensor parallelism keeps its projections whole).
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic,
+                                      strict=False)
+    gm, names = _unlift(program)
+    fold_attention(gm, model, module_calls(program, names))
     return Captured(gm, "export", signature, program.call_spec.out_spec,
                     program.call_spec.in_spec)
 
@@ -149,8 +163,9 @@ def _dynamic_dim(value: Any, batch: int | None) -> dict[int, Any] | None:
     return None
 
 
-def _unlift(program: torch.export.ExportedProgram) -> fx.GraphModule:
-    """Replace lifted parameter/buffer/constant placeholders by ``get_attr`` nodes."""
+def _unlift(program: torch.export.ExportedProgram) -> tuple[fx.GraphModule, dict[str, fx.Node]]:
+    """Replace lifted parameter/buffer/constant placeholders by ``get_attr`` nodes; also
+    return each program node's counterpart, by the program's node name."""
     sig = program.graph_signature
     lifted: dict[str, str] = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
                               **sig.inputs_to_lifted_tensor_constants}
@@ -170,7 +185,9 @@ def _unlift(program: torch.export.ExportedProgram) -> fx.GraphModule:
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.eliminate_dead_code()
-    return fx.GraphModule(tensors, graph, class_name=type(program).__name__)
+    alive = set(graph.nodes)
+    names = {node.name: new for node, new in env.items() if new in alive}
+    return fx.GraphModule(tensors, graph, class_name=type(program).__name__), names
 
 
 def _trace_message(model: nn.Module, fx_error: BaseException, export_error: BaseException) -> str:

@@ -116,4 +116,6 @@ def batch_for(model: nn.Module, batch: int = 4, seq: int = 8) -> torch.Tensor:
         return torch.randn(batch, model[0].in_features)
     if isinstance(model, (Block, LlamaBlock)):
         return torch.randn(batch, seq, 32)
+    if isinstance(model, nn.TransformerEncoderLayer):
+        return torch.randn(batch, seq, model.self_attn.embed_dim)
     return torch.randint(0, 64, (batch, seq))

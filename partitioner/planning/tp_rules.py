@@ -13,6 +13,8 @@ kind           meaning
 ``colwise``    split a Linear's output features (an Embedding's embedding dimension)
 ``rowwise``    split a Linear's input features; its output is summed over ranks
 ``vocab``      split an Embedding's rows (``rowwise`` on an Embedding means the same)
+``heads``      split an ``nn.MultiheadAttention`` by heads (q, k, v rows of each rank's
+               heads, ``out_proj`` row-parallel: one all-reduce)
 ``replicate``  keep the layer whole on every rank
 =============  ==========================================================================
 
@@ -46,7 +48,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.errors import TensorParallelRuleError
-from partitioner.passes.tensor_parallel.match import SITE_KINDS
+from partitioner.passes.tensor_parallel.match import SITE_KINDS, SITE_WHAT
 from partitioner.passes.tensor_parallel.shard_graph import TensorParallelChoice, choose_shardings
 from partitioner.passes.tensor_parallel.sites import Site, attr_tensor, find_sites
 from partitioner.runtime.tensor_parallel.sharding import Sharding
@@ -55,7 +57,7 @@ __all__ = ["TensorParallelRules", "TensorParallelRuleError", "ShardPlan", "resol
            "RULE_KINDS"]
 
 #: The kinds a rule may give.
-RULE_KINDS = ("colwise", "rowwise", "vocab", "replicate")
+RULE_KINDS = ("colwise", "rowwise", "vocab", "heads", "replicate")
 
 
 @dataclass(frozen=True)
@@ -197,16 +199,15 @@ def _fixed_kinds(rules: TensorParallelRules, sites: list[Site]) -> dict[str, str
         pattern, kind = found
         used.add(pattern)
         if kind not in SITE_KINDS[site.op]:
-            what = "an Embedding" if site.op == "embedding" else "a Linear"
-            problems.append(f"{pattern!r}: {site.name} is {what}, which cannot be split "
-                            f"{kind!r}; use one of {', '.join(SITE_KINDS[site.op])}")
+            problems.append(f"{pattern!r}: {site.name} is {SITE_WHAT[site.op]}, which cannot "
+                            f"be split {kind!r}; use one of {', '.join(SITE_KINDS[site.op])}")
             continue
         fixed[site.node] = "vocab" if site.op == "embedding" and kind == "rowwise" else kind
     layer_names = list(dict.fromkeys(s.name for s in sites))
     for pattern, _ in rules.rules:
         if pattern not in used:
             near = difflib.get_close_matches(pattern, layer_names, n=3, cutoff=0.5)
-            problems.append(f"{pattern!r} names no Linear or Embedding layer; "
+            problems.append(f"{pattern!r} names no Linear, Embedding or attention layer; "
                             + (f"did you mean {', '.join(near)}? " if near else "")
                             + f"the layers are {_summary(layer_names)}")
     if problems:

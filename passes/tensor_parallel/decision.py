@@ -24,9 +24,9 @@ from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime.tensor_parallel.sharding import Sharding
 
 __all__ = ["Decision", "RuleContext", "Action", "Keep", "Resize", "SizeQuery",
-           "ShardedDropout", "ColumnSite", "RowSite", "VocabSite", "ArgPath", "val",
-           "is_tensor", "tensor_inputs", "sharded_inputs", "replicated", "arg", "is_method",
-           "is_function"]
+           "ShardedDropout", "ColumnSite", "RowSite", "VocabSite", "AttentionSite", "ArgPath",
+           "val", "is_tensor", "tensor_inputs", "sharded_inputs", "replicated", "arg",
+           "is_method", "is_function"]
 
 aten = torch.ops.aten
 
@@ -82,7 +82,17 @@ class VocabSite:
     site: Site
 
 
-Action = Keep | Resize | SizeQuery | ShardedDropout | ColumnSite | RowSite | VocabSite
+@dataclass(frozen=True)
+class AttentionSite:
+    """An ``nn.MultiheadAttention`` split by heads: the rank's heads, then all-reduces
+    (``reduces``: one for the output, one more for head-averaged weights)."""
+
+    site: Site
+    reduces: int = 1
+
+
+Action = (Keep | Resize | SizeQuery | ShardedDropout | ColumnSite | RowSite | VocabSite
+          | AttentionSite)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ Megatron pair) or cannot be (the seed stays alone). Then:
   whole values (a residual stream: ``x + f(x)`` with ``x`` split would slice ``f(x)`` and
   keep the stream split, gathering before every norm): then it stays whole (``replicate``);
 - the largest Embedding splits by vocabulary (one all-reduce), the others stay whole, except
-  an Embedding sharing its weight with a split Linear, which follows that Linear.
+  an Embedding sharing its weight with a split Linear, which follows that Linear;
+- an ``nn.MultiheadAttention`` call is a closed region by itself (whole inputs, one
+  all-reduce, whole output): it splits by ``heads``.
 
 Rules given by the user (``fixed``) are kept as they are; the search works around them.
 
@@ -47,12 +49,17 @@ from partitioner.passes.tensor_parallel.propagate import propagate
 from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParallelError
 
-__all__ = ["Choice", "choose", "site_shardings", "kind_of", "SITE_KINDS"]
+__all__ = ["Choice", "choose", "site_shardings", "kind_of", "SITE_KINDS", "SITE_WHAT"]
 
 #: The kinds each sort of site accepts (``rowwise`` on an Embedding means ``vocab``, as in
 #: DTensor's ``RowwiseParallel``).
 SITE_KINDS = {"linear": ("colwise", "rowwise", "replicate"),
-              "embedding": ("vocab", "colwise", "rowwise", "replicate")}
+              "embedding": ("vocab", "colwise", "rowwise", "replicate"),
+              "attention": ("heads", "replicate")}
+
+#: How error messages name each sort of site.
+SITE_WHAT = {"linear": "a Linear", "embedding": "an Embedding",
+             "attention": "an nn.MultiheadAttention"}
 
 _MAX_ROUNDS = 64
 
@@ -81,11 +88,15 @@ def site_shardings(site: Site, kind: str, tp: int,
     """
     if kind not in SITE_KINDS[site.op]:
         raise TensorParallelError(
-            f"{site.name}: {'an Embedding' if site.op == 'embedding' else 'a Linear'} cannot be "
-            f"split {kind!r}; use one of {', '.join(SITE_KINDS[site.op])}")
+            f"{site.name}: {SITE_WHAT[site.op]} cannot be split {kind!r}; use one of "
+            f"{', '.join(SITE_KINDS[site.op])}")
     whole = Sharding("replicate", None, tp)
     if kind == "replicate":
-        return {site.weight: whole, **({site.bias: whole} if site.bias else {})}
+        return {site.weight: whole, **({site.bias: whole} if site.bias else {}),
+                **{path: whole for path, *_ in site.parts}}
+    if site.op == "attention":
+        return {path: Sharding(part_kind, dim, tp, part_blocks)
+                for path, part_kind, dim, part_blocks in site.parts}
     if site.op == "embedding":
         dim = 1 if kind == "colwise" else 0
         return {site.weight: Sharding("colwise" if dim else "vocab", dim, tp)}
@@ -104,6 +115,8 @@ def kind_of(site: Site, sharding: Sharding) -> str:
     """The kind a site runs as when its weight is split as ``sharding``."""
     if sharding.dim is None or not sharding.is_split:
         return "replicate"
+    if site.op == "attention":
+        return "heads"
     if site.op == "embedding":
         return "vocab" if sharding.dim == 0 else "colwise"
     return "colwise" if sharding.dim == site.out_dim else "rowwise"
@@ -141,6 +154,9 @@ def choose(gm: fx.GraphModule, sites: list[Site], tp: int,
         if site.op == "linear" and site.node not in kinds:
             kinds[site.node] = (_follow_tie(site, sites, kinds)
                                 or _lone_kind(gm, sites, site, tp))
+    for site in sites:
+        if site.op == "attention" and site.node not in kinds:
+            kinds[site.node] = "heads"
     embeddings = [s for s in sites if s.op == "embedding" and s.node not in kinds]
     largest = max(embeddings, key=lambda s: s.shape[0] * s.shape[1], default=None)
     for site in embeddings:

@@ -23,6 +23,8 @@ reductions, ``softmax``, norms     over other dimensions: kept
 size queries (``x.shape``)         answer with the whole sizes
 Linear, Embedding (sites)          by their weight's sharding (``colwise``, ``rowwise``,
                                    ``vocab``)
+``nn.MultiheadAttention`` (site)   by heads: whole inputs, whole output after one all-reduce
+                                   (``tp_attention``)
 =================================  ==========================================================
 
 Example:
@@ -49,6 +51,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from partitioner.passes.tensor_parallel.attention import attention_rule
 from partitioner.passes.tensor_parallel.decision import (
     Action,
     ColumnSite,
@@ -318,6 +321,8 @@ def size_query(node: fx.Node, ctx: RuleContext) -> Decision | None:
 # ---- sites ----------------------------------------------------------------------------------
 
 def site_rule(node: fx.Node, site: Site, ctx: RuleContext) -> Decision:
+    if site.op == "attention":
+        return attention_rule(node, site, ctx)
     sharding = ctx.shardings.get(site.weight)
     out = val(node)
     inputs = tensor_inputs(node)

@@ -10,7 +10,9 @@ Given the layouts ``tp_propagate`` found, :func:`rewrite_rank` builds rank ``r``
   whole value enters a split computation, ``gather_from_tp`` / ``scatter_to_tp`` where a
   value changes between whole and split;
 - a row-parallel Linear becomes product, ``reduce_from_tp``, then the bias; a vocabulary-
-  parallel Embedding a masked local lookup, then ``reduce_from_tp``;
+  parallel Embedding a masked local lookup, then ``reduce_from_tp``; an
+  ``nn.MultiheadAttention`` split by heads a call of ``head_parallel_attention`` on the
+  rank's copy of the module;
 - size arguments of reshapes and splits become one rank's sizes, size queries on split
   tensors answer with whole sizes, and dropout on split tensors draws from the rank's own
   generator.
@@ -50,7 +52,9 @@ import torch.nn.functional as F
 
 from partitioner.passes.base import PassError
 from partitioner.passes.dead_code import has_side_effect
+from partitioner.passes.tensor_parallel.attention import attention_arguments, weights_used
 from partitioner.passes.tensor_parallel.decision import (
+    AttentionSite,
     ColumnSite,
     Decision,
     Resize,
@@ -64,6 +68,7 @@ from partitioner.passes.tensor_parallel.layout import EnterRegion, Layout, Repli
 from partitioner.passes.tensor_parallel.propagate import Propagation
 from partitioner.passes.tensor_parallel.sites import Site, attr_tensor, is_conv1d
 from partitioner.runtime import rng
+from partitioner.runtime.tensor_parallel import attention as tpattention
 from partitioner.runtime.tensor_parallel import collectives
 from partitioner.runtime.tensor_parallel import ops as tpops
 from partitioner.runtime.tensor_parallel.sharding import Sharding, shard_tensor
@@ -166,6 +171,8 @@ class _Builder:
         action = decision.action
         if isinstance(action, RowSite):
             new = self._row(node, action.site, inputs)
+        elif isinstance(action, AttentionSite):
+            new = self._attention(node, inputs)
         elif isinstance(action, VocabSite):
             new = self._vocab(node, action.site)
         elif isinstance(action, ColumnSite) and self._is_conv1d(node):
@@ -245,6 +252,18 @@ class _Builder:
         if site.bias is None:
             return reduced
         return self.call(operator.add, reduced, self._attr(site.bias))
+
+    def _attention(self, node: fx.Node, inputs: dict[str, fx.Node]) -> fx.Node:
+        """The rank's heads of an ``nn.MultiheadAttention`` call, on the rank's copy of the
+        module (its slices); weights nobody reads are not computed."""
+        arguments = {name: fx.map_arg(value, lambda n: inputs.get(n.name, self.env[n.name]))
+                     for name, value in attention_arguments(node).items()}
+        if not weights_used(node):
+            arguments["need_weights"] = False
+        query, key, value = (arguments.pop(name) for name in ("query", "key", "value"))
+        module = self.graph.get_attr(str(node.target))
+        return self.graph.call_function(tpattention.head_parallel_attention,
+                                        (module, self.comm(), query, key, value), arguments)
 
     def _vocab(self, node: fx.Node, site: Site) -> fx.Node:
         ids, padding, scale, sparse = _embedding_args(self.gm, node)

@@ -46,7 +46,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner.passes.base import PassError, PassResult
 from partitioner.passes.group_layers import Layer
-from partitioner.passes.tensor_parallel.decision import RowSite, VocabSite
+from partitioner.passes.tensor_parallel.attention import heads_problem
+from partitioner.passes.tensor_parallel.decision import AttentionSite, RowSite, VocabSite
 from partitioner.passes.tensor_parallel.layout import Shard
 from partitioner.passes.tensor_parallel.match import choose, kind_of, site_shardings
 from partitioner.passes.tensor_parallel.propagate import Propagation, propagate
@@ -91,6 +92,8 @@ class TensorParallelChoice:
         for decision in self.propagation.decisions.values():
             if isinstance(decision.action, (RowSite, VocabSite)):
                 counts["all_reduce"] += 1
+            elif isinstance(decision.action, AttentionSite):
+                counts["all_reduce"] += decision.action.reduces
         for conversion in self.propagation.conversions:
             if conversion.gathers:
                 counts["all_gather"] += 1
@@ -174,6 +177,10 @@ def _check_sizes(gm: fx.GraphModule, sites: list[Site], kinds: dict[str, str],
     for site in sites:
         sharding = shardings[site.weight]
         if not sharding.is_split:
+            continue
+        if site.op == "attention":
+            problem = heads_problem(site, sharding.tp)
+            problems += [problem] if problem else []
             continue
         what = {0: "rows", 1: "columns"}[int(sharding.dim or 0)]
         for problem in sharding.check(site.shape, site.weight):

@@ -12,7 +12,12 @@ transformers' ``Conv1D``    ``call_module``, ``aten.addmm``      ``(in, out)``
 ``x @ W``                   ``torch.matmul``, ``aten.mm`` ...    ``(in, out)``
 ``nn.Embedding``            ``call_module``, ``F.embedding``,    ``(num, dim)``
                             ``aten.embedding``
+``nn.MultiheadAttention``   ``call_module`` (both captures keep  fused ``in_proj_weight``
+                            it whole: ``passes.fold_attention``)  ``(3E, E)``, ``out_proj``
 ==========================  ===================================  ==========================
+
+An attention site splits by heads (``partitioner.runtime.tensor_parallel.attention``); the
+projections of an attention that a capture inlined are not sites (they stay whole).
 
 Each site is named for the rules (``tensor_parallel={"h.*.mlp.c_fc": "colwise"}``) by the
 module that owns its weight and ran it (``transformer.wte`` even when the weight is tied to
@@ -60,6 +65,8 @@ class Site:
         layout: ``"out_in"`` (``nn.Linear``), ``"in_out"`` (``Conv1D``, ``x @ W``) or
             ``"table"`` (embeddings).
         shape: the weight's shape.
+        heads: an attention's number of heads (``0`` for other sites).
+        parts: an attention's tensors split by heads, as ``(path, kind, dim, blocks)``.
     """
 
     node: str
@@ -69,6 +76,8 @@ class Site:
     bias: str | None
     layout: str
     shape: tuple[int, ...]
+    heads: int = 0
+    parts: tuple[tuple[str, str, int, tuple[int, ...] | None], ...] = ()
 
     @property
     def out_dim(self) -> int:
@@ -157,7 +166,30 @@ def _module_site(gm: fx.GraphModule, node: fx.Node) -> Site | None:
     if type(module) is nn.Embedding and module.max_norm is None:
         return Site(node.name, "embedding", target, f"{target}.weight", None, "table",
                     tuple(module.weight.shape))
+    if type(module) is nn.MultiheadAttention:
+        return _attention_site(node.name, target, module)
     return None
+
+
+def _attention_site(node: str, target: str, module: nn.MultiheadAttention) -> Site:
+    """An ``nn.MultiheadAttention`` call split by heads: q, k, v rows of each head's share
+    (the fused weight as three blocks), ``bias_k``/``bias_v`` entries, ``out_proj`` columns."""
+    embed = module.embed_dim
+    fused = module.in_proj_weight is not None
+    weight = f"{target}.in_proj_weight" if fused else f"{target}.q_proj_weight"
+    blocks = (embed, embed, embed)
+    parts: list[tuple[str, str, int, tuple[int, ...] | None]] = (
+        [(weight, "colwise", 0, blocks)] if fused else
+        [(f"{target}.{p}_proj_weight", "colwise", 0, None) for p in "qkv"])
+    bias = f"{target}.in_proj_bias" if module.in_proj_bias is not None else None
+    if bias is not None:
+        parts.append((bias, "colwise", 0, blocks))
+    if module.bias_k is not None and module.bias_v is not None:
+        parts += [(f"{target}.bias_{p}", "colwise", 2, None) for p in "kv"]
+    parts.append((f"{target}.out_proj.weight", "rowwise", 1, None))
+    shape = tuple(getattr(module, weight.rpartition(".")[2]).shape)
+    return Site(node, "attention", target, weight, bias, "heads", shape, module.num_heads,
+                tuple(parts))
 
 
 def _make(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module], op: str,
@@ -171,7 +203,10 @@ def _make(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module], op: 
     if op == "embedding" and not _plain_embedding(node):
         return None
     tensor = attr_tensor(gm, weight.target)
-    return Site(node.name, op, _name(node, tensor, weight.target, modules), str(weight.target),
+    name = _name(node, tensor, weight.target, modules)
+    if isinstance(modules.get(name), nn.MultiheadAttention):
+        return None  # an inlined attention's in-projection: its heads cannot be followed
+    return Site(node.name, op, name, str(weight.target),
                 str(bias.target) if bias is not None else None, layout, tuple(tensor.shape))
 
 

@@ -87,10 +87,10 @@ def test_rules_for_embeddings() -> None:
 
 
 @pytest.mark.parametrize("rules, message", [
-    ({"blocks.*.fc3": "colwise"}, r"'blocks.\*.fc3' names no Linear or Embedding layer; "
+    ({"blocks.*.fc3": "colwise"}, r"'blocks.\*.fc3' names no Linear, Embedding or attention layer; "
                                   r"did you mean blocks.1.fc2"),
     ({"head": "vocab"}, "head is a Linear, which cannot be split 'vocab'"),
-    ({"head": "diagonal"}, "kind 'diagonal'; use one of colwise, rowwise, vocab, replicate"),
+    ({"head": "diagonal"}, "kind 'diagonal'; use one of colwise, rowwise, vocab, heads, replicate"),
     ({"": "colwise"}, "give a module-name glob"),
 ])
 def test_rule_errors_say_what_to_write(rules: dict[str, str], message: str) -> None:

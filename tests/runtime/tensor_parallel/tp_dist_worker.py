@@ -36,7 +36,17 @@ def logits(out: Any) -> torch.Tensor:
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return {"mlp": mlp_pair, "block": Block, "gpt2": gpt2}[name]()
+    return {"mlp": mlp_pair, "block": Block, "gpt2": gpt2, "encoder": encoder}[name]()
+
+
+def encoder() -> nn.Module:
+    """torch's own attention (split by heads) and feed-forward; biases away from zero."""
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if "bias" in name:
+                param.normal_(0.0, 0.1)
+    return layer
 
 
 def transparency(name: str) -> None:
