@@ -21,6 +21,7 @@ from partitioner.analysis import Analysis, build_stage_graphs, recapture
 from partitioner.errors import PartitionError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.group_layers import Layer
+from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
@@ -62,6 +63,7 @@ def _local_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
     graphs = build_stage_graphs(analysis, plan)
     for graph in graphs:
         fuse_weight_grads(graph)
+        route_module_randomness(graph)
     return graphs
 
 
@@ -105,6 +107,8 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
             ranks = [shard_graph(gm, shardings, r, check=r == 0,
                                  make_tensor=store.factory(r, groups[j][r], ids)).graph_module
                      for r in range(len(groups[j]))]
+            for rank in ranks:
+                route_module_randomness(rank)
             stages.append(TensorParallelStage(ranks, groups[j]))
         return stages
 

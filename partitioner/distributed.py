@@ -40,6 +40,7 @@ from torch import nn
 from partitioner.analysis import Analysis, analyze, build_stage_graphs
 from partitioner.errors import StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
+from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
@@ -286,9 +287,10 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
     """This rank's stage graph on its device and, when the stage is split over ``tp``
     ranks, the rank's slice with collectives on the stage replica's tp group."""
     if shard_plan is None:
-        return graph.to(device), None
+        return route_module_randomness(graph.to(device)).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
-    stage = shard_stage(graph, model, shard_plan, mesh.shard, device)
+    stage = route_module_randomness(
+        shard_stage(graph, model, shard_plan, mesh.shard, device)).graph_module
     setattr(stage, COMM_ATTR, comm)
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)
 

@@ -50,7 +50,7 @@ from partitioner.build import (
 from partitioner.cost.devices import parse_devices
 from partitioner.errors import DeviceError, ExampleInputsError
 from partitioner.passes.group_layers import Layer
-from partitioner.passes.private_rng import route_dropout
+from partitioner.passes.private_rng import route_dropout, route_module_randomness
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers, shard_graph
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
@@ -262,7 +262,7 @@ def parallelize(model: nn.Module, group: Any = None, *,
         shardings = attr_shardings(gm, ids, shard_plan.shardings)
         out = shard_graph(gm, shardings, comm.rank,
                           make_tensor=store.factory(comm.rank, target, ids)).graph_module
-        return out.train(training)
+        return route_module_randomness(out).graph_module.train(training)
 
     first = graph_factory(model.training)
     where = {id(t): path for path, t in [*first.named_parameters(remove_duplicate=False),

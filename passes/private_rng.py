@@ -22,7 +22,7 @@ from torch import nn
 from partitioner.passes.base import PassError, PassResult
 from partitioner.runtime import rng
 
-__all__ = ["route_dropout"]
+__all__ = ["route_dropout", "route_module_randomness"]
 
 _FUNCTIONS = {torch.nn.functional.dropout, torch.dropout}
 _ATEN = {torch.ops.aten.dropout.default}
@@ -59,6 +59,46 @@ def route_dropout(gm: fx.GraphModule) -> PassResult:
     if left:
         raise PassError(f"route_dropout left dropout modules {left}")
     return PassResult(gm, modified)
+
+
+_STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+               nn.FeatureAlphaDropout)
+
+
+def route_module_randomness(gm: fx.GraphModule) -> PassResult:
+    """Run modules that draw random numbers inside themselves under the stage's generator.
+
+    A capture keeps some modules whole (``nn.MultiheadAttention``: its attention dropout
+    draws from torch's global generator; channel-wise ``Dropout2d``); each such call becomes
+    ``partitioner.runtime.rng.seeded_call(module, ...)``, which seeds the global generators
+    from the stage's generator, so a checkpointed replay draws the masks the forward drew.
+    Run it last, on the graph a runtime executes (the tensor-parallel pass reads these
+    modules as ``call_module`` nodes).
+
+    Returns:
+        ``PassResult(gm, modified)``.
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not _draws_inside(gm.get_submodule(str(node.target))):
+            continue
+        with gm.graph.inserting_before(node):
+            module = gm.graph.get_attr(str(node.target))
+        node.op, node.target = "call_function", rng.seeded_call
+        node.args = (module, *node.args)
+        modified = True
+    if modified:
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def _draws_inside(module: nn.Module) -> bool:
+    if type(module) is nn.Dropout:
+        return False  # route_dropout gives it the stage's generator directly
+    if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+        return True
+    return any(isinstance(m, _STOCHASTIC) and float(getattr(m, "p", 0.0)) > 0
+               for m in module.modules())
 
 
 def _is_module_dropout(gm: fx.GraphModule, node: fx.Node) -> bool:

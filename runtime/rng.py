@@ -26,11 +26,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["use_generator", "current_generator", "use_shard_generator",
+__all__ = ["seeded_call", "use_generator", "current_generator", "use_shard_generator",
            "current_shard_generator", "dropout", "dropout_module", "fork"]
 
 _local = threading.local()
@@ -97,6 +99,30 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
                            f"input is on {x.device}")
     mask = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
     return x * mask / (1.0 - p)
+
+
+_GLOBAL = threading.Lock()
+
+
+def seeded_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module``, whose randomness happens inside it, with torch's global generators
+    seeded from the thread's (stage's) generator.
+
+    For modules a capture keeps whole (``nn.MultiheadAttention``, whose attention dropout
+    draws from torch's global generator): a checkpointed replay then draws the same masks
+    as the forward it replays, and masks do not depend on thread timing. Stages share the
+    global generators, so such calls run one at a time.
+    """
+    generator = current_generator()
+    if generator is None or not module.training:
+        return module(*args, **kwargs)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator,
+                             device=generator.device).item())
+    cuda = sorted({t.device.index or 0 for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and t.is_cuda})
+    with _GLOBAL, torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        return module(*args, **kwargs)
 
 
 def dropout_module(x: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -141,3 +141,35 @@ def test_route_dropout_rewrites_in_place_and_keeps_other_nodes() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.passes.private_rng).failed == 0
+
+
+def test_modules_drawing_inside_run_under_the_stage_generator() -> None:
+    from partitioner.passes.private_rng import route_module_randomness
+    from partitioner.runtime import rng
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2, dropout=0.2),
+                          nn.Dropout2d(0.1), nn.Dropout(0.5),
+                          nn.MultiheadAttention(8, 2, dropout=0.0))
+
+    class Uses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.m[0](x)
+            h = self.m[1](h, h, h)[0] + self.m[4](h, h, h)[0]
+            return self.m[3](self.m[2](h))
+    gm = torch.fx.symbolic_trace(Uses())
+    route_dropout(gm)
+    assert route_module_randomness(gm).modified
+    seeded = [n for n in gm.graph.nodes if n.target is rng.seeded_call]
+    # The dropping attention and Dropout2d; not nn.Dropout (route_dropout's) nor p=0 attention.
+    assert [str(n.args[0].target) for n in seeded] == ["m.1", "m.2"]
+    x = torch.randn(3, 4, 8)
+    generator = torch.Generator().manual_seed(7)
+    with rng.use_generator(generator):
+        first = gm(x)
+    with rng.use_generator(torch.Generator().manual_seed(7)):
+        again = gm(x)
+    torch.testing.assert_close(first, again)

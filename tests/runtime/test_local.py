@@ -292,3 +292,28 @@ def test_split_phases_accepts_one_f_one_b_with_one_microbatch() -> None:
     forwards, backwards = split_phases(one_f_one_b(2, 1))
     assert _text_of(forwards) == ["0F0", "1F0"]
     assert _text_of(backwards) == ["0B0", "1B0"]
+
+
+def test_attention_dropout_inside_a_whole_module_is_replayed_exactly() -> None:
+    """Regression: nn.TransformerEncoderLayer is one call_module to capture; its attention
+    dropout drew from torch's global generator, so a checkpointed replay drew other masks
+    and the gradients silently differed from the forward's."""
+    model = nn.Sequential(nn.Linear(16, 16),
+                          nn.TransformerEncoderLayer(16, 2, 32, dropout=0.3, batch_first=True),
+                          nn.Linear(16, 16),
+                          nn.TransformerEncoderLayer(16, 2, 32, dropout=0.3, batch_first=True),
+                          nn.Linear(16, 4))
+    x = torch.randn(8, 5, 16)
+    grads = {}
+    for mode in ("never", "always"):
+        copy_ = copy.deepcopy(model)
+        pm = partition(copy_, devices=["cpu"] * 2, example_inputs=(x,), chunks=4,
+                       checkpoint=mode, balance=[2, 3])
+        torch.manual_seed(123)
+        out = pm(x)
+        out.pow(2).sum().backward()
+        grads[mode] = (out.detach(), [p.grad.clone() for p in copy_.parameters()])
+        pm.close()
+    torch.testing.assert_close(grads["never"][0], grads["always"][0])
+    for a, b in zip(grads["never"][1], grads["always"][1]):
+        torch.testing.assert_close(a, b)
