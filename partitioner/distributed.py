@@ -47,6 +47,7 @@ from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
+from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.data_parallel import DEFAULT_BUCKET_BYTES
 from partitioner.runtime.distributed.failure import (
@@ -135,6 +136,13 @@ def partition_distributed(
                             "stage, but tp=1; pass tp=2 (or more) with them")
     info = init_distributed(backend)
     watchdog = start_watchdog(failure)
+    # Before anything collective: ranks asked for other meshes would wait in each other's groups.
+    check_same_settings(dict(
+        pp=pp, dp=dp, tp=tp, tensor_parallel=tensor_parallel, chunks=chunks, schedule=schedule,
+        checkpoint=checkpoint, balance=balance, split_points=split_points,
+        plan=given.to_dict() if given is not None else None, memory_limit=memory_limit,
+        loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
+        fuse_weight_grads=fuse_weight_grads))
     shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
     chunks, schedule, checkpoint = _run_settings(model, given, chunks, schedule, checkpoint,
                                                  balance, split_points)

@@ -41,6 +41,7 @@ __all__ = [
     "TimelineError",
     "PassError",
     "CheckpointError",
+    "CheckpointWriteError",
     "PolicyError",
     "CommunicationError",
     "DistributedInitError",
@@ -278,6 +279,10 @@ class PassError(PartitionError, RuntimeError):
 
 class CheckpointError(PartitionError, ValueError):
     """A checkpoint that does not fit the run (wrong format, missing keys, other optimizer)."""
+
+
+class CheckpointWriteError(CheckpointError, RuntimeError):
+    """Writing a checkpoint failed (disk full, no permission); the previous file is intact."""
 
 
 # Raised by partitioner.runtime.distributed.mesh.

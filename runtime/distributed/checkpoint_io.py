@@ -15,7 +15,11 @@ each rank taking its own parameters' entries, and training resumes exactly.
 
 The file is written atomically: to a temporary file in the same directory, flushed and
 fsynced, then renamed over the target with ``os.replace``. A crash leaves the previous file
-intact, never a half-written one.
+intact, never a half-written one. The temporary is removed on any failure the writer lives
+through (an exception, or the failure watchdog stopping the process); one left by a writer
+that was killed is named after its host and process id, and the next save to the same path
+removes it once that process is gone. A peer waiting for rank 0 to write the file, whose
+wait fails because rank 0 died, raises a ``CommunicationError`` naming rank 0.
 
 Example:
     >>> import tempfile, torch, os
@@ -28,6 +32,8 @@ Example:
 from __future__ import annotations
 
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,33 +43,98 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import CheckpointError
+from partitioner.errors import CheckpointError, CheckpointWriteError
+from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.distributed.failure import undo_on_abort
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
-__all__ = ["CheckpointError", "atomic_save", "named_optimizer_state",
-           "load_named_optimizer_state", "merge_optimizer_states", "save_checkpoint",
-           "load_checkpoint", "read_checkpoint", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "atomic_save", "remove_stale_temporaries",
+           "named_optimizer_state", "load_named_optimizer_state", "merge_optimizer_states",
+           "save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT", "VERSION"]
 
 FORMAT = "partitioner.checkpoint"
 VERSION = 1
+_RANK0_HINT = ("rank 0, which writes the checkpoint, or another rank most likely died (the "
+               "first rank that failed is named in the logs); a file already at that path "
+               "keeps its previous contents: resume from it")
+
+
+def _writer_tag() -> str:
+    return f"w{os.getpid()}@{socket.gethostname()}"
+
+
+def _unlink(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries of ``path`` whose writer, on this host, no longer runs.
+
+    A writer killed while saving (a signal, the out-of-memory killer) cannot remove its
+    temporary file; its name says which process wrote it. Temporaries of live processes
+    and of other hosts are left alone.
+
+    Returns:
+        The files removed.
+    """
+    target = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.w(\d+)@(.+)\.[^.]+\.tmp$")
+    removed = []
+    host = socket.gethostname()
+    for candidate in target.parent.glob(f".{target.name}.w*.tmp"):
+        match = pattern.match(candidate.name)
+        if match is None or match.group(2) != host:
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and not _alive(pid):
+            _unlink(candidate)
+            removed.append(candidate)
+    return removed
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj, path)`` so that ``path`` is either the old file or the new one."""
+    """``torch.save(obj, path)`` so that ``path`` is either the old file or the new one.
+
+    Raises:
+        CheckpointWriteError: if writing fails (disk full, no permission); the temporary
+            file is removed and ``path`` keeps its previous contents.
+    """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target)
+        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.{_writer_tag()}.", suffix=".tmp",
+                                    dir=target.parent)
+    except OSError as error:
+        raise CheckpointWriteError(f"cannot write a checkpoint in {target.parent}: {error}; "
+                                   "save to a directory this process may write") from error
+    try:
+        with undo_on_abort(lambda: _unlink(temp)):
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(obj, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, target)
+    except BaseException as error:
+        _unlink(temp)
+        if isinstance(error, OSError):
+            raise CheckpointWriteError(
+                f"writing the checkpoint {target} failed: {type(error).__name__}: {error}; "
+                f"{target} keeps its previous contents; free disk space (or fix the "
+                "directory's permissions) and save again") from error
         raise
     try:
         directory = os.open(target.parent, os.O_RDONLY)
@@ -182,7 +253,9 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
                 "optimizer": _to_cpu(optim_state)}
         rank = dist.get_rank()
         gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-        dist.gather_object(part, gathered, dst=0, group=group)
+        with communicating(f"saving {path}: gathering the stages' states on rank 0",
+                           _RANK0_HINT):
+            dist.gather_object(part, gathered, dst=0, group=group)
         if rank == 0:
             assert gathered is not None
             model = {k: _to_cpu(v) for k, v in base_state.items()}
@@ -198,7 +271,8 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
                      if optimizer is not None else None)
             atomic_save({"format": FORMAT, "version": VERSION, "model": model,
                          "optimizer": optim, "extra": dict(extra or {})}, path)
-    dist.barrier()
+    with communicating(f"saving {path}: waiting for rank 0 to write the file", _RANK0_HINT):
+        dist.barrier()
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

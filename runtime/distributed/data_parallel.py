@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.runtime import fused_linear
-from partitioner.runtime.distributed.failure import CommunicationError
+from partitioner.runtime.distributed.comm_failure import communicating
 
 __all__ = ["Bucket", "GradReducer", "TiedGradients", "plan_buckets", "DEFAULT_BUCKET_BYTES",
            "LAST_BUCKET_BYTES"]
@@ -192,7 +192,8 @@ class GradReducer:
         if not self.predivided:
             # Divide first, so the sum is the average (gloo has no AVG) and cannot overflow.
             bucket.buffer[:bucket.numel].div_(self.size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        with communicating(f"starting the all-reduce of gradient bucket {bucket.index}"):
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self.events.append(("launch", bucket.index))
         self._next += 1
 
@@ -207,12 +208,9 @@ class GradReducer:
                 self._launch(bucket)
             self._armed = False
         for bucket in self.buckets:
-            try:
+            with communicating(f"all-reduce of gradient bucket {bucket.index} over the "
+                               "data-parallel group"):
                 bucket.work.wait()
-            except Exception as error:
-                raise CommunicationError(
-                    f"all-reduce of gradient bucket {bucket.index} over the data-parallel "
-                    f"group failed: {type(error).__name__}: {error}") from error
             self._write_back(bucket)
 
     def _write_back(self, bucket: Bucket) -> None:
@@ -268,8 +266,5 @@ class TiedGradients:
                 param.grad = torch.zeros_like(param)
             works.append(dist.all_reduce(param.grad, group=group, async_op=True))
         for work in works:
-            try:
+            with communicating("all-reduce of a tied weight's gradient"):
                 work.wait()
-            except Exception as error:
-                raise CommunicationError(f"all-reduce of a tied weight's gradient failed: "
-                                         f"{type(error).__name__}: {error}") from error

@@ -20,14 +20,20 @@ never queues behind the main thread):
 - the store's host (rank 0 when not launched by torchrun) keeps the store up until the
   others have seen the failure; if the store itself stops answering, its host is gone, and
   the rank exits naming it;
-- a communication error on a healthy rank is usually the echo of a peer's death: the rank
-  waits for the root cause to be published rather than reporting itself.
+- a communication error on a healthy rank is usually the echo of a peer's death (gloo's
+  bare ``RuntimeError`` included, see ``partitioner.runtime.distributed.comm_failure``), in
+  a step, in a save or escaping the program: the rank waits for the root cause to be
+  published rather than reporting itself.
 
-A rank that finishes cleanly marks itself exited, so its silence is not a failure.
-Detection takes about ``interval`` for a raise and ``timeout`` for a kill.
+A rank that finishes cleanly marks itself exited, so its silence is not a failure; but a
+rank still inside a step or a save (which need every rank) for ``timeout`` after another
+rank exited cleanly, or whose exchange failed since, names the exited rank: it ran fewer
+steps than the others. The store's host, exiting cleanly while others still run, says so
+before its store goes. Detection takes about ``interval`` for a raise and ``timeout`` for a
+kill or an early exit.
 
-At start, :func:`check_same_plan` compares a hash of every rank's plan and refuses
-mismatched plans.
+At start, ``partitioner.runtime.distributed.agreement`` checks that the ranks were asked
+for the same run and built the same plan (:func:`check_same_plan`, re-exported here).
 
 Example:
     >>> FailurePolicy(timeout=10.0, interval=0.5)
@@ -43,19 +49,25 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
-from partitioner.errors import CommunicationError, PlanMismatchError, PolicyError
+from partitioner.errors import PlanMismatchError, PolicyError
+from partitioner.runtime.distributed.agreement import check_same_plan
+from partitioner.runtime.distributed.comm_failure import (
+    CommunicationError,
+    is_communication_failure,
+)
+from partitioner.runtime.distributed.rendezvous import LockedStore, store_client
 
 __all__ = ["FailurePolicy", "Watchdog", "CommunicationError", "PlanMismatchError",
-           "check_same_plan", "start_watchdog", "active_watchdog", "format_exception"]
+           "check_same_plan", "start_watchdog", "active_watchdog", "format_exception",
+           "is_communication_failure", "undo_on_abort"]
 
 _PREFIX = "partitioner/watchdog"
 
@@ -96,44 +108,6 @@ class FailurePolicy:
             raise PolicyError("bad FailurePolicy: " + "; ".join(problems))
 
 
-class _LockedStore:
-    """A store client shared by the watchdog thread and the main thread, one call at a time."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self._lock = threading.Lock()
-
-    def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            return int(self._store.add(key, amount))
-
-    def check(self, keys: list[str]) -> bool:
-        with self._lock:
-            return bool(self._store.check(keys))
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            return bytes(self._store.get(key))
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        with self._lock:
-            return bytes(self._store.compare_set(key, expected, desired))
-
-
-def _store_address() -> tuple[Any, str]:
-    """A fresh client of the default group's store, and a description of its host."""
-    store: Any = dist.distributed_c10d._get_default_store()
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
-        client = dist.TCPStore(store.host, store.port, is_master=False,
-                               timeout=timedelta(seconds=60), wait_for_workers=False)
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        owner = "torchrun's agent on the first node" if agent else "rank 0"
-        return client, f"{store.host}:{store.port}, hosted by {owner}"
-    return store, "the default store"
-
-
 class Watchdog:
     """Heartbeats and failure propagation through the rendezvous store (see the module doc).
 
@@ -147,7 +121,7 @@ class Watchdog:
 
     def __init__(self, store: Any, rank: int, world_size: int, policy: FailurePolicy,
                  store_host: str = "the store") -> None:
-        self.store = _LockedStore(store)
+        self.store = LockedStore(store)
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
@@ -159,6 +133,9 @@ class Watchdog:
         self._dying = threading.Lock()
         self._reported = False
         self._exit_deadline: float | None = None
+        #: How many guarded blocks (steps, saves: every rank takes part) are running.
+        self._busy = 0
+        self._exit_seen: float | None = None
         self._thread = threading.Thread(target=self._loop, name="partitioner-watchdog",
                                         daemon=True)
         count = min(policy.watch, world_size - 1)
@@ -191,16 +168,48 @@ class Watchdog:
                         self._publish(w, f"no heartbeat for {now - seen[w]:.1f} s (killed by "
                                          "a signal, crashed or hung)")
                         self._die(self.cause() or (w, "no heartbeat"))
+                self._check_early_exits(now)
             except Exception as error:
                 if self._stop.is_set():
                     return
                 if self._reported:
                     # This rank failed and said so; the store's host has since exited.
+                    _run_abort_hooks()
                     os._exit(self.policy.exit_code)
                 self._lost_store(error)
             if self._exit_deadline is not None and time.monotonic() > self._exit_deadline:
                 # This rank reported its own failure but its process has not exited.
                 self.exit_now()
+
+    def _check_early_exits(self, now: float) -> None:
+        """Name a rank that exited cleanly while this one has been in a step ever since."""
+        if not self._busy or self._reported or not self.store.add(self._key("exited"), 0):
+            self._exit_seen = None
+            return
+        if self._exit_seen is None:
+            # It may have finished its last step a moment before this rank finishes its own.
+            self._exit_seen = now
+        elif now - self._exit_seen > self.policy.timeout:
+            early = self.exited_early(f"still waiting for it after {self.policy.timeout:.0f} s")
+            if early is not None:
+                self._die(early)
+
+    def exited_early(self, how: str) -> tuple[int, str] | None:
+        """Publish (first writer wins) a rank that exited cleanly as the failure, if any.
+
+        Called when this rank, still in a step or a save that needs every rank, lost a peer:
+        a rank that ended its program then ran fewer steps (or saves) than this one.
+
+        Returns:
+            The published cause, or None if no other rank has exited.
+        """
+        if not self.store.add(self._key("exited"), 0):
+            return None
+        gone = [r for r in range(self.world_size)
+                if r != self.rank and self.store.add(self._key("exit", r), 0)]
+        if not gone:
+            return None
+        return self._publish(gone[0], _early_exit_reason(gone, self.rank, how))
 
     def _publish(self, rank: int, reason: str) -> tuple[int, str]:
         text = json.dumps({"rank": rank, "reason": reason})
@@ -215,27 +224,31 @@ class Watchdog:
         data = json.loads(self.store.get(self._key("failed")))
         return int(data["rank"]), str(data["reason"])
 
-    def _die(self, cause: tuple[int, str]) -> None:
+    def _die(self, cause: tuple[int, str], echo: BaseException | None = None) -> None:
         if not self._dying.acquire(blocking=False):
             # The other thread is already stopping the process.
             while True:
                 time.sleep(1)
         failed, reason = cause
         print(f"[partitioner] rank {self.rank}: stopping because rank {failed} failed: "
-              f"{reason}", file=sys.stderr, flush=True)
+              f"{reason}{_seen_here(echo)}. Rank {failed}'s own output has the cause",
+              file=sys.stderr, flush=True)
         try:
             self.store.add(self._key("ack", self.rank), 1)
             if self.hosts_store:
                 # The others learn of the failure through this process's store: keep it up
                 # until they have (the failed rank itself may be dead).
                 self._await_acknowledgements(skip=failed)
-            if self.store.add(self._key("raised", failed), 0):
+            if self.store.add(self._key("raised", failed), 0) and not (
+                    failed == 0 and self.store_owner == "rank 0"):
                 # Let a rank that raised exit first, so a launcher (torchrun's agent, which
-                # then stops the rest) names it, not us, as the first failure.
+                # then stops the rest) names it, not us, as the first failure. (A failed
+                # store host waits for our acknowledgement instead, and takes the store.)
                 self._await_gone(failed)
         except Exception:
             pass
         sys.stdout.flush()
+        _run_abort_hooks()
         os._exit(self.policy.exit_code)
 
     def _await_gone(self, rank: int) -> None:
@@ -253,15 +266,18 @@ class Watchdog:
             pass
         sys.stdout.flush()
         sys.stderr.flush()
+        _run_abort_hooks()
         os._exit(self.policy.exit_code)
 
-    def _lost_store(self, error: BaseException) -> None:
+    def _lost_store(self, error: BaseException, echo: BaseException | None = None) -> None:
         if not self._dying.acquire(blocking=False):
             while True:
                 time.sleep(1)
         print(f"[partitioner] rank {self.rank}: stopping because the rendezvous store at "
               f"{self.store_host} stopped answering ({type(error).__name__}: {error}); "
-              f"{self.store_owner} has most likely failed", file=sys.stderr, flush=True)
+              f"{self.store_owner} has most likely failed{_seen_here(echo)}. Its own output "
+              "has the cause", file=sys.stderr, flush=True)
+        _run_abort_hooks()
         os._exit(self.policy.exit_code)
 
     def report(self, reason: str, error: BaseException | None = None) -> tuple[int, str]:
@@ -304,48 +320,69 @@ class Watchdog:
                 return
             time.sleep(min(0.05, self.policy.interval))
 
-    def wait_for_cause(self, timeout: float) -> tuple[int, str] | None:
-        """Wait up to ``timeout`` seconds for a failure to be published; return it or None."""
+    def wait_for_cause(self, timeout: float, echo: BaseException | None = None
+                       ) -> tuple[int, str] | None:
+        """Wait up to ``timeout`` seconds for a failure to be published; return it or None.
+
+        With ``echo`` (this rank's failed exchange), a rank that exited cleanly counts as
+        the failure too: this rank lost a peer it still needed.
+        """
         deadline = time.monotonic() + timeout
         while True:
             try:
                 cause = self.cause()
+                if cause is None and echo is not None:
+                    cause = self.exited_early(f"here: {_one_line(echo)}")
             except Exception as error:
-                self._lost_store(error)
+                self._lost_store(error, echo)
             if cause is not None or time.monotonic() >= deadline:
                 return cause
             time.sleep(min(0.05, self.policy.interval))
+
+    def blame(self, error: BaseException) -> None:
+        """Stop naming the root cause if ``error`` is the echo of another rank's failure.
+
+        A failed exchange (:func:`is_communication_failure`) is most often how a healthy
+        rank learns that a peer died: this waits for the watchdogs to publish the cause
+        (up to ``2 * timeout``: a killed rank is noticed after ``timeout``) and stops the
+        process naming it. Returns if ``error`` is not such an echo or nothing else failed.
+        """
+        if not is_communication_failure(error) or self._reported:
+            return
+        cause = self.wait_for_cause(2 * self.policy.timeout, error)
+        if cause is not None and cause[0] != self.rank:
+            self._die(cause, error)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
         """Report an exception escaping the block as this rank's failure (then re-raise).
 
-        A :class:`CommunicationError` is most often the echo of a peer's death, so this
-        rank first waits for the root cause and, if one is published, stops naming it.
+        The block takes part in exchanges with every rank (a step, a save): a failed
+        exchange first waits for another rank's failure to be published, and a rank that
+        exits cleanly meanwhile counts as failed (see :meth:`blame`).
         """
+        self._busy += 1
         try:
             yield
-        except CommunicationError as error:
-            # The watchdog needs up to timeout + interval to notice a killed rank.
-            cause = self.wait_for_cause(2 * self.policy.timeout)
-            if cause is not None and cause[0] != self.rank:
-                self._die(cause)
-            self.report(format_exception(error), error)
-            raise
         except BaseException as error:
+            self.blame(error)
             self.report(format_exception(error), error)
             raise
+        finally:
+            self._busy -= 1
 
     def stop(self) -> None:
         """Mark this rank as cleanly exited and stop the thread.
 
         Rank 0 outside torchrun hosts the store, so it waits (at most ``timeout``) for the
-        others to finish before its process, and the store, go away.
+        others to finish before its process, and the store, go away; if they have not, it
+        publishes its early exit as the failure, so they stop naming it.
         """
         if self._stop.is_set():
             return
         try:
             self.store.add(self._key("exit", self.rank), 1)
+            self.store.add(self._key("exited"), 1)
             if self.hosts_store and not self._reported:
                 self._await_exits()
         except Exception:
@@ -360,9 +397,42 @@ class Watchdog:
         while others and time.monotonic() < deadline and self.cause() is None:
             others = [r for r in others if not self.store.add(self._key("exit", r), 0)]
             time.sleep(min(0.05, self.policy.interval))
+        if others and self.cause() is None:
+            self._publish(self.rank, (
+                f"rank {self.rank}, which hosts the rendezvous store, ended its program "
+                f"normally but ranks {others} were still running {self.policy.timeout:.0f} s "
+                "later, and cannot go on without the store; make every rank run the same "
+                "steps, or launch with torchrun (its agent hosts the store)"))
+        if self.cause() is not None:
+            # The others learn of the failure through this process's store.
+            self._await_acknowledgements(skip=self.rank)
 
 
 _ACTIVE: Watchdog | None = None
+_ABORT_HOOKS: list[Callable[[], None]] = []
+
+
+@contextmanager
+def undo_on_abort(undo: Callable[[], None]) -> Iterator[None]:
+    """Run ``undo`` if the watchdog ends this process while the block runs.
+
+    The watchdog stops a process with ``os._exit`` (its main thread may be stuck in a
+    collective), which skips ``finally`` blocks; work that must not be left half done (a
+    checkpoint's temporary file) registers its undoing here.
+    """
+    _ABORT_HOOKS.append(undo)
+    try:
+        yield
+    finally:
+        _ABORT_HOOKS.remove(undo)
+
+
+def _run_abort_hooks() -> None:
+    for undo in list(_ABORT_HOOKS):
+        try:
+            undo()
+        except Exception:
+            pass
 
 
 def active_watchdog() -> Watchdog | None:
@@ -381,7 +451,7 @@ def start_watchdog(policy: FailurePolicy | None = None) -> Watchdog:
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE
-    store, host = _store_address()
+    store, host = store_client()
     watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(),
                         policy or FailurePolicy(), host)
     watchdog.start()
@@ -391,6 +461,7 @@ def start_watchdog(policy: FailurePolicy | None = None) -> Watchdog:
     def hook(kind: type[BaseException], value: BaseException,
              tb: TracebackType | None) -> None:
         if not watchdog._reported:
+            watchdog.blame(value)
             watchdog.report(format_exception(value), value)
         previous(kind, value, tb)
         watchdog.exit_now()
@@ -400,31 +471,23 @@ def start_watchdog(policy: FailurePolicy | None = None) -> Watchdog:
     return watchdog
 
 
-def check_same_plan(digest: str, summary: str) -> None:
-    """Refuse to go on unless every rank passes the same ``digest`` (collective).
-
-    Args:
-        digest: a hash of what must agree (the plan, the stage graphs, parameter shapes).
-        summary: a short human description of this rank's plan, shown on mismatch.
-
-    Raises:
-        PlanMismatchError: on every rank, listing which ranks hold which plan.
-    """
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (digest, summary))
-    by_digest: dict[str, list[int]] = {}
-    for rank, (d, _) in enumerate(gathered):
-        by_digest.setdefault(d, []).append(rank)
-    if len(by_digest) == 1:
-        return
-    listed = "; ".join(f"ranks {ranks} have plan {d[:12]} ({gathered[ranks[0]][1]})"
-                       for d, ranks in by_digest.items())
-    raise PlanMismatchError(
-        f"the ranks built different plans: {listed}. Every rank must build the same plan: "
-        "run the same model code with the same example inputs and options on every rank, "
-        "and fix the split with balance=, split_points= or plan= (a saved plan file)")
-
-
 def format_exception(error: BaseException) -> str:
     """One line naming an exception, for failure reports."""
     return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+def _one_line(error: BaseException) -> str:
+    lines = format_exception(error).splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _seen_here(echo: BaseException | None) -> str:
+    return "" if echo is None else f" (here: {_one_line(echo)})"
+
+
+def _early_exit_reason(gone: list[int], waiting: int, how: str) -> str:
+    ranks = f"rank {gone[0]} ended its program" if len(gone) == 1 else \
+        f"ranks {gone} ended their programs"
+    return (f"{ranks} normally while rank {waiting} still needed it in a step or save "
+            f"({how}); a rank ran fewer steps, evaluations or saves than the others: make "
+            "every rank make the same calls")

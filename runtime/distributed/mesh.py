@@ -45,6 +45,9 @@ import torch
 import torch.distributed as dist
 
 from partitioner.errors import DistributedInitError, MeshError
+from partitioner.runtime.distributed.agreement import check_same_settings
+from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.distributed.rendezvous import rendezvous_store
 
 __all__ = ["AXES", "Coords", "MeshShape", "Mesh", "DistInfo", "MeshError",
            "DistributedInitError", "init_distributed", "dist_info"]
@@ -236,7 +239,9 @@ def init_distributed(backend: str | None = None, init_method: str = "env://", *,
         The :class:`DistInfo` of the process.
 
     Raises:
-        DistributedInitError: a missing or malformed variable, or an unknown backend.
+        DistributedInitError: a missing or malformed variable, an unknown backend, or
+            ranks launched with different world sizes (checked before the process group
+            starts, which would otherwise wait for the missing ranks until ``timeout``).
 
     Example:
         >>> info = init_distributed("gloo", "tcp://127.0.0.1:29500", rank=0,
@@ -264,8 +269,13 @@ def init_distributed(backend: str | None = None, init_method: str = "env://", *,
         # Bind before the group starts, so NCCL's communicators land on this device.
         torch.cuda.set_device(local_rank)
         options["device_id"] = torch.device("cuda", local_rank)
-    dist.init_process_group(backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timeout, **options)
+    store = rendezvous_store(init_method, rank, world_size, timeout)
+    if store is None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout, **options)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, **options)
     # We started the group, so we end it: torch warns (NCCL) or can abort in a background
     # thread's destructor (gloo) when a process exits with its group still up.
     atexit.register(_destroy)
@@ -281,7 +291,9 @@ class Mesh:
     """The mesh of a running process group: this rank's coordinates and its axis groups.
 
     Creating a mesh is collective: every rank of the world must create the same shape at the
-    same point of its program, since each axis group is made by ``dist.new_group``.
+    same point of its program, since each axis group is made by ``dist.new_group``. The
+    ranks first compare their shapes through the store (a bounded wait), so ranks asking
+    for different shapes fail at once instead of waiting in each other's groups.
 
     Args:
         shape: the mesh shape; its ``world_size`` must equal the process group's.
@@ -289,6 +301,8 @@ class Mesh:
 
     Raises:
         MeshError: if the shape does not match the world.
+        PlanMismatchError: on every rank, if the ranks asked for different shapes.
+        CommunicationError: if a rank does not arrive, or creating a group fails.
 
     Example:
         >>> mesh = Mesh(MeshShape(pp=2, dp=2))    # doctest: +SKIP
@@ -298,6 +312,8 @@ class Mesh:
 
     def __init__(self, shape: MeshShape, *, timeout: timedelta | None = None) -> None:
         info = dist_info()
+        check_same_settings({"pp": shape.pp, "dp": shape.dp, "tp": shape.tp},
+                            what="mesh shapes")
         if shape.world_size != info.world_size:
             raise MeshError(f"mesh pp={shape.pp} x dp={shape.dp} x tp={shape.tp} needs "
                             f"{shape.world_size} ranks but {info.world_size} were launched; "
@@ -311,7 +327,8 @@ class Mesh:
         for axis in AXES:
             # Every rank creates every group, in the same order (new_group is collective).
             for ranks in shape.groups(axis):
-                group = dist.new_group(list(ranks), timeout=timeout)
+                with communicating(f"creating the {axis} process group of ranks {ranks}"):
+                    group = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self._groups[axis] = group
         self._device_mesh: Any = None

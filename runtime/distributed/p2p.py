@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partitioner.errors import BoundaryMismatchError
-from partitioner.runtime.distributed.failure import CommunicationError
+from partitioner.runtime.distributed.comm_failure import communicating
 
 __all__ = ["TensorMeta", "Boundary", "BoundaryMismatchError", "PipeLinks", "Pending",
            "FORWARD", "BACKWARD", "message_tag"]
@@ -168,10 +168,8 @@ class Pending:
 
 
 def _wait(work: Any, what: str) -> None:
-    try:
+    with communicating(what):
         work.wait()
-    except Exception as error:
-        raise CommunicationError(f"{what} failed: {type(error).__name__}: {error}") from error
 
 
 class PipeLinks:
@@ -198,10 +196,12 @@ class PipeLinks:
     def _post(self, ops: list[tuple[dist.P2POp, Pending | None]]) -> None:
         if not ops:
             return
-        if self.batched:
-            works = dist.batch_isend_irecv([op for op, _ in ops])
-        else:
-            works = [op.op(op.tensor, op.peer, op.group, op.tag) for op, _ in ops]
+        peers = sorted({op.peer for op, _ in ops})
+        with communicating(f"posting sends and receives to rank(s) {peers}"):
+            if self.batched:
+                works = dist.batch_isend_irecv([op for op, _ in ops])
+            else:
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op, _ in ops]
         for (op, pending), work in zip(ops, works):
             if pending is None:
                 self._sends.append((work, op.tensor, f"rank {op.peer}"))

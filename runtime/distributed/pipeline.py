@@ -46,6 +46,7 @@ from partitioner.errors import (
     StrategyError,
 )
 from partitioner.runtime.checkpointing import checkpoint_problem, checkpoint_stop
+from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.data_parallel import GradReducer, TiedGradients
 from partitioner.runtime.distributed.p2p import Boundary, Pending, PipeLinks
 from partitioner.runtime.microbatch import batch_size, scatter
@@ -204,12 +205,18 @@ class DistributedPipeline:
         return [(batch_size(mb) or 0) / total for mb in micro]
 
     def _reduce_loss(self, local: float) -> float:
+        """The step's loss on every rank: the last stages' losses summed over the world.
+
+        Raises:
+            CommunicationError: if the all-reduce fails (a rank died), like any exchange.
+        """
         if not dist.is_initialized():  # a world of one process
             return local / self.dp_size
         device = self.runner.device if dist.get_backend() == "nccl" else torch.device("cpu")
         value = torch.tensor([local if self.loss_rank else 0.0], dtype=torch.float64,
                              device=device)
-        dist.all_reduce(value)
+        with communicating(f"the loss all-reduce over every rank (stage {self.stage})"):
+            dist.all_reduce(value)
         return float(value.item()) / self.dp_size
 
 

@@ -8,6 +8,7 @@ checks in one world, so the processes start once per test module.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import signal
@@ -205,6 +206,29 @@ def scenario_checkpoint(args: dict[str, Any]) -> None:
     dist.barrier()
 
 
+def scenario_save_dies(args: dict[str, Any]) -> None:
+    """Save once; then rank 0 is killed while writing the second checkpoint to that path."""
+    model = build("mlp")
+    x = batches(1, 8, steps=1)[0][0]
+    dpm = partition_distributed(model, example_inputs=(x,), pp=2, chunks=2, failure=POLICY)
+    path = Path(args["dir"]) / "ckpt.pt"
+    dpm.save(path)
+    if dist.get_rank() == 0:
+        real_save = torch.save
+
+        def killed_mid_write(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
+            if not isinstance(handle, io.BufferedWriter):  # pickling for a collective
+                return real_save(obj, handle, *args, **kwargs)
+            handle.write(b"half a checkpoint")
+            handle.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = killed_mid_write  # type: ignore[assignment]
+    dpm.steps = 1
+    dpm.save(path)
+    report(rank=dist.get_rank(), saved=True)
+
+
 def reference_run_adam(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]
                        ) -> tuple[nn.Module, list[float]]:
     reference = copy.deepcopy(model)
@@ -217,14 +241,20 @@ def reference_run_adam(model: nn.Module, data: list[tuple[torch.Tensor, torch.Te
 
 
 def scenario_fail(args: dict[str, Any]) -> None:
-    """Train until the victim fails at its ``at``-th step: raises, or kills itself."""
+    """Train until the victim fails at its ``at``-th step: raises, kills itself (in a
+    forward; ``where="reduce"``: just before the loss all-reduce; ``where="start"``: in the
+    forwards partition_distributed runs to capture the model), or ``mode="exit"``: ends its
+    program cleanly after ``at`` steps while the others go on."""
     victim, mode, at = args["victim"], args["mode"], args["at"]
+    where = args.get("where", "forward")
     model = build("mlp")
-    state = {"step": 0}
+    # Armed once partitioned, unless the failure is to come while partitioning (``"start"``).
+    state = {"step": 0, "armed": where == "start"}
     rank = int(os.environ["RANK"])
 
-    def inject(module: nn.Module, inputs: Any) -> None:
-        if rank == victim and state["step"] == at:
+    def inject(module: nn.Module | None, inputs: Any) -> None:
+        if rank == victim and state["step"] == at and state["armed"] and (
+                module is None or where in ("forward", "start")):
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {rank}")
@@ -236,9 +266,21 @@ def scenario_fail(args: dict[str, Any]) -> None:
     dpm = partition_distributed(model, example_inputs=(data[0][0][:8],), pp=args["pp"],
                                 dp=args["dp"], chunks=4, balance=args.get("balance"),
                                 schedule="1f1b", failure=POLICY)
+    if where == "reduce" and rank == victim:
+        reduce_loss = dpm.pipeline._reduce_loss
+
+        def dying_reduce(local: float) -> float:
+            if state["step"] == at:
+                inject(None, ())
+            return reduce_loss(local)
+
+        dpm.pipeline._reduce_loss = dying_reduce  # type: ignore[method-assign]
+    state["armed"] = True
     optimizer = torch.optim.SGD(dpm.parameters(), lr=0.01)
     rows = slice(dpm.mesh.replica * 8, (dpm.mesh.replica + 1) * 8)
     for x, y in data:
+        if mode == "exit" and rank == victim and state["step"] == at:
+            break
         optimizer.zero_grad()
         dpm.step(x[rows], y[rows], F.mse_loss)
         optimizer.step()
@@ -250,7 +292,9 @@ def scenario_mismatch(args: dict[str, Any]) -> None:
     from partitioner.runtime.distributed.failure import PlanMismatchError
 
     rank = int(os.environ["RANK"])
-    model = build("mlp")
+    torch.manual_seed(0)
+    width = args.get("widths", [16, 16])[rank]   # another model on each rank, same options
+    model = mlp((8, width, 16, 16, 16, 8)).double()
     x = torch.randn(8, 8, dtype=torch.float64)
     balance = args["balances"][rank]
     try:
@@ -259,6 +303,35 @@ def scenario_mismatch(args: dict[str, Any]) -> None:
         report(rank=rank, error=str(error), type=type(error).__name__)
         return
     report(rank=rank, error=None)
+
+
+def scenario_settings(args: dict[str, Any]) -> None:
+    """Each rank passes its own options (``args["per_rank"][rank]``); all must be refused."""
+    from partitioner.errors import PartitionError
+
+    rank = int(os.environ["RANK"])
+    options = {"pp": None, **args["per_rank"][rank]}
+    try:
+        partition_distributed(build("mlp"), example_inputs=(torch.randn(8, 8).double(),),
+                              failure=POLICY, **options)
+    except PartitionError as error:
+        report(rank=rank, error=str(error), type=type(error).__name__)
+        return
+    report(rank=rank, error=None)
+
+
+def scenario_mesh_mismatch(args: dict[str, Any]) -> None:
+    """Each rank makes the mesh ``args["shapes"][rank]``: all must be refused, none wait."""
+    from partitioner.runtime.distributed.failure import PlanMismatchError
+    from partitioner.runtime.distributed.mesh import Mesh, MeshShape, init_distributed
+
+    info = init_distributed()
+    try:
+        Mesh(MeshShape(*args["shapes"][info.rank]))
+    except PlanMismatchError as error:
+        report(rank=info.rank, error=str(error), type=type(error).__name__)
+        return
+    report(rank=info.rank, error=None)
 
 
 def scenario_mesh(args: dict[str, Any]) -> None:
@@ -436,7 +509,9 @@ def main() -> None:
     if scenario == "checkpoint" and "dir" not in args:
         args["dir"] = tempfile.mkdtemp()
     {"train": scenario_train, "checkpoint": scenario_checkpoint, "fail": scenario_fail,
-     "mismatch": scenario_mismatch, "mesh": scenario_mesh, "p2p": scenario_p2p,
+     "mismatch": scenario_mismatch, "settings": scenario_settings,
+     "mesh_mismatch": scenario_mesh_mismatch,
+     "save_dies": scenario_save_dies, "mesh": scenario_mesh, "p2p": scenario_p2p,
      "dp": scenario_dp, "errors": scenario_errors}[scenario](args)
 
 

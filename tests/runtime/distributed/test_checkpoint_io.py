@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed_harness import launch, results
 from torch import nn
 
+from partitioner.errors import CommunicationError
 from partitioner.runtime.distributed.checkpoint_io import (
     CheckpointError,
+    CheckpointWriteError,
     atomic_save,
     load_named_optimizer_state,
     merge_optimizer_states,
     named_optimizer_state,
     read_checkpoint,
+    save_checkpoint,
 )
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -111,3 +119,75 @@ def test_the_file_loads_into_the_unpartitioned_model(resumed: dict[str, Any]) ->
     # micro-batching and replica averaging only reorder sums).
     assert resumed["unpartitioned_diff"] < 1e-12
     assert resumed["leftovers"] == []
+
+
+def test_a_failed_write_is_a_checkpoint_write_error_and_leaves_no_temporary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.pt"
+    atomic_save({"w": torch.ones(2)}, path)
+
+    def disk_full(obj: Any, handle: Any) -> None:
+        handle.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointWriteError, match="No space left on device.*keeps its "
+                                                   "previous contents; free disk space"):
+        atomic_save({"w": torch.zeros(2)}, path)
+    monkeypatch.undo()
+    assert torch.load(path)["w"].tolist() == [1.0, 1.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_the_next_save_removes_temporaries_of_dead_writers_on_this_host(tmp_path: Path) -> None:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    dead = int(finished.stdout)
+    host = socket.gethostname()
+    stale = tmp_path / f".ckpt.pt.w{dead}@{host}.k3j2h1g0.tmp"
+    alive = tmp_path / f".ckpt.pt.w{os.getppid()}@{host}.a1b2c3d4.tmp"   # a running writer
+    remote = tmp_path / f".ckpt.pt.w{dead}@another-host.e5f6g7h8.tmp"   # cannot be checked
+    other = tmp_path / f".other.pt.w{dead}@{host}.i9j8k7l6.tmp"          # another target
+    for leftover in (stale, alive, remote, other):
+        leftover.write_bytes(b"half a checkpoint")
+    atomic_save({"w": torch.ones(1)}, tmp_path / "ckpt.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt.pt", alive.name, remote.name, other.name])
+
+
+def test_a_writer_stopped_by_the_watchdog_removes_its_temporary(tmp_path: Path) -> None:
+    # The watchdog ends a process with os._exit, which runs no finally block: the
+    # temporary of a save in progress goes through undo_on_abort.
+    script = f"""
+import torch, torch.distributed as dist
+from partitioner.runtime.distributed.checkpoint_io import atomic_save
+from partitioner.runtime.distributed.failure import FailurePolicy, Watchdog
+
+watchdog = Watchdog(dist.HashStore(), 0, 1, FailurePolicy(exit_code=23))
+
+def stopped_mid_write(obj, handle):
+    handle.write(b"half a checkpoint")
+    handle.flush()
+    watchdog.exit_now()   # as when another rank failed
+
+torch.save = stopped_mid_write
+atomic_save({{"w": torch.ones(1)}}, {str(tmp_path / "ckpt.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 23, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_peer_waiting_for_rank_0_to_write_names_rank_0(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    # Regression: rank 0 died while saving and the peer's barrier raised gloo's bare
+    # RuntimeError, naming no rank.
+    def dead_writer(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    monkeypatch.setattr(dist, "barrier", dead_writer)
+    with pytest.raises(CommunicationError, match="waiting for rank 0 to write the file failed"
+                                                 ".*rank 0, which writes the checkpoint"):
+        save_checkpoint(tmp_path / "ckpt.pt", nn.Linear(2, 2), contributes=False, group=None,
+                        base_state={})

@@ -20,12 +20,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 from distributed_harness import launch, results
 from models import LongSkip
 
-from partitioner.errors import ChunksError, StageExecutionError, StrategyError
+from partitioner.errors import ChunksError, CommunicationError, StageExecutionError, StrategyError
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.pipeline import DistributedPipeline, LossError, StageInterface
 from partitioner.runtime.stage import StageRunner
@@ -223,3 +224,21 @@ def test_targets_must_match_the_batch_and_options_are_checked() -> None:
                                        seed=0)
     with pytest.raises(StrategyError, match="schedule='zb'.*loss_reduction='max'"):
         _pipeline(LongSkip(8), 2, schedule="zb", loss_reduction="max")
+
+
+def test_a_failed_loss_all_reduce_is_a_communication_error(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    # Regression: gloo's bare RuntimeError from the loss all-reduce, after a peer died,
+    # escaped as this rank's own failure; it must read as a failed exchange.
+    def dead_peer(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:4331")
+
+    pipe = _pipeline(LongSkip(8).double(), 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *args: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", dead_peer)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(CommunicationError, match="the loss all-reduce over every rank "
+                                                 "\\(stage 0\\) failed: .*Connection closed"):
+        pipe.step([x], x, F.mse_loss, seed=0)

@@ -1,0 +1,49 @@
+"""Ranks launched into different worlds are refused before the process group starts."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from partitioner.errors import DistributedInitError, PartitionError
+from partitioner.runtime.distributed.rendezvous import check_same_world
+
+
+def _ranks(sizes: list[int], timeout: float = 20) -> list[Any]:
+    store = dist.HashStore()
+    results: list[Any] = [None] * len(sizes)
+
+    def run(rank: int) -> None:
+        try:
+            check_same_world(store, rank, sizes[rank], timeout, poll=0.01)
+        except Exception as error:
+            results[rank] = error
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(sizes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_ranks_of_one_world_go_on() -> None:
+    assert _ranks([3, 3, 3]) == [None, None, None]
+
+
+@pytest.mark.parametrize("sizes", [[2, 3], [3, 2]])
+def test_every_rank_names_each_rank_s_world_size(sizes: list[int]) -> None:
+    # Whichever rank arrives first, neither waits for a rank that will never come.
+    errors = _ranks(sizes)
+    for error in errors:
+        assert isinstance(error, DistributedInitError) and isinstance(error, PartitionError)
+        assert f"different world sizes (rank 0: {sizes[0]}, rank 1: {sizes[1]})" in str(error)
+        assert "--nproc-per-node" in str(error)
+
+
+def test_a_rank_that_never_starts_is_counted_after_the_timeout() -> None:
+    with pytest.raises(DistributedInitError, match="only 1 of 2 ranks started within 0 s"):
+        check_same_world(dist.HashStore(), 0, 2, 0.1, poll=0.01)
