@@ -249,7 +249,7 @@ class SuffixError(PartitionError, ValueError):
 
 
 class GraphvizNotFound(PartitionError, RuntimeError):
-    """Graphviz's programs are needed for SVG/PNG output and are not installed."""
+    """Graphviz's programs are needed for PNG or PDF output and are not installed."""
 
 
 # Raised by partitioner.viz.graph.

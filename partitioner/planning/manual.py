@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 
 from partitioner.errors import BalanceError
@@ -49,6 +50,22 @@ def boundaries_from_balance(balance: Sequence[int], n_layers: int,
     return tuple(cuts)
 
 
+def _names_no_layer(point: str, layers: Sequence[str]) -> str:
+    """The problem with a split point that matches nothing: the names it may have meant (a
+    layer or a module holding layers), else the layers there are."""
+    modules = dict.fromkeys(".".join(layer.split(".")[:k]) for layer in layers
+                            for k in range(1, layer.count(".") + 2))
+    close = difflib.get_close_matches(point, list(modules), n=3, cutoff=0.6)
+    if close:
+        hint = "did you mean " + " or ".join(repr(name) for name in close) + "?"
+    else:
+        shown = ", ".join(layers[:6]) + (f", ... ({len(layers)} in all)" if len(layers) > 6
+                                          else "")
+        hint = f"the layers are {shown}"
+    return (f"split point {point!r} names no layer or module of the model; {hint}; pass "
+            "module names from plan.layers")
+
+
 def _matches(point: str, layer: str) -> bool:
     flat = layer.replace(".", "_")
     return layer == point or flat == point or layer.startswith(point + ".") \
@@ -66,9 +83,7 @@ def boundaries_from_split_points(split_points: Sequence[str],
     for point in split_points:
         starts = [k for k, layer in enumerate(layers) if _matches(point, layer)]
         if not starts:
-            near = [layer for layer in layers if point.split(".")[0] in layer][:5]
-            problems.append(f"split point {point!r} names no layer (layers near it: {near}); "
-                            "use a module name from plan.layers")
+            problems.append(_names_no_layer(point, layers))
         elif starts[0] == 0:
             problems.append(f"split point {point!r} is the first layer; a stage begins there "
                             "already, drop it")

@@ -3,12 +3,16 @@
 ``visualize(pm_or_plan, path)`` writes by the path's suffix:
 
 - ``.dot``: Graphviz source (needs nothing installed);
-- ``.svg``, ``.png``, ``.pdf``: the graph drawn by Graphviz's ``dot``;
-- ``.html``: one self-contained page with the plan table, the graph and the timeline.
+- ``.svg``: the graph drawn by Graphviz's ``dot`` when it is installed, else as plain SVG
+  laid out in Python (``partitioner.viz.svg``);
+- ``.png``, ``.pdf``: drawn by Graphviz (an error says how to install it when it is missing);
+- ``.html``: one self-contained page with the plan table, the graph and the timeline (inline
+  SVG, by Graphviz or in Python as above).
 
 ``visualize_timeline(pm_or_plan, path)`` draws the pipeline schedule (``.dot``/``.svg``/
-``.png``): measured when a partitioned module has run, else predicted from the plan; or pass
-``timeline=`` (a simulator's list of ``(action, start, end)``).
+``.png``/``.pdf``): measured when a partitioned module has run, else predicted from the plan;
+or pass ``timeline=`` (a simulator's list of ``(action, start, end)``). The ``write_*``
+functions do the same from a plan and its analysis (the command line's way in).
 
 A partitioned module carries its captured graph (``pm.analysis``), so it is drawn node by
 node (or layer by layer for big models); a bare plan is drawn layer by layer from its names.
@@ -29,9 +33,15 @@ from typing import Any
 
 from partitioner.errors import PartitionError, SuffixError
 from partitioner.plans.plan import Plan
-from partitioner.viz.dot import GraphvizNotFound, render, to_dot
+from partitioner.viz.dot import (
+    GraphvizNotFound,
+    graphviz_available,
+    graphviz_missing,
+    render,
+    to_dot,
+)
 from partitioner.viz.graph import DETAILS, Diagram, diagram
-from partitioner.viz.report import report_html
+from partitioner.viz.report import graph_picture, report_html, timeline_picture
 from partitioner.viz.timeline import (
     Timeline,
     measured_timeline,
@@ -41,9 +51,14 @@ from partitioner.viz.timeline import (
 
 __all__ = ["visualize", "visualize_timeline", "diagram", "to_dot", "render", "timeline_dot",
            "report_html", "Timeline", "Diagram", "predicted_timeline", "measured_timeline",
-           "GraphvizNotFound", "DETAILS", "unpack"]
+           "GraphvizNotFound", "DETAILS", "unpack", "check_output", "write_graph",
+           "write_timeline", "write_report", "default_timeline", "SUFFIXES"]
 
-_IMAGES = (".svg", ".png", ".pdf")
+#: The suffixes each kind of picture may be written as.
+SUFFIXES = {"graph": (".dot", ".svg", ".png", ".pdf", ".html"),
+            "timeline": (".dot", ".svg", ".png", ".pdf"), "report": (".html",)}
+#: The Graphviz program each kind of picture is drawn with.
+_ENGINES = {"graph": "dot", "timeline": "neato"}
 
 
 def visualize(source: Any, path: str | Path, *, detail: str = "auto",
@@ -61,7 +76,7 @@ def visualize(source: Any, path: str | Path, *, detail: str = "auto",
         The path written.
 
     Raises:
-        GraphvizNotFound: an image or report was asked for and Graphviz is not installed.
+        GraphvizNotFound: ``.png`` or ``.pdf`` was asked for and Graphviz is not installed.
         PartitionError: an unknown suffix or ``detail``.
 
     Example:
@@ -69,19 +84,11 @@ def visualize(source: Any, path: str | Path, *, detail: str = "auto",
     """
     plan, analysis = unpack(source)
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".html":
+    check_output(path, "graph")
+    if path.suffix.lower() == ".html":
         chosen = Timeline.of(timeline) if timeline is not None else default_timeline(source)
-        path.write_text(report_html(plan, analysis, chosen, detail))
-        return path
-    dot = to_dot(diagram(analysis, plan, detail))
-    if suffix == ".dot":
-        path.write_text(dot)
-    elif suffix in _IMAGES:
-        path.write_bytes(render(dot, suffix[1:]))
-    else:
-        raise SuffixError(f"cannot write {path.name}: use .dot, .svg, .png, .pdf or .html")
-    return path
+        return write_report(path, plan, analysis, chosen, detail)
+    return write_graph(path, plan, analysis, detail)
 
 
 def visualize_timeline(source: Any, path: str | Path, *, timeline: Any | None = None) -> Path:
@@ -96,16 +103,69 @@ def visualize_timeline(source: Any, path: str | Path, *, timeline: Any | None = 
         The path written.
     """
     plan, _ = unpack(source)
+    check_output(path, "timeline")
     chosen = Timeline.of(timeline) if timeline is not None else default_timeline(source)
-    dot = timeline_dot(chosen, plan)
+    return write_timeline(path, chosen, plan)
+
+
+def check_output(path: str | Path, kind: str) -> None:
+    """Refuse, before any work, a file that cannot be drawn: an unknown suffix for ``kind``
+    (``"graph"``, ``"timeline"`` or ``"report"``), or an image Graphviz would draw when it
+    is not installed.
+
+    Raises:
+        SuffixError: the suffix is not one of ``SUFFIXES[kind]``.
+        GraphvizNotFound: ``.png`` or ``.pdf`` without Graphviz.
+    """
     path = Path(path)
     suffix = path.suffix.lower()
+    if suffix not in SUFFIXES[kind]:
+        raise SuffixError(f"cannot write {path.name} as a {kind}: use "
+                          f"{', '.join(SUFFIXES[kind])}")
+    if suffix in (".png", ".pdf") and not graphviz_available(_ENGINES[kind]):
+        raise graphviz_missing(_ENGINES[kind], suffix[1:])
+
+
+def write_graph(path: str | Path, plan: Plan, analysis: Any | None = None,
+                detail: str = "auto") -> Path:
+    """Draw the graph of ``plan`` (from ``analysis`` when given) to ``path``, by suffix:
+    ``.dot``, ``.svg``, ``.png``, ``.pdf``, or ``.html`` (a report with the predicted
+    timeline)."""
+    path = Path(path)
+    check_output(path, "graph")
+    suffix = path.suffix.lower()
+    if suffix == ".html":
+        return write_report(path, plan, analysis, predicted_timeline(plan), detail)
+    d = diagram(analysis, plan, detail)
     if suffix == ".dot":
-        path.write_text(dot)
-    elif suffix in _IMAGES:
-        path.write_bytes(render(dot, suffix[1:], engine="neato"))
+        path.write_text(to_dot(d))
+    elif suffix == ".svg":
+        path.write_text(graph_picture(d))
     else:
-        raise SuffixError(f"cannot write {path.name}: use .dot, .svg, .png or .pdf")
+        path.write_bytes(render(to_dot(d), suffix[1:]))
+    return path
+
+
+def write_timeline(path: str | Path, timeline: Any, plan: Plan | None = None) -> Path:
+    """Draw ``timeline`` (rows named by ``plan``'s devices) to ``.dot``, ``.svg``, ``.png``
+    or ``.pdf``."""
+    path = Path(path)
+    check_output(path, "timeline")
+    suffix = path.suffix.lower()
+    if suffix == ".dot":
+        path.write_text(timeline_dot(timeline, plan))
+    elif suffix == ".svg":
+        path.write_text(timeline_picture(timeline, plan))
+    else:
+        path.write_bytes(render(timeline_dot(timeline, plan), suffix[1:], engine="neato"))
+    return path
+
+
+def write_report(path: str | Path, plan: Plan, analysis: Any | None, timeline: Any | None,
+                 detail: str = "auto") -> Path:
+    """Write the HTML report (``partitioner.viz.report``) to ``path``."""
+    path = Path(path)
+    path.write_text(report_html(plan, analysis, timeline, detail))
     return path
 
 

@@ -1,8 +1,9 @@
 """Graphviz: a :class:`~partitioner.viz.graph.Diagram` as DOT text, and DOT rendered to images.
 
-DOT text needs nothing installed. SVG and PNG come from Graphviz's own programs (``dot`` for
+DOT text needs nothing installed. Images come from Graphviz's own programs (``dot`` for
 graphs, ``neato`` for the timeline, whose boxes are pinned in place); when they are missing,
-:func:`render` raises :class:`GraphvizNotFound` saying how to install them.
+:func:`render` raises :class:`GraphvizNotFound` saying how to install them (SVG is then drawn
+by ``partitioner.viz.svg`` instead; see :func:`graphviz_available`).
 
 Each stage is a DOT cluster filled with its device's colour; arrows between stages are drawn
 thick and red, labelled with the tensor shapes and the bytes they carry per micro-batch.
@@ -22,9 +23,10 @@ import subprocess
 from collections import defaultdict
 
 from partitioner.errors import GraphvizNotFound, PartitionError
-from partitioner.viz.graph import Arrow, Box, Diagram, format_bytes
+from partitioner.viz.graph import Arrow, Box, Diagram, format_bytes, stage_title
 
-__all__ = ["to_dot", "render", "GraphvizNotFound", "device_color", "quote", "PALETTE"]
+__all__ = ["to_dot", "render", "GraphvizNotFound", "device_color", "quote", "PALETTE",
+           "graphviz_available", "graphviz_missing", "INSTALL_GRAPHVIZ"]
 
 #: Fill colours, one per device (stage ``j`` on device ``j`` of the plan), then repeated.
 PALETTE = ("#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#ede9fe", "#cffafe", "#fee2e2",
@@ -33,6 +35,24 @@ PALETTE = ("#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#ede9fe", "#cffafe", "#f
 STRONG = ("#3b82f6", "#22c55e", "#f59e0b", "#ec4899", "#8b5cf6", "#06b6d4", "#ef4444",
           "#6366f1", "#84cc16", "#f97316")
 CROSS = "#dc2626"
+#: How to get Graphviz, for error messages.
+INSTALL_GRAPHVIZ = ("install Graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew "
+                    "install graphviz; conda: conda install graphviz; Windows: winget install "
+                    "graphviz)")
+
+
+def graphviz_available(engine: str = "dot") -> bool:
+    """Whether Graphviz's ``engine`` program (``dot``, ``neato``) is on the ``PATH``."""
+    return shutil.which(engine) is not None
+
+
+def graphviz_missing(engine: str, fmt: str) -> GraphvizNotFound:
+    """The error for ``fmt`` output without Graphviz's ``engine``: what to install, and the
+    formats that need nothing."""
+    return GraphvizNotFound(
+        f"{fmt.upper()} output needs Graphviz's '{engine}' program, which is not on the PATH; "
+        f"{INSTALL_GRAPHVIZ}, or write .svg or .html (drawn without Graphviz) or .dot (to "
+        "render elsewhere)")
 
 
 def device_color(j: int, strong: bool = False) -> str:
@@ -68,14 +88,8 @@ def to_dot(d: Diagram, title: str | None = None) -> str:
 
 
 def _cluster(d: Diagram, j: int, boxes: list[Box]) -> list[str]:
-    stage = d.plan.stages[j]
-    facts = [f"stage {j} on {stage.device}"]
-    if stage.predicted_time is not None:
-        facts.append(f"{stage.predicted_time * 1e3:.2f} ms/mb")
-    if stage.predicted_memory is not None:
-        facts.append(format_bytes(stage.predicted_memory))
     lines = [f"  subgraph cluster_stage{j} {{",
-             f"    label={quote(' - '.join(facts))}; style=\"rounded,filled\"; "
+             f"    label={quote(stage_title(d.plan, j))}; style=\"rounded,filled\"; "
              f"fillcolor={quote(device_color(j))}; color={quote(device_color(j, True))}; "
              "fontsize=11; labeljust=l;"]
     groups: dict[str | None, list[Box]] = defaultdict(list)
@@ -129,11 +143,7 @@ def render(source: str, fmt: str, engine: str = "dot") -> bytes:
     """
     program = shutil.which(engine)
     if program is None:
-        raise GraphvizNotFound(
-            f"Graphviz's '{engine}' program is not installed, and {fmt.upper()} output needs "
-            "it. Install Graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew "
-            "install graphviz; conda: conda install graphviz), or write a .dot file, which "
-            "needs nothing, and render it elsewhere")
+        raise graphviz_missing(engine, fmt)
     args = [program, f"-T{fmt}"] + (["-n2"] if engine == "neato" else [])
     done = subprocess.run(args, input=source.encode(), capture_output=True, check=False)
     if done.returncode != 0:

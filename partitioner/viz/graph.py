@@ -38,7 +38,8 @@ import torch.utils._pytree as pytree
 from partitioner.errors import VizError
 from partitioner.plans.plan import Plan
 
-__all__ = ["Box", "Arrow", "Diagram", "diagram", "DETAILS", "format_bytes", "format_shape"]
+__all__ = ["Box", "Arrow", "Diagram", "diagram", "DETAILS", "format_bytes", "format_shape",
+           "stage_title"]
 
 DETAILS = ("auto", "nodes", "layers", "blocks")
 #: "auto" draws every node up to this many, every layer up to _MAX_LAYERS, else blocks.
@@ -129,6 +130,17 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def stage_title(plan: Plan, j: int) -> str:
+    """``"stage 1 on cpu - 1.20 ms/mb - 4.1 MB"``: the heading of stage ``j``'s frame."""
+    stage = plan.stages[j]
+    facts = [f"stage {j} on {stage.device}"]
+    if stage.predicted_time is not None:
+        facts.append(f"{stage.predicted_time * 1e3:.2f} ms/mb")
+    if stage.predicted_memory is not None:
+        facts.append(format_bytes(stage.predicted_memory))
+    return " - ".join(facts)
 
 
 class _Sizer:

@@ -1,7 +1,9 @@
 """One self-contained HTML page: the plan table, the graph and the timeline, inline SVG.
 
 Nothing is fetched when the page opens (no scripts, no fonts, no server): the two pictures are
-Graphviz's SVG written into the page, so it can be mailed or attached to a ticket as is.
+SVG written into the page, so it can be mailed or attached to a ticket as is. Graphviz draws
+them when it is installed; without it they are drawn in Python (``partitioner.viz.svg``), so
+the report needs nothing beyond the package.
 The sections carry ids (``plan-table``, ``graph``, ``timeline``) that tests look for.
 
 Example:
@@ -18,11 +20,12 @@ import re
 from typing import Any
 
 from partitioner.plans.plan import Plan
-from partitioner.viz.dot import device_color, render, to_dot
-from partitioner.viz.graph import diagram, format_bytes
+from partitioner.viz.dot import device_color, graphviz_available, render, to_dot
+from partitioner.viz.graph import Diagram, diagram, format_bytes
+from partitioner.viz.svg import graph_svg, timeline_svg
 from partitioner.viz.timeline import Timeline, timeline_dot
 
-__all__ = ["report_html", "plan_table_html", "inline_svg"]
+__all__ = ["report_html", "plan_table_html", "inline_svg", "graph_picture", "timeline_picture"]
 
 _STYLE = """
 body { font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #111827; }
@@ -50,9 +53,9 @@ def report_html(plan: Plan, analysis: Any | None, timeline: Timeline | None,
         title: the page heading.
 
     Raises:
-        GraphvizNotFound: the SVG pictures need Graphviz.
+        PartitionError: an unknown ``detail``, or an analysis of another model.
     """
-    graph = inline_svg(render(to_dot(diagram(analysis, plan, detail)), "svg"))
+    graph = inline_svg(graph_picture(diagram(analysis, plan, detail)))
     heading = title or f"{plan.strategy} plan: {len(plan.stages)} stages, chunks={plan.chunks}"
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>{html.escape(heading)}</title><style>{_STYLE}</style></head><body>",
@@ -64,12 +67,26 @@ def report_html(plan: Plan, analysis: Any | None, timeline: Timeline | None,
              "coloured by device; red arrows cross stages, labelled with the bytes they carry "
              f"per micro-batch.</p><figure>{graph}</figure></section>"]
     if timeline is not None:
-        svg = inline_svg(render(timeline_dot(timeline, plan), "svg", engine="neato"))
+        svg = inline_svg(timeline_picture(timeline, plan))
         parts.append('<section id="timeline"><h2>Timeline</h2><p class="note">One row per '
                      "stage; F is a forward, B a backward, the number its micro-batch; grey "
                      f"is idle time (the bubble).</p><figure>{svg}</figure></section>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def graph_picture(d: Diagram) -> str:
+    """The diagram as an SVG document: Graphviz's ``dot`` when installed, else plain SVG."""
+    if graphviz_available("dot"):
+        return render(to_dot(d), "svg").decode()
+    return graph_svg(d)
+
+
+def timeline_picture(timeline: Any, plan: Plan | None = None) -> str:
+    """The timeline as an SVG document: Graphviz's ``neato`` when installed, else plain SVG."""
+    if graphviz_available("neato"):
+        return render(timeline_dot(timeline, plan), "svg", engine="neato").decode()
+    return timeline_svg(timeline, plan)
 
 
 def plan_table_html(plan: Plan) -> str:
@@ -107,9 +124,9 @@ def _bytes(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-def inline_svg(svg: bytes) -> str:
-    """Graphviz's SVG file made fit to sit inside an HTML page (no XML prolog or doctype)."""
-    text = svg.decode()
+def inline_svg(svg: bytes | str) -> str:
+    """An SVG file made fit to sit inside an HTML page (no XML prolog, doctype or comments)."""
+    text = svg.decode() if isinstance(svg, bytes) else svg
     text = re.sub(r"<\?xml[^>]*\?>", "", text)
     text = re.sub(r"<!DOCTYPE[^>]*>", "", text, flags=re.S)
     return re.sub(r"<!--.*?-->", "", text, flags=re.S).strip()

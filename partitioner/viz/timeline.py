@@ -35,7 +35,8 @@ from partitioner.runtime.schedule_registry import make_schedule
 from partitioner.viz.dot import device_color, quote
 
 __all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "measured_timeline",
-           "timeline_dot"]
+           "timeline_dot", "timeline_heading", "bar_color", "format_span", "nice_step", "darker",
+           "bar_tip"]
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,7 @@ def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = No
     scale = width / t.makespan
     rows = t.stages
     row_y = {j: 40 + 34 * (len(rows) - 1 - k) for k, j in enumerate(rows)}
-    heading = title or (f"{t.source} timeline: {len(rows)} stages, "
-                        f"{len({b.microbatch for b in t.bars})} micro-batches, "
-                        f"{_span(t.makespan, t.unit)}; bubble (grey) {t.bubble:.0%}")
+    heading = title or timeline_heading(t)
     lines = ["digraph timeline {",
              f"  graph [label={quote(heading)}, labelloc=t, fontname=Helvetica, fontsize=13, "
              "pad=0.25, splines=false, bgcolor=white];",
@@ -178,11 +177,9 @@ def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = No
     for k, b in enumerate(t.bars):
         x0, x1 = b.start * scale, b.end * scale
         inches = max((x1 - x0) / 72, 0.01)
-        fill = device_color(b.stage, strong=True)
-        if b.phase != "F":
-            fill = _darker(fill)
+        fill = bar_color(b)
         text = b.label if x1 - x0 >= 16 else ""
-        tip = f"{b.stage}{b.label}: {_span(b.start, t.unit)} .. {_span(b.end, t.unit)}"
+        tip = bar_tip(b, t.unit)
         lines.append(f"  bar{k} [pos=\"{(x0 + x1) / 2:.2f},{row_y[b.stage]}!\", "
                      f"width={inches:.4f}, height=0.36, fillcolor={quote(fill)}, "
                      f"color=white, fontcolor=white, label={quote(text)}, "
@@ -192,26 +189,47 @@ def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = No
     return "\n".join(lines) + "\n"
 
 
+def timeline_heading(t: Timeline) -> str:
+    """``"measured timeline: 3 stages, 4 micro-batches, 12.1 ms; bubble (grey) 38%"``."""
+    return (f"{t.source} timeline: {len(t.stages)} stages, "
+            f"{len({b.microbatch for b in t.bars})} micro-batches, "
+            f"{format_span(t.makespan, t.unit)}; bubble (grey) {t.bubble:.0%}")
+
+
+def bar_color(bar: Bar) -> str:
+    """A bar's fill: its stage's device colour, darker for anything but a forward."""
+    fill = device_color(bar.stage, strong=True)
+    return fill if bar.phase == "F" else darker(fill)
+
+
+def bar_tip(bar: Bar, unit: str) -> str:
+    """``"1F0: 2 ms .. 3 ms"``: a bar's tooltip, its action and when it ran."""
+    return f"{bar.stage}{bar.label}: {format_span(bar.start, unit)} .. {format_span(bar.end, unit)}"
+
+
 def _axis(t: Timeline, scale: float, width: float) -> list[str]:
-    step = _nice_step(t.makespan)
+    step = nice_step(t.makespan)
     lines = ["  axis0 [pos=\"0,14!\", shape=point, width=0.01, style=invis];",
              f"  axis1 [pos=\"{width:.1f},14!\", shape=point, width=0.01, style=invis];",
              "  axis0 -> axis1 [arrowhead=none, color=\"#6b7280\"];"]
     k, value = 0, 0.0
     while value <= t.makespan * 1.0001:
         lines.append(f"  tick{k} [pos=\"{value * scale:.1f},4!\", shape=plaintext, style=\"\", "
-                     f"width=0.8, height=0.2, fontsize=8, label={quote(_span(value, t.unit))}];")
+                     f"width=0.8, height=0.2, fontsize=8, "
+                     f"label={quote(format_span(value, t.unit))}];")
         k, value = k + 1, (k + 1) * step
     return lines
 
 
-def _nice_step(span: float) -> float:
+def nice_step(span: float) -> float:
+    """A round step (1, 2 or 5 times a power of ten) giving about 8 ticks over ``span``."""
     raw = span / 8
     power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
     return next(f * power for f in (1, 2, 5, 10) if f * power >= raw)
 
 
-def _span(value: float, unit: str) -> str:
+def format_span(value: float, unit: str) -> str:
+    """``"1.5 ms"``, ``"3 ticks"``: a time (seconds, or clock ticks) for people."""
     if value == 0:
         return "0"
     if unit == "tick":
@@ -223,7 +241,8 @@ def _span(value: float, unit: str) -> str:
     return f"{value * 1e6:.3g} us"
 
 
-def _darker(color: str) -> str:
+def darker(color: str) -> str:
+    """``color`` (``#rrggbb``) at 62% brightness."""
     r, g, b = (int(color[k:k + 2], 16) for k in (1, 3, 5))
     return "#{:02x}{:02x}{:02x}".format(*(int(c * 0.62) for c in (r, g, b)))
 

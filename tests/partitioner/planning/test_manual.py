@@ -39,3 +39,20 @@ def test_split_points_on_a_cnn() -> None:
     assert pm.plan.stages[1].layers == ("layer1.0", "layer1.1")
     assert pm.plan.stages[2].layers[0] == "layer2.0"
     torch.testing.assert_close(pm(x), model(x))
+
+
+def test_an_unknown_split_point_names_close_modules_or_the_layers() -> None:
+    layers = ["stem.0", "stem.1", "layer1.0", "layer1.1", "layer2.0", "head"]
+    # Once this read "layers near it: []": a hint with nothing in it.
+    with pytest.raises(BalanceError, match=r"'layer_2' names no layer.*did you mean "
+                                           r"'layer2'") as caught:
+        boundaries_from_split_points(["layer_2"], layers)
+    assert "[]" not in str(caught.value)
+    with pytest.raises(BalanceError, match=r"'nosuch' names no layer.*the layers are "
+                                           r"stem\.0, stem\.1, layer1\.0, layer1\.1, "
+                                           r"layer2\.0, head; pass module names"):
+        boundaries_from_split_points(["nosuch"], layers)
+    many = [str(k) for k in range(11)]
+    with pytest.raises(BalanceError, match=r"the layers are 0, 1, 2, 3, 4, 5, \.\.\. "
+                                           r"\(11 in all\)"):
+        boundaries_from_split_points(["nosuch"], many)

@@ -71,12 +71,15 @@ def test_gpt2_xl_collapses_to_a_readable_block_view() -> None:
                for e in cross)
 
 
-def test_dot_output_needs_no_graphviz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dot_and_svg_need_no_graphviz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dot_module.shutil, "which", lambda name: None)
     plan = Plan("balance", ("cpu",), (Stage(0, "cpu", ("a",)),))
     assert visualize(plan, tmp_path / "p.dot").read_text().startswith("digraph plan {")
-    with pytest.raises(GraphvizNotFound, match="apt-get install graphviz"):
-        visualize(plan, tmp_path / "p.svg")
+    svg = visualize(plan, tmp_path / "p.svg").read_text()
+    assert svg.startswith("<svg") and 'id="cluster_stage0"' in svg
+    for image in ("p.png", "p.pdf"):
+        with pytest.raises(GraphvizNotFound, match="apt-get install graphviz"):
+            visualize(plan, tmp_path / image)
 
 
 @needs_graphviz

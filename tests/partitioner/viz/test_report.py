@@ -1,7 +1,9 @@
-"""The HTML report, rendered in headless Chromium: the graph and the timeline must show."""
+"""The HTML report: self-contained, drawn with Graphviz or without it, and rendered in headless
+Chromium (when installed) the graph and the timeline must show."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,8 +17,22 @@ from partitioner.viz import predicted_timeline
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser",
                                                          "google-chrome")) if p), None)
-needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None,
-                                    reason="Graphviz is not installed (apt-get install graphviz)")
+HAS_GRAPHVIZ = shutil.which("dot") is not None and shutil.which("neato") is not None
+PATH = os.environ.get("PATH", "")  # Chromium runs with it even where Graphviz is hidden
+
+
+@pytest.fixture(params=["hidden", "installed"])
+def graphviz(request: pytest.FixtureRequest, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each report test runs with Graphviz hidden (an empty PATH) and, where it is installed,
+    with it."""
+    if request.param == "installed" and not HAS_GRAPHVIZ:
+        pytest.skip("Graphviz is not installed (apt-get install graphviz)")
+    if request.param == "hidden":
+        empty = tmp_path / "empty-path"
+        empty.mkdir()
+        monkeypatch.setenv("PATH", str(empty))
+    return str(request.param)
 
 
 def _report(tmp_path: Path) -> Path:
@@ -28,10 +44,13 @@ def _report(tmp_path: Path) -> Path:
     return path
 
 
-@needs_graphviz
-def test_report_is_self_contained(tmp_path: Path) -> None:
+def test_report_is_self_contained(tmp_path: Path, graphviz: str) -> None:
     text = _report(tmp_path).read_text()
-    assert text.count("<svg") == 2
+    assert text.count("<svg") == 2 and text.count("</svg>") == 2
+    graph = text[text.index('id="graph"'):text.index('id="timeline"')]
+    timeline = text[text.index('id="timeline"'):]
+    assert graph.count('class="node"') >= 10 and "cluster_stage2" in graph
+    assert timeline.count("<title>bar") == 2 * 3 * 3
     assert 'id="plan-table"' in text and 'id="graph"' in text and 'id="timeline"' in text
     assert "measured timeline" in text
     # nothing to fetch: no scripts, no remote images, links or style sheets
@@ -39,8 +58,8 @@ def test_report_is_self_contained(tmp_path: Path) -> None:
         assert remote not in text
 
 
-@needs_graphviz
-def test_report_of_a_bare_plan_uses_the_predicted_timeline(tmp_path: Path) -> None:
+def test_report_of_a_bare_plan_uses_the_predicted_timeline(tmp_path: Path,
+                                                           graphviz: str) -> None:
     from models import mlp
 
     from partitioner import make_plan
@@ -57,13 +76,12 @@ def _chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProc
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}", "--window-size=1280,2200", "--hide-scrollbars"]
     return subprocess.run([CHROMIUM, *flags, *extra, url], capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=120, check=False, env={**os.environ, "PATH": PATH})
 
 
-@needs_graphviz
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed "
                                              "(apt-get install chromium)")
-def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+def test_report_renders_in_headless_chromium(tmp_path: Path, graphviz: str) -> None:
     report = _report(tmp_path)
     dom = _chromium(tmp_path, report.as_uri(), "--dump-dom").stdout
     graph = dom[dom.index('id="graph"'):dom.index('id="timeline"')]
