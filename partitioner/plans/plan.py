@@ -264,7 +264,9 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
-            raise PlanFormatError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
+            raise PlanFormatError(f"format is {data.get('format')!r}, expected {FORMAT!r}: not "
+                                  "a plan file; write one with plan.save(path) or "
+                                  "`partitioner plan MODEL -o plan.json`")
         if data.get("version") != VERSION:
             raise PlanFormatError(f"plan file version {data.get('version')!r}; this "
                                   f"partitioner reads version {VERSION}")
