@@ -192,13 +192,13 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
     on the real tensor while tracing and leaves no node: the graph would never update it.
     """
     buffers = dict(model.named_buffers())
-    versions = {name: b._version for name, b in buffers.items()}
+    versions = {name: _version(b) for name, b in buffers.items()}
     saved = {name: b.detach().clone() for name, b in buffers.items()}
     tracer = _Tracer(expanded_modules(model))
     try:
         graph = tracer.trace(model)
     finally:
-        written = [name for name, b in buffers.items() if b._version != versions[name]]
+        written = [name for name, b in buffers.items() if _version(b) != versions[name]]
         with torch.no_grad():
             for name in written:
                 buffers[name].copy_(saved[name])
@@ -206,6 +206,14 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
         raise _BufferWritten(f"forward updates buffer {written[0]} in place, which symbolic "
                              "tracing cannot record")
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place write counter (-1 for inference tensors, which keep none)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1
 
 
 def _check_output(model: nn.Module, gm: fx.GraphModule) -> None:
@@ -303,7 +311,14 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     bound = signature.bind(*args, **kwargs)
     dynamic = {name: pytree.tree_map(lambda v: _dynamic_dim(v, batch), value)
                for name, value in bound.arguments.items()}
-    program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    try:
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except AssertionError:
+        if inspect.Parameter.VAR_KEYWORD not in [p.kind for p in signature.parameters.values()]:
+            raise
+        # torch.export cannot take dynamic shapes for **kwargs: the batch stays the example's
+        # (the input guard then refuses other sizes instead of computing them wrongly).
+        program = torch.export.export(model, args, kwargs, strict=False)
     unlifted = unlift(program, type(model).__name__)
     example = arrange(signature, program.call_spec.in_spec, args, kwargs)
     batched = [_dynamic_dim(v, batch) is not None for v in pytree.tree_leaves(example)]
@@ -343,13 +358,24 @@ def arrange(signature: inspect.Signature, in_spec: pytree.TreeSpec, args: tuple[
     args_spec, kwargs_spec = in_spec.children()
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    names = list(bound.arguments)
-    try:
-        arranged = (tuple(bound.arguments[n] for n in names[:args_spec.num_children]),
-                    {key: bound.arguments[key] for key in kwargs_spec.context})
-    except KeyError as error:
-        raise PlanMismatchError(f"the call has no argument {error} that the example inputs "
-                                "had; call with the example's arguments") from error
+    kinds = {name: p.kind for name, p in signature.parameters.items()}
+    named = {k: v for k, v in bound.arguments.items()
+             if kinds[k] is not inspect.Parameter.VAR_KEYWORD}
+    for key, value in bound.arguments.items():
+        if kinds[key] is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)  # **kwargs: each entry is an input of its own
+    if inspect.Parameter.VAR_POSITIONAL in kinds.values():
+        positional = tuple(args)
+    else:
+        positional = tuple(named.pop(name) for name in list(named)[:args_spec.num_children])
+    extra = sorted(set(named) - set(kwargs_spec.context) - set(signature.parameters))
+    missing = sorted(set(kwargs_spec.context) - set(named))
+    if extra or missing:
+        raise PlanMismatchError(
+            f"the call passes {extra or 'no'} keyword arguments the example inputs did not and "
+            f"lacks {missing or 'none'} of theirs; the captured graph takes the example's "
+            "arguments: call with those, or partition with example inputs like the calls")
+    arranged = (positional, {key: named[key] for key in kwargs_spec.context})
     got = pytree.tree_flatten(arranged)[1]
     if got != in_spec:
         raise PlanMismatchError(f"the call's inputs are structured as {got} but the graph "

@@ -14,7 +14,9 @@ stage) and raises :class:`~partitioner.errors.PlanMismatchError` naming the inpu
 and the source line of the guard when one is known.
 
 Like ``torch.export``'s own runtime check, a dynamic batch whose recorded range starts at 2
-(export assumes sizes 0 and 1 away) accepts 1.
+(export assumes sizes 0 and 1 away) accepts 1; a branch on ``batch == 1`` is the one kind
+this cannot see, since export decided it false without recording a guard
+(``docs/design/007-export-guards.md``).
 
 Example:
     >>> import sympy, torch
@@ -190,7 +192,8 @@ def _fixed_problem(rule: InputRule, shape: tuple[int, ...], k: int,
     if k == 0 and rule.batched:
         return (f"input {rule.name} has {shape[0]} rows (the batch), but torch.export fixed "
                 f"the batch of the captured graph to the example's {example_batch}: forward "
-                "uses the batch size as a constant (e.g. x.view(8, -1) or a branch on it); "
+                "uses the batch size as a constant (e.g. x.view(8, -1)) or takes **kwargs "
+                "(torch.export cannot make those dynamic); "
                 "call with that batch and chunks=1, or write forward with x.shape[0] "
                 "(x.view(x.shape[0], -1))")
     return (f"input {rule.name} has shape {shape} but the graph torch.export captured holds "

@@ -185,3 +185,29 @@ def test_a_data_dependent_branch_in_torch_nn_is_named() -> None:
     causal = nn.Transformer.generate_square_subsequent_mask(5)
     with pytest.raises(TraceError, match="transformer.py:[0-9]+ in _detect_is_causal_mask"):
         capture(model, (torch.randn(4, 6, 16), torch.randn(4, 5, 16)), {"tgt_mask": causal})
+
+
+def test_keyword_arguments_through_kwargs_are_held_to_the_example() -> None:
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            h = self.a(x)
+            if kwargs.get("double", False) and x.shape[0] > 0:
+                h = h * 2
+            return self.b(h)
+
+    model, x = Keywords(), torch.randn(8, 4)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), example_kwargs={"double": True})
+    torch.testing.assert_close(pm(x, double=True), model(x, double=True))
+    with pytest.raises(PlanMismatchError, match=r"lacks \['double'\]"):
+        pm(x)
+    with pytest.raises(PlanMismatchError, match=r"passes \['other'\]"):
+        pm(x, double=True, other=1)
+    with pytest.raises(StageExecutionError, match="input double is False"):
+        pm(x, double=False)
+    with pytest.raises(StageExecutionError, match="fixed the batch"):
+        pm(torch.randn(4, 4), double=True)  # **kwargs: torch.export keeps the batch static
+    pm.close()
