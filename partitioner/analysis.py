@@ -20,26 +20,27 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from partitioner.capture import Captured, capture, module_paths
+from partitioner.capture import Captured, capture, example_error, module_paths
 from partitioner.cost.cost import LayerCost, Workload, boundary_bytes, workload_from_graph
-from partitioner.errors import ExampleInputsError, PartitionError
+from partitioner.errors import ChunksError, ExampleInputsError, PartitionError, PassError
 from partitioner.passes.annotate_cost import annotate_cost
 from partitioner.passes.dead_code import eliminate_dead_code
 from partitioner.passes.flatten_sequential import assign_layer_paths
 from partitioner.passes.group_layers import Layer, group_layers
+from partitioner.passes.guard_inputs import guard_inputs
 from partitioner.passes.private_rng import route_dropout
 from partitioner.passes.protect_inputs import protect_inputs
 from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.split_stages import split_stages
 from partitioner.plans.plan import Plan
-from partitioner.runtime.microbatch import batch_size
+from partitioner.runtime.microbatch import batch_size, scatter
 
 __all__ = ["Analysis", "analyze", "recapture", "build_stage_graphs", "Regroup"]
 
@@ -101,16 +102,43 @@ def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     costs = bounds = workload = values = None
     if example_inputs is not None:
         values = captured.placeholder_values(tuple(example_inputs), dict(example_kwargs or {}))
-        propagate_shapes(gm, values)
+        _propagate_shapes(model, gm, values, tuple(example_inputs), dict(example_kwargs or {}))
         annotate_cost(gm)
         if regroup is not None:
             layers = regroup(gm, layers)
-        workload = workload_from_graph(gm, layers, batch_size(values) or 1,
-                                       type(model).__name__)
+        workload = _mark_unsplittable(captured, values, workload_from_graph(
+            gm, layers, batch_size(values) or 1, type(model).__name__))
         costs = list(workload.layers)
         bounds = boundary_bytes(gm, layers)
     return Analysis(captured, layers, costs, bounds, model.training, workload,
                     list(values) if values is not None else None)
+
+
+def _mark_unsplittable(captured: Captured, values: list[Any], workload: Workload) -> Workload:
+    """The workload, marked unsafe to micro-batch when the capture does not hold for halves
+    of the example batch or ``forward`` updates a counter (the planner then keeps chunks=1)."""
+    note = None
+    if captured.writes:
+        note = f"forward updates buffer {captured.writes[0]}: micro-batches would repeat it"
+    elif captured.rules is not None and (batch_size(values) or 1) > 1:
+        found = [p for micro in scatter(list(values), 2) for p in captured.rules.problems(micro)]
+        note = f"the captured graph does not hold for micro-batches: {found[0]}" if found else None
+    if note is None:
+        return workload
+    return replace(workload, notes=(*workload.notes, note), microbatch_safe=False)
+
+
+def _propagate_shapes(model: nn.Module, gm: fx.GraphModule, values: list[Any],
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Shape propagation; when it fails because the model rejects the example inputs
+    themselves, an :class:`ExampleInputsError` naming them (not a pass's failure)."""
+    try:
+        propagate_shapes(gm, values)
+    except PassError as error:
+        wrong = example_error(model, args, kwargs)
+        if wrong is not None:
+            raise wrong from error
+        raise
 
 
 def recapture(model: nn.Module, analysis: Analysis, training: bool,
@@ -146,14 +174,47 @@ def build_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
     nodes = {n.name: n for n in gm.graph.nodes}
     stage_of = {nodes[name]: layer_stage[layer.name]
                 for layer in analysis.layers for name in layer.nodes}
+    _check_microbatches(analysis, plan)
     split = split_stages(gm, stage_of, len(plan.stages))
     graphs = [stage.graph_module for stage in split.stages]
     _check_tied_parameters(graphs, plan.devices)
+    if analysis.captured.rules is not None:
+        # Every micro-batch passes stage 0 first: refuse sizes the capture does not hold for.
+        guard_inputs(graphs[0], analysis.captured.rules)
     for gm_j, device in zip(graphs, plan.devices):
         route_dropout(gm_j)
         protect_inputs(gm_j)
         gm_j.to(torch.device(device))
     return graphs
+
+
+def _check_microbatches(analysis: Analysis, plan: Plan) -> None:
+    """Refuse a plan whose micro-batches the captured graph does not hold for.
+
+    Raises:
+        ChunksError: the example batch split ``plan.chunks`` ways gives micro-batches outside
+            what ``torch.export`` recorded, or ``forward`` updates a buffer (other than batch
+            norm statistics) that micro-batches or checkpoint replays would update more often.
+    """
+    captured = analysis.captured
+    counters = captured.writes
+    replays = {"always": plan.chunks, "except_last": plan.chunks - 1}.get(plan.checkpoint, 0)
+    if counters and (plan.chunks > 1 or replays):
+        raise ChunksError(
+            f"forward updates buffer {counters[0]} in place; with chunks={plan.chunks} and "
+            f"checkpoint={plan.checkpoint!r} the pipeline would run that update "
+            f"{plan.chunks + replays} times per call where the model runs it once: pass "
+            "chunks=1 and checkpoint='never' (or 'except_last'), or update it outside forward")
+    if captured.rules is None or analysis.inputs is None:
+        return
+    batch = batch_size(analysis.inputs)
+    if batch is None or plan.chunks > batch:
+        return
+    for micro in scatter(list(analysis.inputs), plan.chunks):
+        found = captured.rules.problems(micro)
+        if found:
+            raise ChunksError(f"chunks={plan.chunks} splits the example batch of {batch} into "
+                              f"micro-batches the captured graph does not hold for: {found[0]}")
 
 
 def _check_tied_parameters(graphs: list[fx.GraphModule], devices: Sequence[str]) -> None:

@@ -109,10 +109,12 @@ def _build_stage(gm: fx.GraphModule, stage_of: dict[fx.Node, int], j: int,
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in received:
-        if node.op == "placeholder":
+        if node.op == "placeholder" and j == 0:
             new = graph.node_copy(node)
         else:
-            new = graph.placeholder(node.name)
+            # Later stages get every value passed: a default (forward's ``scale=2.0``) would
+            # only make the signature invalid once a value without one follows it.
+            new = graph.placeholder(node.name, type_expr=node.type)
         new.meta = dict(node.meta)
         env[node] = new
 

@@ -7,7 +7,8 @@ import itertools
 import torch
 from torch import nn
 
-__all__ = ["mlp", "nested_sequential", "ResidualCNN", "LongSkip", "gpt2"]
+__all__ = ["mlp", "nested_sequential", "ResidualCNN", "LongSkip", "gpt2", "BatchBranch",
+           "FixedBatch", "Scaled", "Counter", "encoder_model"]
 
 
 def mlp(widths: tuple[int, ...] = (12, 32, 32, 16, 6)) -> nn.Sequential:
@@ -79,3 +80,75 @@ def gpt2(dropout: float = 0.0) -> nn.Module:
                         use_cache=False, resid_pdrop=dropout, embd_pdrop=dropout,
                         attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
+
+
+class BatchBranch(nn.Module):
+    """Three layers and a branch on the batch size (torch.fx cannot trace it; torch.export
+    records ``batch > 4``): micro-batches of 4 rows or fewer would take the other branch."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layers[0](x))
+        if x.shape[0] > 4:
+            h = h * 2
+        return self.layers[2](torch.tanh(self.layers[1](h)))
+
+
+class FixedBatch(BatchBranch):
+    """Reshapes with a constant batch of 8: torch.export fixes the batch dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layers[0](x))
+        if h.shape[0] > 1:
+            h = h.reshape(8, -1)
+        return self.layers[2](torch.tanh(self.layers[1](h)))
+
+
+class Scaled(nn.Module):
+    """``forward(x, scale=2.0, flag=True)`` as timm's ViTs: defaults a later layer uses."""
+
+    def __init__(self, width: int = 8, traceable: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.traceable = traceable
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0, flag: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.layers[1](torch.tanh(self.layers[0](x))))
+        if not self.traceable and flag:  # a Python branch on an input: torch.export only
+            h = h + 1
+        return self.layers[2](h) * scale
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer (``self.steps += 1``), as some models count steps."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _Encoder(nn.Module):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, width)
+        block = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x), src_key_padding_mask=mask))
+
+
+def encoder_model(width: int = 16, layers: int = 4) -> nn.Module:
+    """An embedding, an ``nn.TransformerEncoder`` and a head; ``forward(x, mask=None)``."""
+    return _Encoder(width, layers)

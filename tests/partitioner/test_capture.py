@@ -1,9 +1,23 @@
 from __future__ import annotations
 
-import torch
-from models import gpt2, mlp
+import copy
+from typing import Any
 
+import pytest
+import torch
+from models import BatchBranch, Counter, FixedBatch, Scaled, encoder_model, gpt2, mlp
+from torch import nn
+
+from partitioner import partition
+from partitioner.analysis import analyze
 from partitioner.capture import capture
+from partitioner.errors import (
+    ChunksError,
+    ExampleInputsError,
+    PlanMismatchError,
+    StageExecutionError,
+    TraceError,
+)
 
 
 def test_symbolic_trace_first_and_parameters_shared() -> None:
@@ -31,3 +45,169 @@ def test_export_capture_has_dynamic_batch() -> None:
     y = torch.randint(0, 64, (3, 8))
     out = cap.restructure(cap.graph_module(*cap.placeholder_values((y,), {})))
     assert out.logits.shape == (3, 8, 64)
+
+
+def test_a_batch_branch_is_refused_for_micro_batches_it_does_not_hold_for() -> None:
+    model, x = BatchBranch(), torch.randn(8, 8)
+    with pytest.raises(ChunksError, match=r"models.py:\d+ \(if x.shape\[0\] > 4:\)"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=2)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=1)
+    bigger = torch.randn(12, 8)
+    torch.testing.assert_close(pm(bigger), model(bigger))  # 12 > 4: the traced branch
+    with pytest.raises(StageExecutionError, match="input x has 3 rows") as info:
+        pm(torch.randn(3, 8))
+    assert isinstance(info.value.__cause__, PlanMismatchError)
+    pm.close()
+
+
+def test_auto_plans_keep_a_batch_branch_at_one_micro_batch() -> None:
+    pm = partition(BatchBranch(), ["cpu"] * 2, "auto", example_inputs=(torch.randn(8, 8),))
+    assert pm.plan.chunks == 1
+    assert any("does not hold for micro-batches" in note for note in pm.plan.notes)
+    pm.close()
+
+
+def test_micro_batches_that_meet_the_guard_run_and_match() -> None:
+    model, x = BatchBranch(), torch.randn(12, 8)
+    pm = partition(model, ["cpu"] * 3, example_inputs=(x,), chunks=2)  # 6 > 4 rows each
+    torch.testing.assert_close(pm(x), model(x))
+    with pytest.raises(StageExecutionError, match="input x has 4 rows"):
+        pm(torch.randn(8, 8))  # micro-batches of 4: the other branch
+    pm.close()
+
+
+def test_a_batch_fixed_by_export_is_refused_for_other_sizes() -> None:
+    model, x = FixedBatch(), torch.randn(8, 8)
+    with pytest.raises(ChunksError, match="fixed the batch of the captured graph to .* 8"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=2)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=1)
+    torch.testing.assert_close(pm(x), model(x))
+    with pytest.raises(StageExecutionError, match="fixed the batch"):
+        pm(torch.randn(16, 8))
+    pm.close()
+
+
+def test_export_refuses_non_batch_shapes_and_values_it_baked_in() -> None:
+    model, x = Scaled(traceable=False), torch.randn(8, 8)
+    pm = partition(model, ["cpu"] * 3, example_inputs=(x,), chunks=2)
+    assert pm.plan.capture == "export"
+    torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(pm(x, 2.0, flag=True), model(x))
+    for args, kwargs, match in (((x, 3.0), {}, "input scale is 3.0 but torch.export baked 2.0"),
+                                ((x,), {"flag": False}, "input flag is False"),
+                                ((torch.randn(8, 9),), {}, r"holds only for \(batch, 8\)")):
+        with pytest.raises(StageExecutionError, match=match):
+            pm(*args, **kwargs)
+    pm.close()
+
+
+def test_gpt2_captured_without_a_mask_refuses_one() -> None:
+    model, ids = gpt2(), torch.randint(0, 64, (4, 8))
+    pm = partition(model, ["cpu"] * 2, example_inputs=(ids,), chunks=2)
+    with pytest.raises(StageExecutionError, match="attention_mask is a tensor .* baked None"):
+        pm(ids, attention_mask=torch.ones(4, 8, dtype=torch.long))
+    pm.close()
+
+
+def test_buffer_updates_go_through_export_and_tracing_leaves_them_alone() -> None:
+    model = Counter()
+    cap = capture(model, (torch.randn(4, 8),))
+    assert cap.method == "export" and cap.writes == ("steps",)
+    assert int(model.steps) == 0  # symbolic tracing ran `steps += 1` once; it was undone
+    with pytest.raises(ExampleInputsError, match="updates buffer steps in place"):
+        capture(Counter(), None)
+
+
+def test_a_buffer_update_runs_once_per_call_or_is_refused() -> None:
+    model, reference, x = Counter(), Counter(), torch.randn(8, 8)
+    with pytest.raises(ChunksError, match="updates buffer steps .* 4 times per call"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=4, checkpoint="never")
+    with pytest.raises(ChunksError, match="updates buffer steps"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=1, checkpoint="always")
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=1, checkpoint="never")
+    for _ in range(3):
+        pm(x).sum().backward()
+        reference(x)
+    assert int(model.steps) == int(reference.steps) == 3
+    pm.close()
+
+
+def test_export_writes_batch_norm_statistics_back() -> None:
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(self.a(x))
+            return self.b(h * 2 if x.shape[0] > 1 else h)
+
+    model, x = Normed(), torch.randn(8, 4)
+    reference = copy.deepcopy(model)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=1, balance=[2, 1])
+    assert pm.plan.capture == "export" and capture(model, (x,)).writes == ()
+    torch.testing.assert_close(pm(x), reference(x))
+    torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean)
+    assert int(model.norm.num_batches_tracked) == int(reference.norm.num_batches_tracked) == 1
+    pm.close()
+
+
+def test_forward_returning_none_is_refused() -> None:
+    class Silent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> None:
+            self.a(x)
+
+    with pytest.raises(TraceError, match="Silent.forward returns None, no tensor"):
+        partition(Silent(), ["cpu"] * 2, example_inputs=(torch.randn(4, 4),))
+
+
+@pytest.mark.parametrize("make", [mlp, BatchBranch], ids=["fx", "export"])
+def test_example_inputs_of_the_wrong_shape_are_named(make: Any) -> None:
+    wrong = r"(input|x): \(8, 5\) float32 raises RuntimeError"
+    with pytest.raises(ExampleInputsError, match=wrong):
+        partition(make(), ["cpu"] * 2, example_inputs=(torch.randn(8, 5),))
+
+
+def test_transformer_encoder_layers_are_units() -> None:
+    model = encoder_model(layers=4)
+    cap = capture(model, (torch.randn(4, 5, 6),))
+    layers = analyze(model, (torch.randn(4, 5, 6),)).layer_names
+    assert cap.method == "export"
+    assert layers == ["embed", *[f"encoder.layers.{k}" for k in range(4)], "head"]
+
+
+def test_a_data_dependent_branch_in_torch_nn_is_named() -> None:
+    model = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    with pytest.raises(TraceError, match="transformer.py:[0-9]+ in _detect_is_causal_mask"):
+        capture(model, (torch.randn(4, 6, 16), torch.randn(4, 5, 16)), {"tgt_mask": causal})
+
+
+def test_keyword_arguments_through_kwargs_are_held_to_the_example() -> None:
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            h = self.a(x)
+            if kwargs.get("double", False) and x.shape[0] > 0:
+                h = h * 2
+            return self.b(h)
+
+    model, x = Keywords(), torch.randn(8, 4)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), example_kwargs={"double": True})
+    torch.testing.assert_close(pm(x, double=True), model(x, double=True))
+    with pytest.raises(PlanMismatchError, match=r"lacks \['double'\]"):
+        pm(x)
+    with pytest.raises(PlanMismatchError, match=r"passes \['other'\]"):
+        pm(x, double=True, other=1)
+    with pytest.raises(StageExecutionError, match="input double is False"):
+        pm(x, double=False)
+    with pytest.raises(StageExecutionError, match="fixed the batch"):
+        pm(torch.randn(4, 4), double=True)  # **kwargs: torch.export keeps the batch static
+    pm.close()

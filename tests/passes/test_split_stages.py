@@ -219,3 +219,19 @@ def test_an_in_place_op_whose_result_is_unused_survives_the_split() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.passes.split_stages).failed == 0
+
+
+def test_an_argument_with_a_default_used_by_a_later_stage() -> None:
+    """``forward(x, scale=2.0)`` (every timm ViT): stage 1 receives ``scale`` before values
+    without defaults; a copied default made its code a SyntaxError."""
+    from models import Scaled
+
+    model = Scaled()
+    gm = fx.symbolic_trace(model)
+    calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
+    stage_of = {n: (0 if k < 2 else 1) for k, n in enumerate(calls)}
+    split = split_stages(gm, stage_of, 2)
+    assert "scale" in split.stages[1].inputs
+    x = torch.randn(3, 8)
+    out0 = split.stages[0].graph_module(x, 3.0, True)
+    torch.testing.assert_close(split.stages[1].graph_module(*out0), model(x, 3.0))

@@ -1,0 +1,161 @@
+"""Real models from small configs with random weights, partitioned end to end.
+
+Each model is pipelined on 2 and 4 stages with 1 and 4 micro-batches (outputs and gradients
+equal the unpartitioned model's), planned with ``strategy="auto"``, its plan saved and applied
+again (same plan, same outputs), and drawn. A quick subset runs by default; the rest is
+marked slow (every model is captured by ``torch.export``, a few seconds each).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import partitioner
+from partitioner import partition
+
+Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+def _ids(batch: int = 8, length: int = 8) -> torch.Tensor:
+    return torch.randint(0, 64, (batch, length))
+
+
+def gpt2() -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config), (_ids(),), {}
+
+
+def bert() -> Case:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                        intermediate_size=64, vocab_size=64, max_position_embeddings=16,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+    mask = torch.ones(8, 8, dtype=torch.long)
+    mask[::2, 5:] = 0  # padded rows: the mask changes the result
+    return BertForSequenceClassification(config), (_ids(),), {"attention_mask": mask}
+
+
+def t5() -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False,
+                      decoder_start_token_id=0)
+    return (T5ForConditionalGeneration(config), (_ids(),),
+            {"decoder_input_ids": _ids(length=6)})
+
+
+def llama() -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, use_cache=False)
+    return LlamaForCausalLM(config), (_ids(),), {}
+
+
+def vit() -> Case:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                       num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+                       num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return ViTForImageClassification(config), (torch.randn(8, 3, 16, 16),), {}
+
+
+def torch_transformer() -> Case:
+    model = nn.Transformer(16, 2, 2, 2, 32, dropout=0.0, batch_first=True)
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    return (model, (torch.randn(8, 6, 16), torch.randn(8, 5, 16)),
+            {"tgt_mask": causal, "tgt_is_causal": True})
+
+
+def _timm(name: str, **config: Any) -> Callable[[], Case]:
+    def make() -> Case:
+        try:
+            import timm
+        except ImportError as error:  # timm imports torchvision, which is not installed here
+            pytest.skip(f"timm does not import: {error}")
+        model = timm.create_model(name, pretrained=False, num_classes=5, **config)
+        return model, (torch.randn(8, 3, 32, 32),), {}
+    return make
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "vit": vit,
+    "nn_transformer": torch_transformer,
+    "timm_vit": _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4),
+    "timm_convnext": _timm("convnext_atto", depths=(1, 1, 1, 1)),
+}
+QUICK_PIPELINES = {("gpt2", 4, 4), ("nn_transformer", 2, 1)}
+QUICK_PLANS = {"bert"}
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _grads_match(model: nn.Module, reference: nn.Module) -> None:
+    grads = dict(reference.named_parameters())
+    for key, param in model.named_parameters():
+        if grads[key].grad is None:
+            assert param.grad is None, f"{key} got a gradient the model does not give it"
+            continue
+        assert param.grad is not None, f"{key} got no gradient"
+        torch.testing.assert_close(param.grad, grads[key].grad, msg=key)
+
+
+def _pipeline_cases() -> list[Any]:
+    return [pytest.param(name, stages, chunks, marks=() if (name, stages, chunks) in
+                         QUICK_PIPELINES else pytest.mark.slow)
+            for name in MODELS for stages in (2, 4) for chunks in (1, 4)]
+
+
+@pytest.mark.parametrize(("name", "stages", "chunks"), _pipeline_cases())
+def test_pipeline_matches_the_model(name: str, stages: int, chunks: int) -> None:
+    model, args, kwargs = MODELS[name]()
+    reference = copy.deepcopy(model)
+    pm = partition(model, ["cpu"] * stages, "pipeline", example_inputs=args,
+                   example_kwargs=kwargs, chunks=chunks)
+    assert len(pm.plan.stages) == stages and pm.plan.chunks == chunks
+    out, expected = _logits(pm(*args, **kwargs)), _logits(reference(*args, **kwargs))
+    torch.testing.assert_close(out, expected)
+    (out.float() ** 2).mean().backward()
+    (expected.float() ** 2).mean().backward()
+    _grads_match(model, reference)
+    pm.close()
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in QUICK_PLANS else pytest.mark.slow)
+    for name in MODELS])
+def test_auto_plan_round_trip_and_picture(name: str, tmp_path: Path) -> None:
+    model, args, kwargs = MODELS[name]()
+    model.eval()
+    pm = partition(model, ["cpu"] * 2, "auto", example_inputs=args, example_kwargs=kwargs)
+    path = tmp_path / "plan.json"
+    pm.plan.save(path)
+    again = partition(model, None, plan=path, example_inputs=args, example_kwargs=kwargs)
+    assert again.plan == pm.plan
+    with torch.no_grad():
+        expected = _logits(model(*args, **kwargs))
+        torch.testing.assert_close(_logits(pm(*args, **kwargs)), expected)
+        torch.testing.assert_close(_logits(again(*args, **kwargs)), expected)
+    drawn = partitioner.visualize(pm, tmp_path / "x.dot")
+    assert drawn.read_text().startswith("digraph")
+    pm.close()
+    again.close()
