@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import nn
 
 from partitioner.errors import StageExecutionError
 from partitioner.runtime.rng import fork, use_generator, use_shard_generator
@@ -71,6 +72,7 @@ class StageRunner:
         self.shard_generator = (torch.Generator(device=device) if shard is not None
                                 else None)
         self._stash: dict[int, _Stash] = {}
+        self._writes: list[torch.Tensor] | None = None
 
     def reset(self, seed: int) -> None:
         """Forget stashed micro-batches and reseed the stage's generator(s)."""
@@ -128,7 +130,13 @@ class StageRunner:
         """
         stash = self._stash.pop(i)
         outputs = stash.outputs
+        writes: list[torch.Tensor] = []
+        kept: list[torch.Tensor] = []
         if outputs is None:
+            # The replay must not update batch norm statistics or counters a second time:
+            # they are put back once its backward (which may read them) has run.
+            writes = self._written_buffers()
+            kept = [b.detach().clone() for b in writes]
             with torch.enable_grad(), self._generators(stash.generator_state,
                                                        stash.shard_state):
                 outputs = self._call(i, stash.inputs)
@@ -144,10 +152,59 @@ class StageRunner:
                 raise StageExecutionError(
                     f"stage {self.index} (micro-batch {i}, backward) raised "
                     f"{type(error).__name__}: {error}", self.index, i, None) from error
+        with torch.no_grad():
+            for buffer, value in zip(writes, kept):
+                buffer.copy_(value)
         return [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
                 for leaf in pytree.tree_leaves(stash.inputs)]
+
+    def _written_buffers(self) -> list[torch.Tensor]:
+        """The buffers a forward of this stage updates in place: batch norm running
+        statistics (modules, or functional calls on attributes) and what in-place ops write."""
+        if self._writes is None:
+            gm = self.graph_module
+            buffers = {id(b) for b in gm.buffers()}
+            found: dict[int, torch.Tensor] = {}
+            graph = gm.graph if isinstance(gm, fx.GraphModule) else None
+            if graph is None:  # a plain module: its own batch norms
+                found.update((id(b), b) for m in gm.modules()
+                             if isinstance(m, nn.modules.batchnorm._NormBase)
+                             for b in m.buffers(recurse=False))
+            for node in graph.nodes if graph is not None else ():
+                if node.op == "call_module":
+                    for m in gm.get_submodule(str(node.target)).modules():
+                        if isinstance(m, nn.modules.batchnorm._NormBase):
+                            found.update((id(b), b) for b in m.buffers(recurse=False))
+                elif _writes_arguments(node):
+                    for arg in node.all_input_nodes:
+                        if arg.op == "get_attr":
+                            value = _attr(gm, str(arg.target))
+                            if id(value) in buffers:
+                                found[id(value)] = value
+            self._writes = list(found.values())
+        return self._writes
 
     @property
     def in_flight(self) -> int:
         """Micro-batches whose forward ran and whose backward has not."""
         return len(self._stash)
+
+
+def _writes_arguments(node: fx.Node) -> bool:
+    """Whether a call may write into its tensor arguments (in-place ops, batch norm)."""
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    # aten ops say so in their schema, except batch norm's composite op (running statistics).
+    name = schema.name if schema is not None else getattr(node.target, "__name__", "")
+    norm = "batch_norm" in name or "instance_norm" in name
+    return norm or (bool(schema.is_mutable) if schema is not None else name.endswith("_"))
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

@@ -317,3 +317,26 @@ def test_attention_dropout_inside_a_whole_module_is_replayed_exactly() -> None:
     torch.testing.assert_close(grads["never"][0], grads["always"][0])
     for a, b in zip(grads["never"][1], grads["always"][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_checkpointed_replay_leaves_batch_norm_statistics_alone(capture: str) -> None:
+    """Regression: the replay of a checkpointed stage updated running statistics again."""
+    class Branchy(nn.Module):  # a branch on a size: symbolic tracing fails, export captures
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(),
+                                      nn.Linear(6, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) if x.shape[1] == 4 else x[:, :2]
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)) \
+        if capture == "fx" else Branchy()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    pm = partition(model, ["cpu"], example_inputs=(x,), chunks=1, checkpoint="always")
+    pm(x).sum().backward()
+    reference(x).sum().backward()
+    for (name, mine), theirs in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+    pm.close()
