@@ -40,15 +40,15 @@ from torch import nn
 
 import partitioner.passes as _passes
 import partitioner.runtime as _runtime
-from partitioner.errors import ExampleInputsError, PlanMismatchError, TraceError
+from partitioner.errors import CallError, ExampleInputsError, PlanMismatchError, TraceError
 from partitioner.passes.export_rules import export_rules
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 from partitioner.passes.guard_inputs import InputRules
 from partitioner.passes.unlift import unlift
 
-__all__ = ["Captured", "capture", "module_paths", "example_error", "describe_inputs", "arrange",
-           "user_line"]
+__all__ = ["Captured", "capture", "bind", "module_paths", "example_error", "describe_inputs",
+           "arrange", "user_line"]
 
 # partitioner.passes and partitioner.runtime live beside partitioner/ in a source checkout.
 LIBRARY_DIRS = tuple(
@@ -86,7 +86,7 @@ class Captured:
         """Map a call's arguments to the graph's placeholders, in order."""
         if self.in_spec is not None:
             return pytree.tree_leaves(arrange(self.signature, self.in_spec, args, kwargs))
-        bound = self.signature.bind(*args, **kwargs)
+        bound = bind(self.signature, args, kwargs)
         bound.apply_defaults()
         values = []
         for name, param in self.signature.parameters.items():
@@ -102,6 +102,21 @@ class Captured:
         if self.out_spec is None:
             return output
         return pytree.tree_unflatten(list(output), self.out_spec)
+
+
+def bind(signature: inspect.Signature, args: tuple[Any, ...],
+         kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """``signature.bind``, its refusal a :class:`CallError` saying how to call.
+
+    Raises:
+        CallError: the arguments do not fit ``forward``'s parameters.
+    """
+    try:
+        return signature.bind(*args, **kwargs)
+    except TypeError as error:
+        given = [f"{type(a).__name__}" for a in args] + [f"{k}=" for k in kwargs]
+        raise CallError(f"the partitioned model was called with ({', '.join(given)}): {error}; "
+                        f"call it as the model's forward{signature}") from None
 
 
 def module_paths(node: fx.Node) -> list[str]:
@@ -382,7 +397,7 @@ def arrange(signature: inspect.Signature, in_spec: pytree.TreeSpec, args: tuple[
     if pytree.tree_flatten((args, kwargs))[1] == in_spec:
         return args, kwargs
     args_spec, kwargs_spec = in_spec.children()
-    bound = signature.bind(*args, **kwargs)
+    bound = bind(signature, args, kwargs)
     bound.apply_defaults()
     kinds = {name: p.kind for name, p in signature.parameters.items()}
     named = {k: v for k, v in bound.arguments.items()

@@ -21,6 +21,7 @@ __all__ = [
     "ScheduleError",
     "StageExecutionError",
     "BackwardError",
+    "CallError",
     "PlanMismatchError",
     "CommandError",
     "CommError",
@@ -99,6 +100,10 @@ class TraceError(PartitionError, TypeError):
 class ScheduleError(PartitionError, ValueError):
     """A pipeline schedule breaks an ordering rule (see
     ``partitioner.runtime.schedule.validate``)."""
+
+
+class CallError(PartitionError, TypeError):
+    """A partitioned model called with arguments its ``forward`` does not take."""
 
 
 class BackwardError(PartitionError, RuntimeError):
