@@ -82,6 +82,23 @@ def torch_transformer() -> Case:
             {"tgt_mask": causal, "tgt_is_causal": True})
 
 
+def torch_encoder() -> Case:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return (nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
+            (torch.randn(8, 6, 16),), {})
+
+
+def _torchvision(name: str) -> Callable[[], Case]:
+    def make() -> Case:
+        try:
+            import torchvision
+        except Exception as error:  # the index's wheel is built for CUDA torch
+            pytest.skip(f"torchvision does not import beside this CPU torch: {error}")
+        model = getattr(torchvision.models, name)(num_classes=5)
+        return model, (torch.randn(8, 3, 32, 32),), {}
+    return make
+
+
 def _timm(name: str, **config: Any) -> Callable[[], Case]:
     def make() -> Case:
         try:
@@ -95,12 +112,16 @@ def _timm(name: str, **config: Any) -> Callable[[], Case]:
 
 MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "vit": vit,
-    "nn_transformer": torch_transformer,
+    "nn_transformer": torch_transformer, "nn_encoder": torch_encoder,
+    "resnet18": _torchvision("resnet18"), "mobilenet_v3": _torchvision("mobilenet_v3_small"),
     "timm_vit": _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4),
     "timm_convnext": _timm("convnext_atto", depths=(1, 1, 1, 1)),
 }
-QUICK_PIPELINES = {("gpt2", 4, 4), ("nn_transformer", 2, 1)}
+QUICK_PIPELINES = {("gpt2", 4, 4), ("nn_transformer", 2, 1), ("nn_encoder", 4, 4)}
 QUICK_PLANS = {"bert"}
+# The models with attention or MLP pairs, split over 2 tensor-parallel ranks.
+TENSOR_PARALLEL = ("gpt2", "bert", "t5", "llama", "vit", "nn_transformer", "nn_encoder")
+QUICK_TENSOR_PARALLEL = {"llama"}
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -151,11 +172,35 @@ def test_auto_plan_round_trip_and_picture(name: str, tmp_path: Path) -> None:
     pm.plan.save(path)
     again = partition(model, None, plan=path, example_inputs=args, example_kwargs=kwargs)
     assert again.plan == pm.plan
+    bare = partition(model, None, plan=path)  # the plan's input signature: no inputs needed
+    assert bare.plan == pm.plan
     with torch.no_grad():
         expected = _logits(model(*args, **kwargs))
         torch.testing.assert_close(_logits(pm(*args, **kwargs)), expected)
         torch.testing.assert_close(_logits(again(*args, **kwargs)), expected)
+        torch.testing.assert_close(_logits(bare(*args, **kwargs)), expected)
     drawn = partitioner.visualize(pm, tmp_path / "x.dot")
     assert drawn.read_text().startswith("digraph")
     pm.close()
     again.close()
+    bare.close()
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in QUICK_TENSOR_PARALLEL else pytest.mark.slow)
+    for name in TENSOR_PARALLEL])
+def test_tensor_parallel_matches_the_model(name: str) -> None:
+    model, args, kwargs = MODELS[name]()
+    reference = copy.deepcopy(model)
+    tm = partition(model, ["cpu"] * 2, tensor_parallel=2, example_inputs=args,
+                   example_kwargs=kwargs)
+    assert tm.plan.mesh is not None and tm.plan.mesh.tp == 2 and tm.plan.shard_specs
+    out, expected = _logits(tm(*args, **kwargs)), _logits(reference(*args, **kwargs))
+    torch.testing.assert_close(out, expected)
+    (out.float() ** 2).mean().backward()
+    (expected.float() ** 2).mean().backward()
+    for key, param in reference.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(tm.full_tensor(key, grad=True), param.grad,
+                                       msg=lambda m, k=key: f"{k}: {m}")
+    tm.close()

@@ -167,7 +167,11 @@ def choose(gm: fx.GraphModule, sites: list[Site], tp: int,
 
 def _lone_kind(gm: fx.GraphModule, sites: list[Site], site: Site, tp: int) -> str:
     """``colwise`` for a Linear in no pair whose split output is only ever gathered;
-    ``replicate`` if it would slice whole values to meet it (the split would spread)."""
+    ``replicate`` if its output features do not divide by ``tp`` (a classifier of 5 labels
+    over 2 ranks), or if it would slice whole values to meet it (the split would spread)."""
+    sharding = site_shardings(site, "colwise", tp)[site.weight]
+    if sharding.check(site.shape, site.weight):
+        return "replicate"
     result = propagate(gm, site_shardings(site, "colwise", tp), tp, sites=sites,
                        start=site.node)
     return "replicate" if any(c.slices for c in result.conversions) else "colwise"
