@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import PartitionError, make_plan, partition
+from partitioner import PartitionError, Plan, load_plan, make_plan, partition
+from partitioner.cli import main
+from partitioner.distributed import partition_distributed
 from partitioner.errors import (
     BalanceError,
     CallError,
@@ -135,7 +137,29 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("call extra keyword", lambda: _pm()(X, extra=1), CallError, "'extra'"),
     ("call nothing", lambda: _pm()(), CallError, "'input'"),
     ("call too many", lambda: _pm()(X, X), CallError, "too many positional"),
+    ("distributed tp zero", lambda: partition_distributed(_model(), (X,), tp=0),
+     StrategyError, "tp=0"),
+    ("distributed rules without tp", lambda: partition_distributed(
+        _model(), (X,), tensor_parallel={"0": "colwise"}), StrategyError, "tp=1"),
+    ("distributed plan missing", lambda: partition_distributed(
+        _model(), (X,), plan="no/such/plan.json"), PlanFormatError, "no/such/plan.json"),
+    ("plan file strategy", lambda: Plan.from_dict({**_plan_dict(), "strategy": 123}),
+     PlanFormatError, "123"),
+    ("plan file capture", lambda: Plan.from_dict({**_plan_dict(), "capture": "pickle"}),
+     PlanFormatError, "pickle"),
+    ("plan file notes", lambda: Plan.from_dict({**_plan_dict(), "notes": "a string"}),
+     PlanFormatError, "notes"),
+    ("plan file device", lambda: Plan.from_dict({**_plan_dict(), "devices": ["cuda:0"]}),
+     PlanFormatError, "cuda:0"),
+    ("spec chunks", lambda: load_plan({"chunks": 0, "stages": [{"layers": "0"}]}), SpecError,
+     "chunks"),
+    ("spec unknown key", lambda: load_plan({"stagez": []}), SpecError, "stagez"),
+    ("spec not a mapping", lambda: load_plan(["a", "b"]), PartitionError, "list"),
 ]
+
+
+def _plan_dict() -> dict[str, Any]:
+    return make_plan(_model(), ["cpu"], balance=[5]).to_dict()
 
 
 def _pm() -> Any:
@@ -152,7 +176,8 @@ def test_mistake_raises_a_partition_error_naming_the_value(call: Callable[[], An
     assert isinstance(info.value, PartitionError)
     assert isinstance(info.value, (ValueError, TypeError))
     assert names in str(info.value)
-    fixes = ("pass", "use", "drop", "call", "check", "write", "set", "keep", "give")
+    fixes = ("pass", "use", "drop", "call", "check", "write", "set", "keep", "give", "make",
+             "did you mean")
     assert any(word in str(info.value) for word in fixes), f"no fix in: {info.value}"
 
 
@@ -161,3 +186,24 @@ def test_every_problem_of_a_request_is_listed_at_once() -> None:
         PlanRequest(strategy="magic", chunks=0, checkpoint="some")
     message = str(info.value)
     assert "'magic'" in message and "chunks=0" in message and "'some'" in message
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["plan", "mlp", "--devices", "two"], "two"),
+    (["plan", "mlp", "--devices", "2", "--chunks", "zero"], "zero"),
+    (["plan", "mlp", "--devices", "2", "--input", "64x5"], "(64, 5)"),
+    (["plan", "nosuchmodel", "--devices", "2"], "nosuchmodel"),
+    (["show", "no/such/plan.json"], "no/such/plan.json"),
+    (["simulate", "mlp"], "--devices"),
+    (["run", "--nproc-per-node", "x", __file__], "'x'"),
+])
+def test_command_line_mistake_is_one_line_naming_the_value(
+        argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusals exit with status 2
+        code = exit_.code
+    assert code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert names in err
