@@ -25,14 +25,15 @@ this is the file you meant
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 from partitioner.errors import PartitionError
 
-__all__ = ["MAX_DOCUMENT_BYTES", "MAX_DEPTH", "MAX_VALUES", "read_text", "parse_json",
-           "parse_yaml", "check_document"]
+__all__ = ["unknown_keys", "MAX_DOCUMENT_BYTES", "MAX_DEPTH", "MAX_VALUES", "read_text",
+           "parse_json", "parse_yaml", "check_document"]
 
 #: Plan and spec files larger than this are refused before parsing.
 MAX_DOCUMENT_BYTES = 16 * 2**20
@@ -189,3 +190,14 @@ def _size(path: Path, read: int) -> str:
         size = 0
     size = max(size, read)
     return f"{size / 2**20:.1f} MiB" if size > read else f"over {size / 2**20:.1f} MiB"
+
+
+def unknown_keys(data: dict[str, Any], known: tuple[str, ...], where: str) -> list[str]:
+    """A problem per key of ``data`` not in ``known``, suggesting the closest known key."""
+    problems = []
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys are {', '.join(known)}"
+            problems.append(f"{where}{key}: unknown key; {hint}")
+    return problems

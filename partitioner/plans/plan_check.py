@@ -22,11 +22,11 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable
 from typing import Any
 
+from partitioner.plans.documents import unknown_keys
 from partitioner.plans.signature import entry_problems
 from partitioner.runtime.checkpointing import CHECKPOINT_MODES
 
@@ -47,7 +47,7 @@ Check = Callable[[Any, str], list[str]]
 
 def document_problems(data: dict[str, Any]) -> list[str]:
     """Every way ``data`` breaks the plan file format, one line each (empty: none)."""
-    problems = _unknown(data, TOP_KEYS, "")
+    problems = unknown_keys(data, TOP_KEYS, "")
     problems += [f"{key}: missing; {hint}" for key, hint in (
         ("strategy", 'give how the split was made, e.g. "pipeline"'),
         ("devices", 'give one device per stage, e.g. ["cpu", "cpu"]'),
@@ -56,16 +56,6 @@ def document_problems(data: dict[str, Any]) -> list[str]:
     for key, check in _FIELDS.items():
         if key in data:
             problems += check(data[key], key)
-    return problems
-
-
-def _unknown(data: dict[str, Any], known: tuple[str, ...], where: str) -> list[str]:
-    problems = []
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys are {', '.join(known)}"
-            problems.append(f"{where}{key}: unknown key; {hint}")
     return problems
 
 
@@ -148,7 +138,7 @@ def _object(fields: dict[str, Check], required: tuple[str, ...], what: str,
             return []
         if not isinstance(value, dict):
             return [f"{where}: {value!r}; give {what}" + (" or null" if nullable else "")]
-        problems = _unknown(value, tuple(fields), f"{where}.")
+        problems = unknown_keys(value, tuple(fields), f"{where}.")
         problems += [f"{where}.{k}: missing" for k in required if k not in value]
         return problems + [p for k, c in fields.items() if k in value
                            for p in c(value[k], f"{where}.{k}")]

@@ -47,7 +47,13 @@ from typing import Any
 from torch import nn
 
 from partitioner.errors import PartitionError, SpecError
-from partitioner.plans.documents import check_document, parse_json, parse_yaml, read_text
+from partitioner.plans.documents import (
+    check_document,
+    parse_json,
+    parse_yaml,
+    read_text,
+    unknown_keys,
+)
 from partitioner.plans.plan import SHARD_KINDS, ShardSpec
 from partitioner.runtime.checkpointing import CHECKPOINT_MODES
 from partitioner.runtime.schedule_registry import Runtime, schedule_names
@@ -127,7 +133,7 @@ class Spec:
             raise SpecError(f"a spec is a mapping of keys such as 'stages' and 'chunks', got "
                             f"{type(data).__name__}")
         check_document(data, "the spec", SpecError)
-        problems = _unknown_keys(data, _KEYS, "")
+        problems = unknown_keys(data, _KEYS, "")
         if data.get("format", SPEC_FORMAT) != SPEC_FORMAT:
             problems.append(f"format: {data['format']!r}; a spec has format {SPEC_FORMAT!r} "
                             "or none (plan files have 'partitioner.plan')")
@@ -364,16 +370,6 @@ def summarize_names(names: Sequence[str], limit: int = 12) -> str:
     return ", ".join(parts)
 
 
-def _unknown_keys(data: dict[str, Any], known: tuple[str, ...], where: str) -> list[str]:
-    problems = []
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys are {', '.join(known)}"
-            problems.append(f"{where}{key}: unknown key; {hint}")
-    return problems
-
-
 def _stages(value: Any, problems: list[str]) -> tuple[StageSpec, ...]:
     if value is None:
         return ()
@@ -390,7 +386,7 @@ def _stages(value: Any, problems: list[str]) -> tuple[StageSpec, ...]:
             problems.append(f"{key}: {entry!r}; a stage is a mapping with 'layers' and/or "
                             "'device'")
             continue
-        problems += _unknown_keys(entry, _STAGE_KEYS, key + ".")
+        problems += unknown_keys(entry, _STAGE_KEYS, key + ".")
         layers = entry.get("layers")
         if isinstance(layers, str):
             layers = [layers]
@@ -466,7 +462,7 @@ def _mesh(value: Any, problems: list[str]) -> dict[str, int]:
     if not isinstance(value, dict):
         problems.append(f"mesh: {value!r}; give a mapping such as {{dp: 1, tp: 2}}")
         return {}
-    problems += _unknown_keys(value, ("dp", "tp"), "mesh.")
+    problems += unknown_keys(value, ("dp", "tp"), "mesh.")
     good = {}
     for axis in ("dp", "tp"):
         size = value.get(axis, 1)
@@ -493,7 +489,7 @@ def _rules(value: Any, problems: list[str]) -> dict[str, ShardSpec | str]:
             else:
                 rules[str(pattern)] = rule
         elif isinstance(rule, dict):
-            problems += _unknown_keys(rule, ("kind", "dim"), key + ".")
+            problems += unknown_keys(rule, ("kind", "dim"), key + ".")
             try:
                 rules[str(pattern)] = ShardSpec(rule.get("dim"), rule.get("kind"))  # type: ignore[arg-type]
             except PartitionError as error:
