@@ -170,9 +170,11 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
     for name in tracked:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_bytes((ROOT / name).read_bytes())
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(source)], check=True,
-                   capture_output=True)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path),
+             str(source)]
+    # This environment's setuptools if it builds wheels, else pip's isolated build (PyPI).
+    if subprocess.run([*build, "--no-build-isolation"], capture_output=True).returncode:
+        subprocess.run(build, check=True, capture_output=True)
     wheel = next(tmp_path.glob("partitioner-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}

@@ -76,7 +76,17 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str, *,
                 f"(rank {rank} did): they run another program or other options, or are "
                 "stuck before it; start every rank with the same command")
         time.sleep(poll)
-    return [bytes(store.get(key)).decode() for key in keys]
+    values = [bytes(store.get(key)).decode() for key in keys]
+    # The store's host (rank 0) leaves last: on a mismatch every rank raises and exits, and
+    # a slower rank still reading from a store whose host is gone gets a network error
+    # instead of the mismatch. The other ranks touch the store no more once they count out.
+    left = f"{prefix}/{round_}/left"
+    if rank != 0:
+        store.add(left, 1)
+        return values
+    while int(store.add(left, 0)) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(poll)
+    return values
 
 
 def mismatches(per_rank: Sequence[Mapping[str, Any]]) -> list[str]:
