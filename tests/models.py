@@ -152,3 +152,15 @@ class _Encoder(nn.Module):
 def encoder_model(width: int = 16, layers: int = 4) -> nn.Module:
     """An embedding, an ``nn.TransformerEncoder`` and a head; ``forward(x, mask=None)``."""
     return _Encoder(width, layers)
+
+
+def grads_match(model: nn.Module, reference: nn.Module) -> None:
+    """Every parameter of ``model`` has the gradient of its twin in ``reference`` (or none
+    where the twin has none)."""
+    grads = dict(reference.named_parameters())
+    for key, param in model.named_parameters():
+        if grads[key].grad is None:
+            assert param.grad is None, f"{key} got a gradient the model does not give it"
+            continue
+        assert param.grad is not None, f"{key} got no gradient"
+        torch.testing.assert_close(param.grad, grads[key].grad, msg=key)

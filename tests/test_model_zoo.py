@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import grads_match
 from torch import nn
 
 import partitioner
@@ -130,16 +131,6 @@ def _logits(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def _grads_match(model: nn.Module, reference: nn.Module) -> None:
-    grads = dict(reference.named_parameters())
-    for key, param in model.named_parameters():
-        if grads[key].grad is None:
-            assert param.grad is None, f"{key} got a gradient the model does not give it"
-            continue
-        assert param.grad is not None, f"{key} got no gradient"
-        torch.testing.assert_close(param.grad, grads[key].grad, msg=key)
-
-
 def _pipeline_cases() -> list[Any]:
     return [pytest.param(name, stages, chunks, marks=() if (name, stages, chunks) in
                          QUICK_PIPELINES else pytest.mark.slow)
@@ -157,7 +148,7 @@ def test_pipeline_matches_the_model(name: str, stages: int, chunks: int) -> None
     torch.testing.assert_close(out, expected)
     (out.float() ** 2).mean().backward()
     (expected.float() ** 2).mean().backward()
-    _grads_match(model, reference)
+    grads_match(model, reference)
     pm.close()
 
 

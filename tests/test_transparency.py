@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 import torch
-from models import LongSkip, ResidualCNN, Scaled, encoder_model, gpt2, mlp, nested_sequential
+from models import (
+    LongSkip,
+    ResidualCNN,
+    Scaled,
+    encoder_model,
+    gpt2,
+    grads_match,
+    mlp,
+    nested_sequential,
+)
 from torch import nn
 
 from partitioner import partition
@@ -95,16 +104,6 @@ def test_eval_mode_and_no_grad_match() -> None:
         torch.testing.assert_close(pm(x).logits, model(x).logits)
 
 
-def _grads_match(model: nn.Module, reference: nn.Module) -> None:
-    grads = dict(reference.named_parameters())
-    for key, param in model.named_parameters():
-        if grads[key].grad is None:
-            assert param.grad is None, f"{key} got a gradient the model does not give it"
-            continue
-        assert param.grad is not None, f"{key} got no gradient"
-        torch.testing.assert_close(param.grad, grads[key].grad, msg=key)
-
-
 def test_a_default_argument_used_by_a_later_stage_matches() -> None:
     model = Scaled()
     reference = copy.deepcopy(model)
@@ -116,7 +115,7 @@ def test_a_default_argument_used_by_a_later_stage_matches() -> None:
         torch.testing.assert_close(out, expected)
         (out ** 2).mean().backward()
         (expected ** 2).mean().backward()
-    _grads_match(model, reference)
+    grads_match(model, reference)
     pm.close()
 
 
@@ -162,7 +161,7 @@ def test_torch_transformers_split_between_their_layers(name: str, stages: int,
     torch.testing.assert_close(out, expected)
     (out ** 2).mean().backward()
     (expected ** 2).mean().backward()
-    _grads_match(model, reference)
+    grads_match(model, reference)
     pm.eval()
     reference.eval()
     torch.testing.assert_close(pm(*args, **kwargs), reference(*args, **kwargs))
