@@ -20,7 +20,7 @@ from typing import Any, overload
 
 from torch import nn
 
-from partitioner.analysis import analyze
+from partitioner.analysis import Analysis, analyze
 from partitioner.apply import resolve_plan
 from partitioner.build import build_pipeline
 from partitioner.errors import DeviceError, ModelError, StrategyError
@@ -131,9 +131,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
     if plan is not None:
         analysis, made, request = resolve_plan(model, plan, request)
         return build_pipeline(model, analysis, made, request)
-    analysis = analyze(model, request.example_inputs, request.kwargs,
-                       need_costs=not request.fixes_split)
-    made = record(plan_request(analysis, request), model, analysis, request, request.strategy)
+    analysis, made = _planned(model, request)
     return build_pipeline(model, analysis, made, request)
 
 
@@ -163,9 +161,15 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                calibrate=calibrate)
     if plan is not None:
         return resolve_plan(model, plan, request)[1]
+    return _planned(model, request)[1]
+
+
+def _planned(model: nn.Module, request: PlanRequest) -> tuple[Analysis, Plan]:
+    """The model analysed and planned as ``request`` asks, the plan recorded."""
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=not request.fixes_split)
-    return record(plan_request(analysis, request), model, analysis, request, request.strategy)
+    return analysis, record(plan_request(analysis, request), model, analysis, request,
+                            request.strategy)
 
 
 def _check_model(model: object) -> None:
