@@ -22,13 +22,31 @@ __all__ = ["Action", "Phase", "Schedule"]
 
 
 class Phase(str, Enum):
-    """Whether an action runs a stage's forward or its backward."""
+    """What an action runs of a stage for one micro-batch.
+
+    ``B`` is the whole backward. A zero-bubble schedule splits it in two: ``I`` computes
+    the gradients of the stage's inputs (what the previous stage waits for) and ``W`` the
+    gradients of its weights, which nobody waits for, so the schedule may defer them to fill
+    bubbles. A micro-batch runs ``F`` then either ``B`` or ``I`` then ``W`` on each stage.
+    """
 
     FORWARD = "F"
     BACKWARD = "B"
+    INPUT = "I"
+    WEIGHT = "W"
+
+    @property
+    def gives_input_grad(self) -> bool:
+        """Whether this phase produces the gradients the previous stage waits for."""
+        return self in (Phase.BACKWARD, Phase.INPUT)
+
+    @property
+    def frees(self) -> bool:
+        """Whether this phase ends a micro-batch's stay on the stage (its last action)."""
+        return self in (Phase.BACKWARD, Phase.WEIGHT)
 
 
-_ACTION_TEXT = re.compile(r"(\d+)([FB])(\d+)")
+_ACTION_TEXT = re.compile(r"(\d+)([FBIW])(\d+)")
 
 
 @dataclass(frozen=True, order=True)
@@ -37,7 +55,7 @@ class Action:
 
     Args:
         stage: Index of the stage, from 0 (of the virtual stage, when stages hold several).
-        phase: :attr:`Phase.FORWARD` or :attr:`Phase.BACKWARD`.
+        phase: A :class:`Phase`: ``F``, ``B``, or the halves of ``B``, ``I`` and ``W``.
         microbatch: Index ``i`` of the micro-batch, from 0.
 
     Raises:
@@ -61,7 +79,8 @@ class Action:
         if not isinstance(self.phase, Phase):
             problems.append(
                 f"Action phase must be a Phase, got {self.phase!r}; "
-                "pass Phase.FORWARD or Phase.BACKWARD (Phase('F') converts a letter)"
+                "pass Phase.FORWARD, Phase.BACKWARD, Phase.INPUT or Phase.WEIGHT "
+                "(Phase('F') converts a letter)"
             )
         if problems:
             raise ScheduleError("; ".join(problems))
@@ -74,7 +93,8 @@ class Action:
         """Reads an action written as ``str(action)`` does, such as ``"1F0"``.
 
         Args:
-            text: Stage, phase letter (``F`` or ``B``) and micro-batch; outer spaces are ignored.
+            text: Stage, phase letter (``F``, ``B``, ``I`` or ``W``) and micro-batch; outer
+                spaces are ignored.
 
         Returns:
             The action.
@@ -90,7 +110,8 @@ class Action:
         if found is None:
             raise ScheduleError(
                 f"cannot read {text!r} as an action; write stage, phase and micro-batch "
-                "like '1F0' (phase F for forward, B for backward)"
+                "like '1F0' (phase F for forward, B for backward, I and W for its input- and "
+                "weight-gradient halves)"
             )
         stage, letter, microbatch = found.groups()
         return cls(int(stage), Phase(letter), int(microbatch))

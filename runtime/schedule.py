@@ -87,7 +87,9 @@ def validate(
     micro-batch index out of range; a forward or backward missing or repeated; a backward
     before its forward; a virtual stage's forwards out of micro-batch order. The deadlock
     check runs each stage's list in order, one action at a time, where ``F(k, i)`` (virtual
-    stage ``k``) needs ``F(k-1, i)`` and ``B(k, i)`` needs ``F(k, i)`` and ``B(k+1, i)``.
+    stage ``k``) needs ``F(k-1, i)``, ``B(k, i)`` and ``I(k, i)`` need ``F(k, i)`` and the
+    input gradients of stage ``k+1`` (its ``B`` or ``I``), and ``W(k, i)`` needs ``I(k, i)``.
+    Each micro-batch runs ``F`` then either ``B`` or ``I`` then ``W`` on each virtual stage.
     It runs only when the other checks pass: a missing or misplaced action, or a backward
     before its forward, would show up again as a stuck stage.
 
@@ -193,17 +195,29 @@ def _count_problems(
     each = " per virtual stage" if virtual > 1 else ""
     for j, actions in enumerate(own):
         counts = Counter(actions)
-        expected = [
-            Action(k, p, i)
-            for k in range(j, n_stages * virtual, n_stages)
-            for p in Phase
-            for i in range(n_microbatches)
-        ]
-        missing = [str(a) for a in expected if counts[a] == 0]
+        missing = []
+        for k in range(j, n_stages * virtual, n_stages):
+            for i in range(n_microbatches):
+                def has(phase: Phase, k: int = k, i: int = i) -> bool:
+                    return counts[Action(k, phase, i)] > 0
+                if not has(Phase.FORWARD):
+                    missing.append(f"{k}F{i}")
+                split = has(Phase.INPUT) or has(Phase.WEIGHT)
+                if has(Phase.BACKWARD) and split:
+                    problems.append(
+                        f"stage {j} runs both {k}B{i} and its halves "
+                        f"{k}I{i}/{k}W{i}; run either B or I then W"
+                    )
+                elif split:
+                    missing += [f"{k}{p.value}{i}" for p in (Phase.INPUT, Phase.WEIGHT)
+                                if not has(p)]
+                elif not has(Phase.BACKWARD):
+                    missing.append(f"{k}B{i}")
         if missing:
+            halves = " (or I then W)" if any(a.phase is Phase.INPUT for a in actions) else ""
             problems.append(
                 f"stage {j} never runs {', '.join(missing)}; "
-                f"every stage runs each micro-batch's F and B once{each}"
+                f"every stage runs each micro-batch's F and B{halves} once{each}"
             )
         problems += [
             f"stage {j} runs {a} {n} times; run it once"
@@ -220,11 +234,23 @@ def _order_problems(own: list[list[Action]]) -> list[str]:
         for k, a in enumerate(actions):
             if a.phase is Phase.FORWARD:
                 first_forward.setdefault((a.stage, a.microbatch), k)
+        first_input: dict[tuple[int, int], int] = {}
+        for k, a in enumerate(actions):
+            if a.phase is Phase.INPUT:
+                first_input.setdefault((a.stage, a.microbatch), k)
         problems += [
             f"stage {j} runs {a} before {a.stage}F{a.microbatch}; "
             "a backward needs its forward's activations, so move it after"
             for k, a in enumerate(actions)
-            if a.phase is Phase.BACKWARD and first_forward.get((a.stage, a.microbatch), -1) > k
+            if a.phase in (Phase.BACKWARD, Phase.INPUT)
+            and first_forward.get((a.stage, a.microbatch), -1) > k
+        ]
+        problems += [
+            f"stage {j} runs {a} before {a.stage}I{a.microbatch}; "
+            "a weight gradient needs the gradients its input-gradient half computed, "
+            "so move it after"
+            for k, a in enumerate(actions)
+            if a.phase is Phase.WEIGHT and first_input.get((a.stage, a.microbatch), -1) > k
         ]
         for stage in sorted({a.stage for a in actions}):
             order = [a.microbatch for a in actions if a.phase is Phase.FORWARD and a.stage == stage]
@@ -237,25 +263,46 @@ def _order_problems(own: list[list[Action]]) -> list[str]:
     return problems
 
 
-def _needs(action: Action, n_total: int) -> tuple[Action, ...]:
+# What an action waits for, and what it makes available, as (virtual stage, micro-batch,
+# event): "F" its forward ran, "G" the gradients of its inputs exist (B or I ran).
+_Event = tuple[int, int, str]
+
+
+def _needs(action: Action, n_total: int) -> tuple[_Event, ...]:
     k, i = action.stage, action.microbatch
     if action.phase is Phase.FORWARD:
-        return (Action(k - 1, Phase.FORWARD, i),) if k > 0 else ()
-    after = (Action(k + 1, Phase.BACKWARD, i),) if k + 1 < n_total else ()
-    return (Action(k, Phase.FORWARD, i), *after)
+        return ((k - 1, i, "F"),) if k > 0 else ()
+    if action.phase is Phase.WEIGHT:
+        return ((k, i, "G"),)
+    after = ((k + 1, i, "G"),) if k + 1 < n_total else ()
+    return ((k, i, "F"), *after)
+
+
+def _gives(action: Action) -> tuple[_Event, ...]:
+    k, i = action.stage, action.microbatch
+    if action.phase is Phase.FORWARD:
+        return ((k, i, "F"),)
+    return ((k, i, "G"),) if action.phase.gives_input_grad else ()
+
+
+def _event_text(event: _Event, split: bool) -> str:
+    k, i, what = event
+    if what == "F":
+        return f"{k}F{i}"
+    return f"{k}B{i} (or {k}I{i})" if split else f"{k}B{i}"
 
 
 def _execute(schedule: Schedule, n_total: int) -> tuple[list[Action], list[int]]:
     """Runs each stage's list in order; returns the actions in a feasible order and,
     per stage, how many of its actions ran (fewer than its list means it is stuck)."""
-    done, order = set[Action](), list[Action]()
+    done, order = set[_Event](), list[Action]()
     ran = [0] * len(schedule)
     progressed = True
     while progressed:
         progressed = False
         for j, actions in enumerate(schedule):
             while ran[j] < len(actions) and done.issuperset(_needs(actions[ran[j]], n_total)):
-                done.add(actions[ran[j]])
+                done.update(_gives(actions[ran[j]]))
                 order.append(actions[ran[j]])
                 ran[j] += 1
                 progressed = True
@@ -264,10 +311,11 @@ def _execute(schedule: Schedule, n_total: int) -> tuple[list[Action], list[int]]
 
 def _deadlock_problems(schedule: Schedule, n_total: int) -> list[str]:
     order, ran = _execute(schedule, n_total)
-    done = set(order)
+    done = {event for a in order for event in _gives(a)}
+    split = any(a.phase is Phase.INPUT for actions in schedule for a in actions)
     waits = [
         f"stage {j} waits on {a} which needs "
-        + ", ".join(str(d) for d in _needs(a, n_total) if d not in done)
+        + ", ".join(_event_text(d, split) for d in _needs(a, n_total) if d not in done)
         for j, actions in enumerate(schedule)
         if ran[j] < len(actions)
         for a in [actions[ran[j]]]
@@ -277,7 +325,8 @@ def _deadlock_problems(schedule: Schedule, n_total: int) -> list[str]:
     return [f"deadlock: {'; '.join(waits)}; reorder so each action's inputs run before it"]
 
 
-def _ticks_per_phase(forward_time: float, backward_time: float) -> dict[Phase, int]:
+def _ticks_per_phase(forward_time: float, backward_time: float, split: bool = False
+                     ) -> dict[Phase, int]:
     if not (forward_time > 0 and backward_time > 0):
         raise ScheduleError(
             f"forward_time and backward_time must be > 0, got {forward_time!r} and "
@@ -289,7 +338,13 @@ def _ticks_per_phase(forward_time: float, backward_time: float) -> dict[Phase, i
             f"backward_time / forward_time is {ratio:g} ({backward_time!r} / {forward_time!r}) "
             "but clock ticks need a whole number >= 1; pick times whose ratio is 1, 2, 3, ..."
         )
-    return {Phase.FORWARD: 1, Phase.BACKWARD: round(ratio)}
+    b = round(ratio)
+    if split and b % 2:
+        raise ScheduleError(
+            f"backward_time / forward_time is {b} but this schedule splits backwards into "
+            "input- and weight-gradient halves of equal length; pick an even ratio (2, 4, ...)"
+        )
+    return {Phase.FORWARD: 1, Phase.BACKWARD: b, Phase.INPUT: b // 2, Phase.WEIGHT: b // 2}
 
 
 def clock_ticks(
@@ -298,7 +353,7 @@ def clock_ticks(
     """Simulates a schedule in unit clock ticks, each action starting as soon as it can.
 
     A forward takes one tick, a backward ``backward_time / forward_time`` ticks (a whole
-    number). Transfers between stages are free. The schedule is validated first, with
+    number), and each half of a split backward (``I``, ``W``) half of that. Transfers between stages are free. The schedule is validated first, with
     ``P`` its number of lists, ``m`` one more than its largest micro-batch index and ``v``
     enough virtual stages per stage to hold its largest stage index.
 
@@ -319,18 +374,21 @@ def clock_ticks(
         >>> [[str(a) if a else "." for a in tick] for tick in clock_ticks(gpipe(2, 1))]
         [['0F0', '.'], ['.', '1F0'], ['.', '1B0'], ['.', '1B0'], ['0B0', '.'], ['0B0', '.']]
     """
-    ticks = _ticks_per_phase(forward_time, backward_time)
     n_stages = len(schedule)
     actions = [a for stage in schedule for a in stage if isinstance(a, Action)]
+    split = any(a.phase in (Phase.INPUT, Phase.WEIGHT) for a in actions)
+    ticks = _ticks_per_phase(forward_time, backward_time, split)
     n_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
     highest = 1 + max((a.stage for a in actions), default=0)
     virtual = max(1, -(-highest // n_stages)) if n_stages else 1
     validate(schedule, n_stages, n_microbatches, virtual)
     free, start, finish = [0] * n_stages, dict[Action, int](), dict[Action, int]()
+    ready: dict[_Event, int] = {}
     for a in _execute(schedule, n_stages * virtual)[0]:
         j = a.stage % n_stages
-        start[a] = max([free[j], *(finish[d] for d in _needs(a, n_stages * virtual))])
+        start[a] = max([free[j], *(ready[d] for d in _needs(a, n_stages * virtual))])
         finish[a] = free[j] = start[a] + ticks[a.phase]
+        ready.update((event, finish[a]) for event in _gives(a))
     grid: list[list[Action | None]] = [[None] * n_stages for _ in range(max(finish.values()))]
     for a, k0 in start.items():
         for k in range(k0, finish[a]):
@@ -339,7 +397,8 @@ def clock_ticks(
 
 
 def in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the peak number of micro-batches whose forward ran but backward has not.
+    """Per stage, the peak number of micro-batches whose forward ran but backward has not
+    (for a split backward: whose ``W`` has not).
 
     This is how many micro-batches' activations the stage must hold at once: ``m`` on
     every stage for GPipe, ``min(P - j, m)`` for 1F1B. With virtual stages a micro-batch
@@ -360,7 +419,7 @@ def in_flight(schedule: Schedule) -> tuple[int, ...]:
     for actions in schedule:
         live = peak = 0
         for a in actions:
-            live += 1 if a.phase is Phase.FORWARD else -1
+            live += 1 if a.phase is Phase.FORWARD else -1 if a.phase.frees else 0
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)

@@ -30,12 +30,13 @@ from types import MappingProxyType
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Schedule
 from partitioner.runtime.schedule import count_problems, in_flight
-from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b
+from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b, zero_bubble
 
 __all__ = [
     "GPIPE",
     "INTERLEAVED",
     "ONE_F_ONE_B",
+    "ZERO_BUBBLE",
     "Runtime",
     "SCHEDULES",
     "ScheduleKind",
@@ -50,6 +51,7 @@ __all__ = [
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
 INTERLEAVED = "interleaved"
+ZERO_BUBBLE = "zero_bubble"
 
 
 class Runtime(str, Enum):
@@ -154,6 +156,7 @@ SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for ki
                  peak=lambda p, m, j, v: min(p - j, m)),
     ScheduleKind(INTERLEAVED, interleaved, virtual=True, grouped=True,
                  peak=lambda p, m, j, v: min(2 * (p - j - 1) + (v - 1) * p + 1, m * v)),
+    ScheduleKind(ZERO_BUBBLE, zero_bubble, peak=lambda p, m, j, v: min(p - j, m)),
 )})
 """Every schedule by name, in the order messages list them."""
 
@@ -169,7 +172,7 @@ def schedule_names(runtimes: Iterable[Runtime] | None = None, *, virtual: bool |
 
     Example:
         >>> schedule_names(), schedule_names([Runtime.ONE_PROCESS]), schedule_names(Runtime)
-        (('gpipe', '1f1b', 'interleaved'), ('gpipe',), ('gpipe', '1f1b'))
+        (('gpipe', '1f1b', 'interleaved', 'zero_bubble'), ('gpipe',), ('gpipe', '1f1b'))
     """
     wanted = None if runtimes is None else frozenset(runtimes)
     return tuple(name for name, kind in SCHEDULES.items()
@@ -181,9 +184,9 @@ def name_problem(name: object) -> str | None:
     """Why ``name`` is not a registered schedule, or ``None`` if it is.
 
     Example:
-        >>> print(name_problem("zero_bubble"))  # doctest: +NORMALIZE_WHITESPACE
-        schedule='zero_bubble' is not a registered schedule;
-        use one of 'gpipe', '1f1b', 'interleaved'
+        >>> print(name_problem("zb"))  # doctest: +NORMALIZE_WHITESPACE
+        schedule='zb' is not a registered schedule;
+        use one of 'gpipe', '1f1b', 'interleaved', 'zero_bubble'
     """
     return None if _lookup(name) else _unknown(name)
 

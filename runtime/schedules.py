@@ -23,6 +23,12 @@ long as a forward (a label repeated across ticks is one action; ``.`` is a bubbl
       . 1F0 1F1   .   . 1B0 1B0 1F2 1B1 1B1 1F3 1B2 1B2   . 1B3 1B3   .   .
       .   . 2F0 2B0 2B0 2F1 2B1 2B1 2F2 2B2 2B2 2F3 2B3 2B3   .   .   .   .
 
+    zero_bubble(3, 4): 1F1B with each backward split in I (input gradients, what the
+    previous stage waits for) and W (weight gradients, deferred into the bubbles)
+    0F0 0F1 0F2   .   . 0I0 0F3 0I1 0W0 0I2 0W1 0I3 0W2 0W3
+      . 1F0 1F1   . 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3
+      .   . 2F0 2I0 2W0 2F1 2I1 2W1 2F2 2I2 2W2 2F3 2I3 2W3
+
     interleaved(3, 3, 2): stage j holds virtual stages j and j + 3, each half its work
     0F0 0F1 0F2 3F0 3F1 3F2   .   .   .   . 3B0 3B0   . 3B1 3B1   . 3B2 3B2 0B0 0B0 0B1 0B1 0B2 0B2
       . 1F0 1F1 1F2 4F0 4F1 4F2   . 4B0 4B0   . 4B1 4B1   . 4B2 4B2 1B0 1B0 1B1 1B1 1B2 1B2   .   .
@@ -41,7 +47,7 @@ from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Action, Phase, Schedule
 from partitioner.runtime.schedule import check_counts
 
-__all__ = ["gpipe", "interleaved", "one_f_one_b"]
+__all__ = ["gpipe", "interleaved", "one_f_one_b", "zero_bubble"]
 
 
 def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
@@ -165,3 +171,82 @@ def _interleaved_stage(j: int, p: int, m: int, v: int) -> tuple[Action, ...]:
         actions += [action(warmup + r, Phase.FORWARD), action(r, Phase.BACKWARD)]
     actions += [action(k, Phase.BACKWARD) for k in range(total - warmup, total)]
     return tuple(actions)
+
+
+def zero_bubble(n_stages: int, n_microbatches: int) -> Schedule:
+    """ZB-H1, the zero-bubble schedule of Qi et al. (2023) that keeps 1F1B's memory.
+
+    Each backward is split into ``I`` (the gradients of the stage's inputs, which the
+    previous stage waits for) and ``W`` (the gradients of its weights, which nobody waits
+    for). Stages run like 1F1B, ``I`` first whenever its gradients have arrived, then a
+    forward if the stage holds fewer than ``min(P - j, m)`` micro-batches (1F1B's bound,
+    counting a micro-batch until its ``W``), else a pending ``W``; in the drain the ``W`` s
+    fill the time 1F1B leaves idle while the gradients travel back. The order is built by
+    simulating unit-time ``F``, ``I`` and ``W``, so it is deterministic; it never holds
+    more micro-batches than 1F1B and its bubble is at most 1F1B's.
+
+    Args:
+        n_stages: Number of stages ``P``, at least 1.
+        n_microbatches: Number of micro-batches ``m``, at least 1.
+
+    Returns:
+        The schedule, one tuple of actions per stage, with ``I`` and ``W`` for each
+        micro-batch instead of ``B``.
+
+    Raises:
+        ScheduleError: If a count is not an int >= 1.
+
+    Example:
+        >>> [" ".join(map(str, actions)) for actions in zero_bubble(2, 2)]
+        ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1W0 1F1 1I1 1W1']
+    """
+    check_counts(n_stages, n_microbatches)
+    p, m = n_stages, n_microbatches
+    bound = [min(p - j, m) for j in range(p)]
+    forward_done = [[-1] * m for _ in range(p)]   # tick each F finished, -1: not yet
+    input_done = [[-1] * m for _ in range(p)]
+    counts = [[0, 0, 0] for _ in range(p)]         # F, I, W run so far per stage
+    actions: list[list[Action]] = [[] for _ in range(p)]
+    busy = [0] * p
+    tick = 0
+    while any(c[2] < m for c in counts):
+        for j in range(p):
+            if busy[j] > tick:
+                continue
+            chosen = _zero_bubble_choice(j, tick, p, m, bound[j], counts[j],
+                                         forward_done, input_done)
+            if chosen is None:
+                continue
+            phase, i = chosen
+            actions[j].append(Action(j, phase, i))
+            busy[j] = tick + 1
+            if phase is Phase.FORWARD:
+                forward_done[j][i] = tick + 1
+                counts[j][0] += 1
+            elif phase is Phase.INPUT:
+                input_done[j][i] = tick + 1
+                counts[j][1] += 1
+            else:
+                counts[j][2] += 1
+        tick += 1
+    return tuple(tuple(stage) for stage in actions)
+
+
+def _zero_bubble_choice(j: int, tick: int, p: int, m: int, bound: int, count: list[int],
+                        forward_done: list[list[int]], input_done: list[list[int]]
+                        ) -> tuple[Phase, int] | None:
+    """What stage ``j`` starts at ``tick``: a ready ``I``, else a ``F`` within the bound,
+    else a pending ``W``; ``None``: it waits."""
+    f, i_run, w = count
+
+    def finished(at: int) -> bool:
+        return 0 <= at <= tick
+
+    if i_run < f and finished(forward_done[j][i_run]) and (
+            j == p - 1 or finished(input_done[j + 1][i_run])):
+        return Phase.INPUT, i_run
+    if f < m and f - w < bound and (j == 0 or finished(forward_done[j - 1][f])):
+        return Phase.FORWARD, f
+    if w < i_run:
+        return Phase.WEIGHT, w
+    return None

@@ -39,7 +39,14 @@ from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.memory import device_memory, in_flight
 from partitioner.errors import MemoryLimitError, PartitionError
-from partitioner.planning.predict import Config, Prediction, layer_profile, predict, replayed
+from partitioner.planning.predict import (
+    INPUT_SHARE,
+    Config,
+    Prediction,
+    layer_profile,
+    predict,
+    replayed,
+)
 from partitioner.planning.records import to_record
 from partitioner.planning.simulate import refine
 from partitioner.plans.explain import format_bytes
@@ -47,6 +54,7 @@ from partitioner.runtime.checkpointing import ALWAYS, EXCEPT_LAST, NEVER
 from partitioner.runtime.schedule_registry import (
     GPIPE,
     SCHEDULES,
+    ZERO_BUBBLE,
     Runtime,
     schedule_kind,
     schedule_names,
@@ -213,8 +221,14 @@ class _Bounds:
     def step(self, c: Config) -> float:
         samples = self.workload.batch / (c.dp * c.chunks)
         share = replayed(c.checkpoint, c.chunks) / c.chunks
-        work = sum(f * (1 + share) + b for f, b in self.times(samples, c.tp, c.chunks))
+        times = self.times(samples, c.tp, c.chunks)
+        work = sum(f * (1 + share) + b for f, b in times)
         bound = (c.chunks + (c.pp - 1) / c.virtual) * work / c.pp
+        if c.schedule == ZERO_BUBBLE:
+            # The weight halves fill the bubbles: what is left is the busiest device's share
+            # of the work and the first micro-batch's chain of forwards and input halves.
+            chain = sum(f * (1 + share) + INPUT_SHARE * b for f, b in times)
+            bound = max(c.chunks * work / c.pp, chain)
         spec = self.cluster.spec(0)
         if spec.shared_speedup and self.cluster.is_local:
             # Every device's work goes through one host, at best max(speedup) times as fast.

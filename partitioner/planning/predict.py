@@ -59,9 +59,12 @@ from partitioner.runtime.checkpointing import (
     checkpoint_problem,
     checkpoint_stop,
 )
-from partitioner.runtime.schedule_registry import name_problem, schedule_kind
+from partitioner.runtime.schedule_registry import ZERO_BUBBLE, name_problem, schedule_kind
 
-__all__ = ["ConfigError", "Config", "StageProfile", "Prediction", "predict", "layer_profile",
+INPUT_SHARE = 0.5
+"""The share of a stage's backward its input-gradient half (``I``) takes; ``W`` the rest."""
+
+__all__ = ["INPUT_SHARE", "ConfigError", "Config", "StageProfile", "Prediction", "predict", "layer_profile",
            "replayed", "stage_problem"]
 
 
@@ -458,6 +461,11 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     per_device = [sum(work[k] for k in range(j, len(stages), p)) for j in range(p)]
     if v == 1:
         edges = sum(work) + 2 * sum(s.send for s in stages)
+        if kind.name == ZERO_BUBBLE:
+            # The first micro-batch's forwards and input-gradient halves (I) run in a chain;
+            # the weight halves (W) wait in the bubbles, but for the last one on stage 0.
+            edges -= (1 - INPUT_SHARE) * (sum(s.backward for s in stages)
+                                          - stages[0].backward)
         steady = (m - 1) * max(max(work), max(s.send for s in stages))
     else:
         edges = (p - 1) * sum(work) / len(work) + 2 * sum(s.send for s in stages[:p])

@@ -6,7 +6,11 @@ registered schedule); an action starts when the device is free and its inputs ha
 
 * ``F(k, i)`` (virtual stage ``k``, micro-batch ``i``) needs the activations of
   ``F(k - 1, i)``, sent over the link between their devices;
-* ``B(k, i)`` needs ``F(k, i)`` and the gradient of ``B(k + 1, i)``, sent back;
+* ``B(k, i)`` needs ``F(k, i)`` and the gradient of ``B(k + 1, i)``, sent back; a
+  zero-bubble schedule splits it into ``I(k, i)`` (the input gradients, sent back; it
+  replays a checkpointed forward) and ``W(k, i)`` (the weight gradients, after ``I``),
+  each taking ``partitioner.planning.predict.INPUT_SHARE`` of the backward (a Linear's backward is two products of
+  equal size, one per half);
 * each link carries one message at a time in each direction (alpha-beta times);
 * a device's tensor-parallel all-reduces are part of its forward and backward (they block
   compute, as in Megatron-LM);
@@ -45,7 +49,7 @@ from typing import Any
 
 from partitioner.cost.devices import Cluster
 from partitioner.errors import SimulationError
-from partitioner.planning.predict import Prediction, StageProfile, replayed
+from partitioner.planning.predict import INPUT_SHARE, Prediction, StageProfile, replayed
 from partitioner.runtime.schedule import Action, Phase
 from partitioner.runtime.schedule_registry import make_schedule
 
@@ -135,8 +139,7 @@ class _Simulation:
         self.live = [0.0] * c.pp
         self.peak = [0.0] * c.pp
         self.last_backward: dict[int, tuple[float, float]] = {}
-        self.remaining_b = [sum(1 for a in acts if a.phase is Phase.BACKWARD)
-                            for acts in self.order]
+        self.remaining_b = [sum(1 for a in acts if a.phase.frees) for acts in self.order]
         self.tags: dict[int, tuple[str, Any]] = {}
 
     def gain(self, j: int, n: int) -> float:
@@ -155,7 +158,12 @@ class _Simulation:
         if action.phase is Phase.FORWARD:
             return stage.forward + blocked * stage.send
         replay = stage.replay if action.microbatch < self.replay_below else 0.0
-        return stage.backward + replay + blocked * (self.stages[k - 1].send if k else 0.0)
+        send = blocked * (self.stages[k - 1].send if k else 0.0)
+        if action.phase is Phase.WEIGHT:
+            return (1 - INPUT_SHARE) * stage.backward
+        if action.phase is Phase.INPUT:
+            return INPUT_SHARE * stage.backward + replay + send
+        return stage.backward + replay + send
 
     def link_time(self, seconds: float) -> float:
         return seconds if self.config.overlap_p2p else 0.0
@@ -164,6 +172,8 @@ class _Simulation:
         k, i, last = action.stage, action.microbatch, len(self.stages) - 1
         if action.phase is Phase.FORWARD:
             return k == 0 or ("act", k, i) in self.arrived
+        if action.phase is Phase.WEIGHT:
+            return ("input", k, i) in self.arrived
         return ("done", k, i) in self.arrived and (k == last or ("grad", k, i) in self.arrived)
 
     def try_start(self, j: int) -> None:
@@ -186,7 +196,7 @@ class _Simulation:
         if action.phase is Phase.FORWARD:
             self.live[j] += kept
             self.peak[j] = max(self.peak[j], self.live[j] - kept + stage.activation_bytes)
-        else:
+        elif action.phase is not Phase.WEIGHT:
             self.peak[j] = max(self.peak[j], self.live[j] + (stage.activation_bytes
                                                              if checkpointed else 0.0))
 
@@ -230,15 +240,21 @@ class _Simulation:
                 self.send(j, (k + 1) % pp, self.link_time(stage.send), f"send {k}->{k + 1} F{i}",
                           ("act", k + 1, i))
         else:
-            kept = stage.input_bytes if i < self.replay_below else stage.activation_bytes
-            self.live[j] -= kept
-            if k > 0:
+            if action.phase is Phase.INPUT:
+                self.arrived.add(("input", k, i))
+            if action.phase.frees:
+                # A split backward keeps the activations until its W: what the weight
+                # gradients read (a layer's inputs) is most of them.
+                self.live[j] -= stage.input_bytes if i < self.replay_below \
+                    else stage.activation_bytes
+            if action.phase.gives_input_grad and k > 0:
                 self.send(j, (k - 1) % pp, self.link_time(self.stages[k - 1].send),
                           f"send {k}->{k - 1} B{i}", ("grad", k - 1, i))
-            self.remaining_b[j] -= 1
-            self.last_backward[j] = (self.started[action], self.now)
-            if self.remaining_b[j] == 0:
-                self.reduce_gradients(j)
+            if action.phase.frees:
+                self.remaining_b[j] -= 1
+                self.last_backward[j] = (self.started[action], self.now)
+                if self.remaining_b[j] == 0:
+                    self.reduce_gradients(j)
         self.try_start(j)
 
     def reduce_gradients(self, j: int) -> None:
