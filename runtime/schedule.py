@@ -198,7 +198,8 @@ def _count_problems(
         missing = []
         for k in range(j, n_stages * virtual, n_stages):
             for i in range(n_microbatches):
-                def has(phase: Phase, k: int = k, i: int = i) -> bool:
+                def has(phase: Phase, k: int = k, i: int = i,
+                        counts: Counter[Action] = counts) -> bool:
                     return counts[Action(k, phase, i)] > 0
                 if not has(Phase.FORWARD):
                     missing.append(f"{k}F{i}")
@@ -353,9 +354,10 @@ def clock_ticks(
     """Simulates a schedule in unit clock ticks, each action starting as soon as it can.
 
     A forward takes one tick, a backward ``backward_time / forward_time`` ticks (a whole
-    number), and each half of a split backward (``I``, ``W``) half of that. Transfers between stages are free. The schedule is validated first, with
-    ``P`` its number of lists, ``m`` one more than its largest micro-batch index and ``v``
-    enough virtual stages per stage to hold its largest stage index.
+    number), and each half of a split backward (``I``, ``W``) half of that. Transfers
+    between stages are free. The schedule is validated first, with ``P`` its number of
+    lists, ``m`` one more than its largest micro-batch index and ``v`` enough virtual
+    stages per stage to hold its largest stage index.
 
     Args:
         schedule: Per stage, the ordered actions it runs.

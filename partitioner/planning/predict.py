@@ -64,8 +64,8 @@ from partitioner.runtime.schedule_registry import ZERO_BUBBLE, name_problem, sch
 INPUT_SHARE = 0.5
 """The share of a stage's backward its input-gradient half (``I``) takes; ``W`` the rest."""
 
-__all__ = ["INPUT_SHARE", "ConfigError", "Config", "StageProfile", "Prediction", "predict", "layer_profile",
-           "replayed", "stage_problem"]
+__all__ = ["INPUT_SHARE", "ConfigError", "Config", "StageProfile", "Prediction", "predict",
+           "layer_profile", "replayed", "stage_problem"]
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ registered schedule); an action starts when the device is free and its inputs ha
 * ``B(k, i)`` needs ``F(k, i)`` and the gradient of ``B(k + 1, i)``, sent back; a
   zero-bubble schedule splits it into ``I(k, i)`` (the input gradients, sent back; it
   replays a checkpointed forward) and ``W(k, i)`` (the weight gradients, after ``I``),
-  each taking ``partitioner.planning.predict.INPUT_SHARE`` of the backward (a Linear's backward is two products of
-  equal size, one per half);
+  each taking ``partitioner.planning.predict.INPUT_SHARE`` of the backward (a Linear's
+  backward is two products of equal size, one per half);
 * each link carries one message at a time in each direction (alpha-beta times);
 * a device's tensor-parallel all-reduces are part of its forward and backward (they block
   compute, as in Megatron-LM);
