@@ -15,6 +15,12 @@ plain ``F.linear`` is used instead whenever the fusion would change behaviour: w
 autograd, under autocast, for weights that are not leaves or carry tensor hooks
 (``register_hook``), or when the gradient itself must be differentiable.
 
+A zero-bubble schedule splits each backward into the input gradients (``I``) and the weight
+gradients (``W``), run later: inside :func:`deferring`, the forwards record a
+:class:`WeightGrads` and their backwards queue each weight-gradient product there instead
+of running it; ``WeightGrads.run()`` is the ``W`` action. Other parameters (norms,
+embeddings) get their gradients in ``I``, as in the zero-bubble paper's implementation.
+
 Example:
     >>> layer = torch.nn.Linear(3, 2)
     >>> x = torch.randn(4, 3)
@@ -25,8 +31,10 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,7 +42,57 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["linear", "linear_module", "use_grad_buffer", "release_grad_buffer"]
+__all__ = ["linear", "linear_module", "use_grad_buffer", "release_grad_buffer", "WeightGrads",
+           "deferring"]
+
+
+class WeightGrads:
+    """The weight-gradient products of one stage's micro-batch, queued by its backward.
+
+    Example:
+        >>> layer, grads = torch.nn.Linear(3, 2), WeightGrads()
+        >>> with deferring(grads):
+        ...     y = linear_module(torch.randn(4, 3), layer)
+        >>> y.sum().backward()
+        >>> layer.weight.grad is None, len(grads)
+        (True, 1)
+        >>> grads.run(); layer.weight.grad is not None
+        True
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[Callable[[], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def add(self, work: Callable[[], None]) -> None:
+        """Queue one product (called by the backward)."""
+        self._queued.append(work)
+
+    def run(self) -> None:
+        """Run the queued products in order, adding into ``.grad``, and forget them."""
+        queued, self._queued = self._queued, []
+        for work in queued:
+            work()
+
+
+_DEFER = threading.local()
+
+
+@contextmanager
+def deferring(grads: WeightGrads | None) -> Iterator[None]:
+    """Forwards run inside queue their weight gradients in ``grads`` (``None``: don't).
+
+    The queue is taken at forward time, so the backward may run on any thread (CUDA runs
+    it on the device's autograd thread).
+    """
+    before = getattr(_DEFER, "grads", None)
+    _DEFER.grads = grads
+    try:
+        yield
+    finally:
+        _DEFER.grads = before
 
 
 def _plain_leaf(t: torch.Tensor | None) -> bool:
@@ -111,6 +169,7 @@ class _Linear(torch.autograd.Function):
         # before the backward is still caught.
         ctx.save_for_backward(x, weight.detach())
         ctx.params = params
+        ctx.deferred = getattr(_DEFER, "grads", None)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -121,9 +180,16 @@ class _Linear(torch.autograd.Function):
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])     # (rows, out)
         x2 = x.reshape(-1, x.shape[-1])        # (rows, in)
-        _accumulate(param, lambda out: torch.mm(dy2.t(), x2, out=out),
-                    lambda g: g.addmm_(dy2.t(), x2))
-        if bias is not None:
-            _accumulate(bias, lambda out: torch.sum(dy2, 0, out=out),
-                        lambda g: g.add_(dy2.sum(0)))
+
+        def weight_grads() -> None:
+            _accumulate(param, lambda out: torch.mm(dy2.t(), x2, out=out),
+                        lambda g: g.addmm_(dy2.t(), x2))
+            if bias is not None:
+                _accumulate(bias, lambda out: torch.sum(dy2, 0, out=out),
+                            lambda g: g.add_(dy2.sum(0)))
+
+        if ctx.deferred is not None:
+            ctx.deferred.add(weight_grads)
+        else:
+            weight_grads()
         return dx, None, None

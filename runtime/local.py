@@ -1,11 +1,18 @@
 """Run stage graphs as a pipeline in one process, one worker thread per device.
 
-The forward of a mini-batch runs the forward actions of a fill-drain schedule (GPipe, the one
-``partitioner.runtime.schedule_registry`` says this runtime executes), the backward (when
-autograd reaches the pipeline's output) runs its backward actions (:func:`split_phases`).
-The pipeline enters autograd as one ``torch.autograd.Function`` whose backward drives the
-stages' backwards on their own workers, so the backward overlaps across devices too
-(autograd alone would run every CPU backward on one thread).
+Each device's worker runs its action list through the one interpreter
+(``partitioner.runtime.interpreter``), with futures between threads as the transport
+(``partitioner.runtime.thread_transport``). Two ways in:
+
+* :meth:`LocalPipeline.step` runs a training step in the plan's schedule, any registered
+  one (GPipe, 1F1B, interleaved 1F1B over ``v`` virtual stages per device, zero-bubble),
+  the loss computed per micro-batch on the last stage;
+* calling the pipeline (``pm(x)``) runs the forward actions of the fill-drain order over
+  the virtual stages (:func:`fill_drain`), and the backward (when autograd reaches the
+  pipeline's output) runs its backward actions (:func:`split_phases`). The pipeline enters
+  autograd as one ``torch.autograd.Function`` whose backward drives the stages' backwards
+  on their own workers, so the backward overlaps across devices too (autograd alone would
+  run every CPU backward on one thread).
 
 Checkpoint modes follow torchgpipe (``partitioner.runtime.checkpointing``): ``always``
 replays every micro-batch's forward in the backward, ``except_last`` all but the last
@@ -36,21 +43,28 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from partitioner.errors import BackwardError, ChunksError, ScheduleError, StageExecutionError
+from partitioner.errors import BackwardError, ChunksError, ScheduleError, StrategyError
 from partitioner.runtime.checkpointing import checkpoint_stop
-from partitioner.runtime.microbatch import gather, scatter
+from partitioner.runtime.interpreter import Interpreter
+from partitioner.runtime.loss_head import (
+    LossHead,
+    loss_reduction_problem,
+    loss_weights,
+    split_targets,
+    to_device,
+)
+from partitioner.runtime.microbatch import batch_size, gather, scatter
 from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks
 from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
 from partitioner.runtime.stage import StageRunner
-from partitioner.runtime.transfer import Handoff, move_leaves, receive, send
+from partitioner.runtime.thread_transport import ThreadTransport
 from partitioner.runtime.worker import (
     Worker,
     restore_thread_default,
@@ -59,21 +73,24 @@ from partitioner.runtime.worker import (
     use_threads,
 )
 
-__all__ = ["LocalPipeline", "split_phases", "thread_plan"]
+__all__ = ["LocalPipeline", "fill_drain", "split_phases", "thread_plan"]
 
 
 class LocalPipeline:
     """A pipeline of stage graphs on devices of one process.
 
     Args:
-        stages: one graph per stage; stage ``j`` takes what stage ``j - 1`` returns, stage 0
-            takes the model's placeholders.
-        devices: one device per stage (repeats allowed: each entry gets its own worker).
+        stages: one graph per (virtual) stage; stage ``k`` takes what stage ``k - 1``
+            returns, stage 0 takes the model's placeholders.
+        devices: one device per pipeline stage ``P`` (repeats allowed: each entry gets its
+            own worker); with ``virtual`` stages per device, virtual stage ``k`` runs on
+            ``devices[k % P]`` (a list of ``P v`` devices must repeat that pattern).
         chunks: micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
-        schedule: a schedule this runtime executes (``Runtime.ONE_PROCESS`` in
-            ``partitioner.runtime.schedule_registry``); it must split into a forward pass
-            and a backward pass.
+        schedule: any registered schedule (``partitioner.runtime.schedule_registry``); it
+            orders :meth:`step`. ``pm(x)`` then ``loss.backward()`` runs all forwards, then
+            all backwards (GPipe's order over the virtual stages), whatever the schedule.
+        virtual: virtual stages per device ``v`` (``"interleaved"``: 2 or more).
         threads: intra-op threads of each CPU worker. By default they follow the schedule:
             an action gets the caller's intra-op threads divided by the number of CPU stages
             busy at its time in the schedule's clock ticks (:func:`thread_plan`), so a stage
@@ -83,26 +100,32 @@ class LocalPipeline:
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
                  chunks: int = 1, checkpoint: str = "never", threads: int | None = None,
-                 schedule: str = "gpipe") -> None:
-        if len(stages) != len(devices):
-            raise ValueError(f"{len(stages)} stages for {len(devices)} devices")
-        checkpoint_stop(checkpoint, max(chunks, 1))
+                 schedule: str = "gpipe", virtual: int = 1) -> None:
         self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
+        self.virtual = virtual
+        self.devices = _pipeline_devices(len(stages), list(devices), virtual)
+        checkpoint_stop(checkpoint, max(chunks, 1))
         if chunks < 1:
             raise ChunksError(f"chunks={chunks}; pass chunks >= 1")
-        self.devices = list(devices)
+        problems = self.schedule_kind.problems(len(self.devices), chunks, virtual)
+        if problems:
+            raise ScheduleError("; ".join(problems))
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.runners = [StageRunner(j, gm, d) for j, (gm, d) in enumerate(zip(stages, devices))]
+        p = len(self.devices)
+        self.runners = [StageRunner(k, gm, self.devices[k % p]) for k, gm in enumerate(stages)]
         self.threads = threads
         self._budget = torch.get_num_threads()
         self._default = thread_default()
-        self._plans: dict[int, dict[Action, int]] = {}
+        self._plans: dict[tuple[str, int], dict[Action, int]] = {}
         start = shared_threads(self.devices) if threads is None else threads
         self.workers = [Worker(d, start if d.type == "cpu" else None) for d in self.devices]
         #: (action, start, end) in seconds since the pipeline was made, for every action the
-        #: last forward and backward ran (what ``viz`` draws as a measured timeline).
+        #: last forward and backward (or step) ran (what ``viz`` draws as a measured timeline).
         self.timeline: list[tuple[Action, float, float]] = []
+        #: Per device, the most micro-batches its stages held activations for at once
+        #: during the last :meth:`step`.
+        self.peak_in_flight: list[int] = [0] * p
         self._origin = time.perf_counter()
         self._lock = threading.Lock()
         # Which forward with autograd the stages' stashes belong to, and whether its backward
@@ -110,31 +133,68 @@ class LocalPipeline:
         self._generation = 0
         self._consumed = False
 
-    def _record(self, action: Action, start: float) -> None:
+    @property
+    def n_stages(self) -> int:
+        """Virtual stages in all: ``P v``."""
+        return len(self.runners)
+
+    def _record(self, action: Action, start: float, end: float) -> None:
         with self._lock:
-            self.timeline.append((action, start - self._origin,
-                                  time.perf_counter() - self._origin))
+            self.timeline.append((action, start - self._origin, end - self._origin))
 
     def schedule(self, n_microbatches: int) -> tuple[Schedule, Schedule]:
-        """The forward and backward action lists used for ``n_microbatches``."""
-        return split_phases(self.schedule_kind.build(len(self.runners), n_microbatches))
+        """The forward and backward action lists ``pm(x)`` and its backward run."""
+        return split_phases(fill_drain(len(self.devices), n_microbatches, self.virtual))
 
-    def _threads_for(self, n_microbatches: int) -> dict[Action, int]:
+    def step_schedule(self, n_microbatches: int) -> Schedule:
+        """The plan's schedule for ``n_microbatches``: what :meth:`step` runs."""
+        return self.schedule_kind.build(len(self.devices), n_microbatches, self.virtual)
+
+    def _threads_for(self, key: str, schedule: Schedule) -> dict[Action, int]:
         """Intra-op threads per action (empty: fixed per worker)."""
         if self.threads is not None:
             return {}
-        if n_microbatches not in self._plans:
-            self._plans[n_microbatches] = thread_plan(
-                self.schedule_kind.build(len(self.runners), n_microbatches),
-                [d.type == "cpu" for d in self.devices], self._budget)
-        return self._plans[n_microbatches]
+        n = 1 + max(a.microbatch for actions in schedule for a in actions)
+        if (key, n) not in self._plans:
+            self._plans[(key, n)] = thread_plan(
+                schedule, [d.type == "cpu" for d in self.devices], self._budget)
+        return self._plans[(key, n)]
 
-    def _run_phase(self, loop: Any, schedule: Schedule) -> None:
-        """``loop(j, actions)`` on every worker; then the threads' default is put back."""
-        done = [w.submit(loop, j, schedule[j]) for j, w in enumerate(self.workers)]
+    def _execute(self, schedule: Schedule, transport: ThreadTransport, threads: dict[Action, int],
+                 *, head: LossHead | None, training: bool, replay_below: int) -> None:
+        """Every device runs its list through the interpreter on its worker; then the
+        threads' default is put back."""
+        def device_loop(j: int) -> bool:
+            changed = False
+
+            def on_action(action: Action) -> None:
+                nonlocal changed
+                if action in threads:
+                    changed |= use_threads(threads[action])
+
+            mine = {k: r for k, r in enumerate(self.runners) if k % len(self.devices) == j}
+            interpreter = Interpreter(mine, self.n_stages, transport, head=head,
+                                      training=training, replay_below=replay_below,
+                                      on_action=on_action, record=self._record)
+            interpreter.run(schedule[j])
+            self.peak_in_flight[j] = interpreter.peak_in_flight
+            return changed
+
+        done = [w.submit(device_loop, j) for j, w in enumerate(self.workers)]
         changed = [future.result() for future in done]
         if any(changed):
             restore_thread_default(self._default)
+
+    def _reset(self, grad: bool) -> None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        for k, runner in enumerate(self.runners):
+            if grad:
+                runner.reset(seed + k)
+            else:
+                runner.reseed(seed + k)  # a pending backward keeps its stash
+        if grad:
+            self._generation += 1
+            self._consumed = False
 
     def run(self, values: list[Any]) -> Any:
         """Run one mini-batch; ``values`` has one entry per placeholder of stage 0."""
@@ -155,88 +215,116 @@ class LocalPipeline:
             out_leaves[position] = tensor
         return pytree.tree_unflatten(out_leaves, box["spec"])
 
+    def step(self, values: list[Any], targets: Any, loss_fn: Callable[[Any, Any], Any], *,
+             loss_reduction: str = "mean",
+             restructure: Callable[[Any], Any] = lambda out: out) -> float:
+        """One forward and backward of the mini-batch in the plan's schedule; the loss.
+
+        The loss is computed per micro-batch on the last stage (``loss_fn(output_i,
+        target_i)``) and its backward starts right there, so 1F1B, interleaved and
+        zero-bubble schedules run as planned. Gradients accumulate into ``.grad``.
+
+        Args:
+            values: one entry per placeholder of stage 0, for the whole mini-batch.
+            targets: what ``loss_fn`` compares with, split into micro-batches as the
+                inputs are (``None``: ``loss_fn`` gets ``None``).
+            loss_fn: ``loss_fn(output, target)`` returning a scalar tensor.
+            loss_reduction: ``"mean"`` (``loss_fn`` averages over its samples: micro-batch
+                losses are weighted by their share of the batch) or ``"sum"``.
+            restructure: turns the last stage's output into what the model returns.
+
+        Returns:
+            The mini-batch's loss, as ``loss_fn`` over the whole batch would give it.
+
+        Raises:
+            StrategyError: If ``loss_reduction`` is not ``"mean"`` or ``"sum"``.
+            StageExecutionError: If a stage or ``loss_fn`` raised, naming where.
+        """
+        problem = loss_reduction_problem(loss_reduction)
+        if problem is not None:
+            raise StrategyError(problem)
+        micro = scatter(values, self.chunks)
+        m = len(micro)
+        heads_device = self.devices[(self.n_stages - 1) % len(self.devices)]
+        head = LossHead(loss_fn, [to_device(t, heads_device)
+                                  for t in split_targets(targets, m, batch_size(values))],
+                        loss_weights(micro, values, loss_reduction), restructure)
+        self._reset(grad=True)
+        self._consumed = True  # no pm(x) output may back-propagate into this step's stashes
+        self.timeline = []
+        schedule = self.step_schedule(m)
+        transport = ThreadTransport(micro, self._stage_devices(), training=True)
+        self._execute(schedule, transport, self._threads_for("step", schedule), head=head,
+                      training=True, replay_below=checkpoint_stop(self.checkpoint, m))
+        transport.raise_first()
+        return head.loss
+
+    def _stage_devices(self) -> list[torch.device]:
+        return [r.device for r in self.runners]
+
     def _forward(self, micro: list[list[Any]], *, grad: bool) -> list[Any]:
         n = len(micro)
         forward, _ = self.schedule(n)
-        stop = checkpoint_stop(self.checkpoint, n)
+        self._reset(grad)
         self.timeline = []
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        for j, runner in enumerate(self.runners):
-            if grad:
-                runner.reset(seed + j)
-            else:
-                runner.reseed(seed + j)  # a pending backward keeps its stash
-        if grad:
-            self._generation += 1
-            self._consumed = False
-        slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
-        threads = self._threads_for(n)
-
-        def stage_loop(j: int, actions: tuple[Action, ...]) -> bool:
-            runner = self.runners[j]
-            changed = False
-            for action in actions:
-                i = action.microbatch
-                try:
-                    if action in threads:
-                        changed |= use_threads(threads[action])
-                    if j == 0:
-                        inputs = pytree.tree_unflatten(
-                            *_as_leaves(micro[i], runner.device, grad))
-                    else:
-                        leaves, spec = receive(slots[j - 1][i].result(), runner.device, grad=grad)
-                        inputs = pytree.tree_unflatten(leaves, spec)
-                    start = time.perf_counter()  # after the inputs arrived: busy time only
-                    out = runner.forward(i, list(inputs), grad=grad, checkpoint=i < stop)
-                    slots[j][i].set_result(send(out, runner.device))
-                    self._record(action, start)
-                except BaseException as error:
-                    slots[j][i].set_exception(error)
-            return changed
-
-        self._run_phase(stage_loop, forward)
-        last = slots[-1]
-        errors = [e for row in slots for s in row if (e := s.exception()) is not None]
-        if errors:
-            raise _first_stage_error(errors)
-        return [pytree.tree_unflatten(h.leaves, h.spec) for h in (f.result() for f in last)]
+        transport = ThreadTransport(micro, self._stage_devices(), training=grad)
+        full = fill_drain(len(self.devices), n, self.virtual)
+        self._execute(forward, transport, self._threads_for("fill-drain", full), head=None,
+                      training=grad, replay_below=checkpoint_stop(self.checkpoint, n))
+        return transport.outputs()
 
     def _backward(self, n: int, grads_last: list[list[Any]]) -> list[list[Any]]:
         _, backward = self.schedule(n)
-        slots: list[list[Future[Handoff]]] = [[Future() for _ in range(n)] for _ in self.runners]
-        last = len(self.runners) - 1
-        threads = self._threads_for(n)
-
-        def stage_loop(j: int, actions: tuple[Action, ...]) -> bool:
-            runner = self.runners[j]
-            changed = False
-            for action in actions:
-                i = action.microbatch
-                try:
-                    if action in threads:
-                        changed |= use_threads(threads[action])
-                    if j == last:
-                        incoming = move_leaves(grads_last[i], runner.device, grad=False)
-                    else:
-                        incoming, _ = receive(slots[j + 1][i].result(), runner.device,
-                                              grad=False)
-                    start = time.perf_counter()
-                    slots[j][i].set_result(send(runner.backward(i, incoming), runner.device))
-                    self._record(action, start)
-                except BaseException as error:
-                    slots[j][i].set_exception(error)
-            return changed
-
-        self._run_phase(stage_loop, backward)
-        errors = [e for row in slots for s in row if (e := s.exception()) is not None]
-        if errors:
-            raise _first_stage_error(errors)
-        return [f.result().leaves for f in slots[0]]
+        micro: list[list[Any]] = [[] for _ in range(n)]
+        transport = ThreadTransport(micro, self._stage_devices(), training=False,
+                                    last_grads=grads_last)
+        full = fill_drain(len(self.devices), n, self.virtual)
+        self._execute(backward, transport, self._threads_for("fill-drain", full), head=None,
+                      training=True, replay_below=checkpoint_stop(self.checkpoint, n))
+        return transport.input_grads()
 
     def close(self) -> None:
         """Stop the workers."""
         for worker in self.workers:
             worker.close()
+
+
+def _pipeline_devices(n_stages: int, devices: list[torch.device], virtual: int
+                      ) -> list[torch.device]:
+    """The ``P`` devices of ``n_stages = P v`` virtual stages.
+
+    Raises:
+        ScheduleError: If the counts do not match, naming them and the fix.
+    """
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ScheduleError(f"virtual={virtual!r}; pass the virtual stages per device, an "
+                            "int >= 1")
+    if n_stages % virtual:
+        raise ScheduleError(f"{n_stages} stages do not split into {virtual} virtual stages "
+                            f"per device; pass a multiple of {virtual} stage graphs")
+    p = n_stages // virtual
+    if len(devices) == p:
+        return devices
+    if len(devices) == n_stages and all(devices[k] == devices[k % p] for k in range(n_stages)):
+        return devices[:p]
+    raise ScheduleError(f"{n_stages} stages with virtual={virtual} need {p} devices (virtual "
+                        f"stage k on device k % {p}), got {len(devices)}; pass {p} devices")
+
+
+def fill_drain(n_stages: int, n_microbatches: int, virtual: int = 1) -> Schedule:
+    """GPipe's order over ``v`` virtual stages per device: every forward, chunk by chunk,
+    then every backward, last chunk and last micro-batch first.
+
+    Example:
+        >>> [" ".join(map(str, a)) for a in fill_drain(2, 1, 2)]
+        ['0F0 2F0 2B0 0B0', '1F0 3F0 3B0 1B0']
+    """
+    p, m, v = n_stages, n_microbatches, virtual
+    return tuple(
+        tuple(Action(c * p + j, Phase.FORWARD, i) for c in range(v) for i in range(m))
+        + tuple(Action(c * p + j, Phase.BACKWARD, i)
+                for c in reversed(range(v)) for i in reversed(range(m)))
+        for j in range(p))
 
 
 def thread_plan(schedule: Schedule, on_cpu: Sequence[bool], budget: int
@@ -300,18 +388,6 @@ def split_phases(schedule: Schedule) -> tuple[Schedule, Schedule]:
 
 def _phase_only(schedule: Schedule, phase: Phase) -> Schedule:
     return tuple(tuple(a for a in actions if a.phase is phase) for actions in schedule)
-
-
-def _as_leaves(values: list[Any], device: torch.device, grad: bool) -> tuple[list[Any], Any]:
-    leaves, spec = pytree.tree_flatten(values)
-    return move_leaves(leaves, device, grad=grad), spec
-
-
-def _first_stage_error(errors: list[BaseException]) -> BaseException:
-    """The root cause: a stage's own error rather than a neighbour's echo of it."""
-    own = [e for e in errors if isinstance(e, StageExecutionError)]
-    own.sort(key=lambda e: (e.microbatch, e.stage))
-    return own[0] if own else errors[0]
 
 
 class _PipelineFunction(torch.autograd.Function):

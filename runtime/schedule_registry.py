@@ -149,14 +149,18 @@ def _counted_peaks(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtu
     return in_flight(kind.build(n_stages, n_microbatches, virtual))
 
 
+_BOTH = frozenset({Runtime.ONE_PROCESS, Runtime.MULTI_PROCESS})
+
 SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for kind in (
-    ScheduleKind(GPIPE, gpipe, runtimes=frozenset({Runtime.ONE_PROCESS, Runtime.MULTI_PROCESS}),
+    ScheduleKind(GPIPE, gpipe, runtimes=_BOTH,
                  last_backward_first=True, peak=lambda p, m, j, v: m),
-    ScheduleKind(ONE_F_ONE_B, one_f_one_b, runtimes=frozenset({Runtime.MULTI_PROCESS}),
+    ScheduleKind(ONE_F_ONE_B, one_f_one_b, runtimes=_BOTH,
                  peak=lambda p, m, j, v: min(p - j, m)),
     ScheduleKind(INTERLEAVED, interleaved, virtual=True, grouped=True,
+                 runtimes=frozenset({Runtime.ONE_PROCESS}),
                  peak=lambda p, m, j, v: min(2 * (p - j - 1) + (v - 1) * p + 1, m * v)),
-    ScheduleKind(ZERO_BUBBLE, zero_bubble, peak=lambda p, m, j, v: min(p - j, m)),
+    ScheduleKind(ZERO_BUBBLE, zero_bubble, runtimes=frozenset({Runtime.ONE_PROCESS}),
+                 peak=lambda p, m, j, v: min(p - j, m)),
 )})
 """Every schedule by name, in the order messages list them."""
 

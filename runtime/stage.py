@@ -4,7 +4,11 @@ A stage keeps, per micro-batch in flight, what its backward needs: the input lea
 either the outputs with their autograd graph or, when checkpointed, only the generator
 state, so the forward can be replayed (same dropout masks) right before the backward.
 Gradients of the parameters accumulate into ``.grad`` as in ordinary training; the gradients
-of the inputs are returned for the previous stage.
+of the inputs are returned for the previous stage. A forward run with ``split=True`` has its
+backward split in two, as zero-bubble schedules want: :meth:`StageRunner.backward` computes
+the input gradients (and those of parameters outside Linear layers) and queues the Linear
+layers' weight gradients (``partitioner.runtime.fused_linear``), :meth:`StageRunner.weight`
+runs them.
 
 Errors raised by the stage's code are re-raised as :class:`StageExecutionError` naming the
 stage, the micro-batch and the graph node that failed.
@@ -22,7 +26,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner.errors import StageExecutionError
+from partitioner.errors import BackwardError, StageExecutionError
+from partitioner.runtime.fused_linear import WeightGrads, deferring
 from partitioner.runtime.rng import fork, use_generator, use_shard_generator
 
 __all__ = ["StageRunner", "locate_node"]
@@ -34,6 +39,7 @@ class _Stash:
     outputs: Any | None
     generator_state: torch.Generator | None
     shard_state: torch.Generator | None = None
+    weights: WeightGrads | None = None
 
 
 def locate_node(gm: fx.GraphModule, error: BaseException) -> str | None:
@@ -72,11 +78,13 @@ class StageRunner:
         self.shard_generator = (torch.Generator(device=device) if shard is not None
                                 else None)
         self._stash: dict[int, _Stash] = {}
+        self._weights: dict[int, WeightGrads] = {}
         self._writes: list[torch.Tensor] | None = None
 
     def reset(self, seed: int) -> None:
         """Forget stashed micro-batches and reseed the stage's generator(s)."""
         self._stash.clear()
+        self._weights.clear()
         self.reseed(seed)
 
     def reseed(self, seed: int) -> None:
@@ -104,31 +112,45 @@ class StageRunner:
                 f"stage {self.index} (micro-batch {i}{where}) raised "
                 f"{type(error).__name__}: {error}", self.index, i, node) from error
 
-    def forward(self, i: int, inputs: list[Any], *, grad: bool, checkpoint: bool) -> Any:
-        """Run micro-batch ``i``; keep what backward needs when ``grad``."""
+    def forward(self, i: int, inputs: list[Any], *, grad: bool, checkpoint: bool,
+                split: bool = False) -> Any:
+        """Run micro-batch ``i``; keep what backward needs when ``grad``.
+
+        ``split``: its backward will be split into :meth:`backward` (input gradients) and
+        :meth:`weight` (the Linear layers' weight gradients).
+        """
+        weights = WeightGrads() if grad and split else None
         replay = grad and checkpoint
         state = fork(self.generator) if replay else None
         shard_state = (fork(self.shard_generator)
                        if replay and self.shard_generator is not None else None)
         with self._generators(self.generator, self.shard_generator):
             if grad and not checkpoint:
-                with torch.enable_grad():
+                with torch.enable_grad(), deferring(weights):
                     outputs = self._call(i, inputs)
-                self._stash[i] = _Stash(inputs, outputs, None)
+                self._stash[i] = _Stash(inputs, outputs, None, weights=weights)
                 return outputs
             with torch.no_grad():
                 outputs = self._call(i, inputs)
         if grad:
-            self._stash[i] = _Stash(inputs, None, state, shard_state)
+            self._stash[i] = _Stash(inputs, None, state, shard_state, weights)
         return outputs
 
     def backward(self, i: int, grad_leaves: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Back-propagate micro-batch ``i``; return the gradients of its input leaves.
 
         ``grad_leaves`` is aligned with ``pytree.tree_leaves`` of the stage's outputs; the
-        result is aligned with ``pytree.tree_leaves`` of its inputs.
+        result is aligned with ``pytree.tree_leaves`` of its inputs. After a ``split``
+        forward the Linear layers' weight gradients wait for :meth:`weight`.
+
+        Raises:
+            BackwardError: If micro-batch ``i`` has no forward waiting for its backward.
         """
-        stash = self._stash.pop(i)
+        stash = self._stash.pop(i, None)
+        if stash is None:
+            raise BackwardError(f"stage {self.index} has no forward of micro-batch {i} "
+                                "waiting for its backward; run each micro-batch's forward, "
+                                "then its backward, once")
         outputs = stash.outputs
         writes: list[torch.Tensor] = []
         kept: list[torch.Tensor] = []
@@ -138,7 +160,8 @@ class StageRunner:
             writes = self._written_buffers()
             kept = [b.detach().clone() for b in writes]
             with torch.enable_grad(), self._generators(stash.generator_state,
-                                                       stash.shard_state):
+                                                       stash.shard_state), \
+                    deferring(stash.weights):
                 outputs = self._call(i, stash.inputs)
         tensors, grads = [], []
         for out, g in zip(pytree.tree_leaves(outputs), grad_leaves):
@@ -155,6 +178,8 @@ class StageRunner:
         with torch.no_grad():
             for buffer, value in zip(writes, kept):
                 buffer.copy_(value)
+        if stash.weights is not None:
+            self._weights[i] = stash.weights
         return [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
                 for leaf in pytree.tree_leaves(stash.inputs)]
 
@@ -184,10 +209,29 @@ class StageRunner:
             self._writes = list(found.values())
         return self._writes
 
+    def weight(self, i: int) -> None:
+        """The weight gradients of micro-batch ``i``, queued by its split backward.
+
+        Raises:
+            BackwardError: If micro-batch ``i`` has no split backward waiting.
+        """
+        weights = self._weights.pop(i, None)
+        if weights is None:
+            raise BackwardError(f"stage {self.index} has no input-gradient half of "
+                                f"micro-batch {i} waiting for its weight gradients; run W "
+                                "after I, once, for forwards run with split=True")
+        try:
+            weights.run()
+        except Exception as error:
+            raise StageExecutionError(
+                f"stage {self.index} (micro-batch {i}, weight gradients) raised "
+                f"{type(error).__name__}: {error}", self.index, i, None) from error
+
     @property
     def in_flight(self) -> int:
-        """Micro-batches whose forward ran and whose backward has not."""
-        return len(self._stash)
+        """Micro-batches whose forward ran and whose backward (for a split one: its weight
+        gradients) has not."""
+        return len(self._stash) + len(self._weights)
 
 
 def _writes_arguments(node: fx.Node) -> bool:

@@ -254,15 +254,27 @@ def test_the_pipeline_runs_the_schedules_the_registry_gives_it() -> None:
         pipe.close()
 
 
-@pytest.mark.parametrize(("schedule", "expected"), [
-    ("1f1b", "schedule='1f1b' is not executed by the one-process runtime.*use one of 'gpipe' "
-             "\\('1f1b' runs in the multi-process runtime\\)"),
-    ("interleaved", "'interleaved' is simulated and predicted only"),
-    ("zb", "schedule='zb' is not a registered schedule; use one of 'gpipe', '1f1b'"),
+@pytest.mark.parametrize(("schedule", "virtual", "expected"), [
+    ("zb", 1, "schedule='zb' is not a registered schedule; use one of 'gpipe', '1f1b', "
+              "'interleaved', 'zero_bubble'"),
+    ("interleaved", 1, "'interleaved' needs virtual >= 2"),
+    ("1f1b", 2, "'1f1b' runs one virtual stage per stage, got virtual=2"),
 ])
-def test_the_pipeline_refuses_schedules_it_does_not_execute(schedule: str, expected: str) -> None:
+def test_the_pipeline_refuses_schedules_that_do_not_fit(schedule: str, virtual: int,
+                                                        expected: str) -> None:
     with pytest.raises(ScheduleError, match=expected):
-        LocalPipeline(_stages(2), [torch.device("cpu")] * 2, chunks=2, schedule=schedule)
+        LocalPipeline(_stages(2), [torch.device("cpu")] * (2 // virtual), chunks=2,
+                      schedule=schedule, virtual=virtual)
+
+
+def test_the_pipeline_refuses_stages_that_do_not_fill_the_virtual_stages() -> None:
+    with pytest.raises(ScheduleError, match="3 stages do not split into 2 virtual stages per "
+                                            "device; pass a multiple of 2 stage graphs"):
+        LocalPipeline(_stages(3), [torch.device("cpu")], chunks=2, schedule="interleaved",
+                      virtual=2)
+    with pytest.raises(ScheduleError, match="4 stages with virtual=2 need 2 devices"):
+        LocalPipeline(_stages(4), [torch.device("cpu")] * 3, chunks=2, schedule="interleaved",
+                      virtual=2)
 
 
 def test_the_pipeline_refuses_unknown_checkpoint_modes() -> None:
