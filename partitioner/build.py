@@ -50,7 +50,8 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
     captured = analysis.captured
     pm = PartitionedModule(model, plan, stage_factory, list(request.devices), plan.chunks,
                            plan.checkpoint, bind=captured.placeholder_values,
-                           restructure=captured.restructure)
+                           restructure=captured.restructure, schedule=plan.schedule,
+                           virtual=getattr(plan, "virtual_stages", 1))
     # What partitioner.viz draws: the captured graph, its shapes and layers.
     pm.analysis = analysis  # type: ignore[assignment]
     return pm

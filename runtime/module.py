@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
-from partitioner.runtime.wrapper import ModelWrapper
+from partitioner.runtime.wrapper import ModelWrapper, check_loss_reduction
 
 __all__ = ["PartitionedModule"]
 
@@ -52,6 +52,8 @@ class PartitionedModule(ModelWrapper):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         bind: maps a call's ``(args, kwargs)`` to stage 0's placeholder values.
         restructure: maps the last stage's output to what the model returns.
+        schedule: the plan's schedule, which :meth:`step` runs (any registered name).
+        virtual: virtual stages per device (``stage_factory`` then returns ``P v`` graphs).
     """
 
     inner = "module"
@@ -60,8 +62,11 @@ class PartitionedModule(ModelWrapper):
                  stage_factory: Callable[[bool], Sequence[fx.GraphModule]],
                  devices: Sequence[torch.device], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] = _bind_positional,
-                 restructure: Callable[[Any], Any] = lambda out: out) -> None:
+                 restructure: Callable[[Any], Any] = lambda out: out,
+                 schedule: str = "gpipe", virtual: int = 1) -> None:
         super().__init__(plan, module.training)
+        self.schedule = schedule
+        self.virtual = virtual
         self.module = module
         self.devices = list(devices)
         self.chunks = chunks
@@ -82,12 +87,48 @@ class PartitionedModule(ModelWrapper):
             self._ensure_open("run the pipeline")
             stages = self._stage_factory(mode)
             self._pipelines[mode] = LocalPipeline(stages, self.devices, self.chunks,
-                                                  self.checkpoint)
+                                                  self.checkpoint, schedule=self.schedule,
+                                                  virtual=self.virtual)
         return self._pipelines[mode]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._bind(args, kwargs)
         return self._restructure(self.pipeline().run(values))
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], *,
+             loss_reduction: str = "mean", kwargs: dict[str, Any] | None = None) -> float:
+        """One training step in the plan's schedule; returns the batch's loss.
+
+        The loss is computed per micro-batch on the last stage and each micro-batch's
+        backward starts there, in the order the plan's schedule gives (GPipe, 1F1B,
+        interleaved, zero-bubble); the gradients accumulate into ``.grad`` as
+        ``loss_fn`` over the whole batch would give them. Then call your optimizer's
+        ``step()``. ``pm(x)`` followed by ``loss.backward()`` keeps working too (all
+        forwards, then all backwards).
+
+        Args:
+            inputs: the model's positional input (a tensor) or a tuple of them.
+            targets: what ``loss_fn`` compares with, split into micro-batches like the
+                inputs.
+            loss_fn: ``loss_fn(outputs, targets)`` returning a scalar tensor, run per
+                micro-batch on what the model returns.
+            loss_reduction: ``"mean"`` if ``loss_fn`` averages over its samples (micro-batch
+                losses are weighted by their share of the batch) or ``"sum"``.
+            kwargs: keyword inputs of the model.
+
+        Returns:
+            The batch's loss.
+
+        Raises:
+            StrategyError: If ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
+            StageExecutionError: If a stage or ``loss_fn`` raised, naming where.
+        """
+        check_loss_reduction(loss_reduction)
+        self._ensure_open("train")
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        values = self._bind(args, dict(kwargs or {}))
+        return self.pipeline().step(values, targets, loss_fn, loss_reduction=loss_reduction,
+                                    restructure=self._restructure)
 
     def _release(self) -> None:
         """Stop the worker threads (they also stop when the module is collected)."""

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import ClosedError
+from partitioner.errors import ClosedError, LossError, StrategyError
+from partitioner.runtime.loss_head import loss_reduction_problem
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["ModelWrapper", "NormCombiner", "local_norms", "GroupNorms"]
@@ -55,6 +56,13 @@ __all__ = ["ModelWrapper", "NormCombiner", "local_norms", "GroupNorms"]
 #: (float64: a sum of p-th powers, or a largest absolute value) and ``"sum"`` or ``"max"``,
 #: the value of the whole model.
 NormCombiner = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def check_loss_reduction(loss_reduction: object) -> None:
+    """Raises a :class:`StrategyError` unless ``loss_reduction`` is ``"mean"`` or ``"sum"``."""
+    problem = loss_reduction_problem(loss_reduction)
+    if problem is not None:
+        raise StrategyError(problem)
 
 
 def local_norms(partial: torch.Tensor, op: str) -> torch.Tensor:
@@ -179,6 +187,37 @@ class ModelWrapper(nn.Module):
             _add(state_dict, prefix, self.inner)
 
     # -- gradient clipping --------------------------------------------------------------
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], *,
+             loss_reduction: str = "mean", kwargs: dict[str, Any] | None = None) -> float:
+        """One training step's forward and backward; returns the batch's loss.
+
+        Gradients accumulate into ``.grad``; then call your optimizer's ``step()``. This
+        base runs ``loss_fn(self(*inputs), targets).backward()``; pipelines override it to
+        compute the loss per micro-batch on the last stage, in their schedule's order.
+
+        Args:
+            inputs: the model's positional input (a tensor) or a tuple of them.
+            targets: what ``loss_fn`` compares with.
+            loss_fn: ``loss_fn(outputs, targets)`` returning a scalar tensor.
+            loss_reduction: how ``loss_fn`` reduces over samples, ``"mean"`` or ``"sum"``
+                (pipelines weight micro-batch losses by it).
+            kwargs: keyword inputs of the model.
+
+        Raises:
+            StrategyError: If ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
+            LossError: If ``loss_fn`` does not return a one-element tensor.
+        """
+        check_loss_reduction(loss_reduction)
+        self._ensure_open("train")
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        loss = loss_fn(self(*args, **dict(kwargs or {})), targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+            raise LossError(f"loss_fn returned {shape}; return a scalar tensor (reduce over "
+                            "the batch with mean or sum)")
+        loss.backward()
+        return float(loss.detach().double().item())
 
     def _norm_grads(self) -> list[torch.Tensor]:
         """The gradients that count towards the model's norm, each once."""
