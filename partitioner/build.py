@@ -3,13 +3,17 @@
 :func:`build_pipeline` gives a :class:`~partitioner.runtime.module.PartitionedModule` (a
 stage per device); :func:`build_tensor_parallel` a
 :class:`~partitioner.runtime.tensor_parallel.module.TensorParallelModule` (a stage per group
-of devices, each stage's graph rewritten once per rank). Both hand the runtime a factory
+of devices, each stage's graph rewritten once per rank); :func:`build_replicas` a
+:class:`~partitioner.runtime.replicas.ReplicatedModule` (``mesh.dp`` data-parallel replicas,
+each a copy of the model on its own group of devices). They hand the runtime a factory
 that gives the stage graphs of either train/eval mode, captured again on first use when the
 capture baked the mode in (``torch.export``).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, build_stage_graphs, recapture
-from partitioner.errors import PartitionError
+from partitioner.errors import DeviceError, PartitionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_module_randomness
@@ -26,12 +30,15 @@ from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
+from partitioner.runtime.checkpointing import checkpoint_stop
 from partitioner.runtime.module import PartitionedModule
+from partitioner.runtime.replica_copy import GraphReplica
+from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import ShardStore, Source, TensorParallelModule
 from partitioner.runtime.tensor_parallel.sharding import Sharding
 from partitioner.runtime.tensor_parallel.stage import TensorParallelStage
 
-__all__ = ["build_pipeline", "build_tensor_parallel", "TensorParallelSetup", "first_names",
+__all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorParallelSetup", "first_names",
            "attr_shardings"]
 
 
@@ -54,6 +61,100 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
     # What partitioner.viz draws: the captured graph, its shapes and layers.
     pm.analysis = analysis  # type: ignore[assignment]
     return pm
+
+
+#: Given the training flag, the stage graphs of one replica (built once per mode).
+GraphFactory = Callable[[bool], list[fx.GraphModule]]
+
+
+def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan,
+                   request: PlanRequest) -> ReplicatedModule:
+    """The one-process module running ``plan`` with ``plan.mesh.dp`` replicas.
+
+    ``request.devices`` holds ``dp`` groups of ``pp`` consecutive devices: replica ``r``
+    runs on ``devices[r * pp:(r + 1) * pp]``, stage ``j`` on the group's ``j``-th device.
+    Replica 0 is the model itself (its parameters are what an optimizer steps); the others
+    are deep copies whose graphs are copies of replica 0's, sharing the copy's tensors. A
+    replica with one stage and one micro-batch runs its graph directly on its worker; any
+    other is a one-process pipeline (``plan.chunks``, ``plan.checkpoint``).
+
+    Raises:
+        DeviceError: the devices are not ``dp x pp``.
+        StrategyError: the plan also splits tensors (``mesh.tp > 1``), which replicas in one
+            process do not run yet.
+    """
+    mesh = plan.mesh
+    assert mesh is not None  # Plan.__post_init__ sets it
+    if mesh.tp != 1:
+        raise StrategyError(f"the plan has mesh dp={mesh.dp} x tp={mesh.tp}: data-parallel "
+                            "replicas of tensor-parallel stages do not run in one process "
+                            "yet; plan with tp=1, or with dp=1 (tensor_parallel=)")
+    width = mesh.pp
+    devices = [torch.device(d) for d in request.devices]
+    if len(devices) != mesh.dp * width:
+        raise DeviceError(f"the plan's mesh dp={mesh.dp} x pp={mesh.pp} needs "
+                          f"{mesh.dp * width} devices but {len(devices)} were given; pass "
+                          f"{mesh.dp * width} (replica r on devices[r*{width}:(r+1)*{width}])")
+    groups = [devices[r * width:(r + 1) * width] for r in range(mesh.dp)]
+    base = _mode_graphs(model, analysis, plan, request, groups[0])
+    replicas = [_replica(model, base, analysis, plan, groups[0])]
+    for group in groups[1:]:
+        memo: dict[int, Any] = {}
+        twin = copy.deepcopy(model, memo)
+        if len(group) == 1:
+            twin.to(group[0])
+        replicas.append(_replica(twin, _copied(base, memo, group), analysis, plan, group))
+    module = ReplicatedModule(plan, replicas, [group[0] for group in groups])
+    module.analysis = analysis  # type: ignore[assignment]
+    return module
+
+
+def _mode_graphs(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+                 group: list[torch.device]) -> GraphFactory:
+    """Replica 0's stage graphs per train/eval mode, on ``group`` (captured again for the
+    mode the analysis did not capture, on first use)."""
+    cache: dict[bool, list[fx.GraphModule]] = {}
+
+    def factory(training: bool) -> list[fx.GraphModule]:
+        if training not in cache:
+            current = analysis
+            if training != analysis.training:
+                current = recapture(model, analysis, training, request.example_inputs,
+                                    request.kwargs)
+            graphs = _local_stage_graphs(current, plan)
+            for gm, device in zip(graphs, group):
+                gm.to(device)
+            cache[training] = graphs
+        return cache[training]
+    return factory
+
+
+def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device]
+            ) -> GraphFactory:
+    """A replica's stage graphs: copies of ``base``'s whose tensors and submodules are the
+    model copy's (``memo``, from deep-copying the model), moved to ``group``."""
+    cache: dict[bool, list[fx.GraphModule]] = {}
+
+    def factory(training: bool) -> list[fx.GraphModule]:
+        if training not in cache:
+            graphs = copy.deepcopy(base(training), dict(memo))
+            for gm, device in zip(graphs, group):
+                gm.to(device)
+            cache[training] = graphs
+        return cache[training]
+    return factory
+
+
+def _replica(module: nn.Module, graphs: GraphFactory, analysis: Analysis, plan: Plan,
+             group: list[torch.device]) -> nn.Module:
+    """One replica: its graph called directly, or a pipeline when the plan has several
+    stages, micro-batches or checkpointing."""
+    captured = analysis.captured
+    if len(group) == 1 and plan.chunks == 1 and checkpoint_stop(plan.checkpoint, 1) == 0:
+        return GraphReplica(module, lambda training: graphs(training)[0],
+                            captured.placeholder_values, captured.restructure)
+    return PartitionedModule(module, plan, graphs, group, plan.chunks, plan.checkpoint,
+                             bind=captured.placeholder_values, restructure=captured.restructure)
 
 
 def _local_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
