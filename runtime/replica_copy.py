@@ -9,13 +9,13 @@ replicas of a :class:`~partitioner.runtime.replicas.ReplicatedModule` may also b
 tensors the user's optimizer and ``state_dict`` see) with the same-named tensor of every
 other replica, and does the two things that keep the copies one model:
 
-- :meth:`ReplicaTensors.refresh`, before each forward: a master tensor that changed since the
-  copies last took it (an optimizer step, ``load_state_dict``, batch norm statistics, a
-  ``.to()``) is copied to every replica. "Changed" is read from the tensor's version counter
-  (bumped by every in-place write, also under ``torch.no_grad``) and its storage, dtype and
-  shape (a ``.to()`` or ``.data =`` swaps them). Writes through ``tensor.data`` bypass the
-  version counter: after such writes call ``refresh(force=True)``
-  (``ReplicatedModule.sync_replicas()``).
+- :meth:`ReplicaTensors.refresh`, before each call: every replica tensor whose values differ
+  from the master's is overwritten with them (an optimizer step, ``load_state_dict``, batch
+  norm statistics, a ``.to()``). The values are compared, not tracked: version counters miss
+  fused optimizers (``torch.optim.AdamW(fused=True)``) and batch norm's running statistics,
+  which write without bumping them, so tracking them would leave replicas silently stale.
+  Equal tensors are left alone, so a replica's activations saved by an earlier forward stay
+  valid for its backward (two forwards, then one backward of both).
 - :meth:`ReplicaTensors.sum_grads`, after each backward: every copy's gradient is added into
   the master's ``.grad`` and cleared, so the master holds the gradient of the whole batch.
 
@@ -27,7 +27,7 @@ Example:
     >>> with torch.no_grad():
     ...     master.weight.add_(1.0)
     >>> tensors.refresh()
-    2
+    1
     >>> torch.equal(other.weight, master.weight)
     True
 """
@@ -44,14 +44,6 @@ from torch import nn
 from partitioner.runtime.wrapper import ModelWrapper
 
 __all__ = ["GraphReplica", "ReplicaTensors"]
-
-#: What marks a tensor's contents as changed: version counter, storage, dtype, shape, device.
-_Stamp = tuple[int, int, torch.dtype, torch.Size, torch.device]
-
-
-def _stamp(tensor: torch.Tensor) -> _Stamp:
-    return (tensor._version, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.device)
-
 
 class GraphReplica(ModelWrapper):
     """One replica as one captured graph on one device.
@@ -96,7 +88,6 @@ class ReplicaTensors:
     def __init__(self, master: nn.Module, copies: Sequence[nn.Module]) -> None:
         self.master = master
         self.copies = list(copies)
-        self._stamps: dict[str, _Stamp] = {}
 
     def _pairs(self, kind: str) -> list[tuple[str, torch.Tensor, list[torch.Tensor]]]:
         """``(name, master tensor, the copies' tensors)`` for parameters or buffers.
@@ -121,27 +112,18 @@ class ReplicaTensors:
             pairs.append((name, tensor, [c[name] for c in copies]))
         return pairs
 
-    def refresh(self, force: bool = False) -> int:
-        """Copy every master tensor that changed since the last refresh to the replicas.
-
-        Args:
-            force: copy every tensor, changed or not (after writes through ``.data``).
+    def refresh(self) -> int:
+        """Give every replica the master's values where its own differ.
 
         Returns:
-            How many master tensors were copied.
+            How many replica tensors were overwritten.
         """
         copied = 0
         with torch.no_grad():
             for kind in ("parameters", "buffers"):
-                for name, tensor, others in self._pairs(kind):
-                    key = f"{kind}:{name}"
-                    stamp = _stamp(tensor)
-                    if not force and self._stamps.get(key) == stamp:
-                        continue
+                for _, tensor, others in self._pairs(kind):
                     for other in others:
-                        _assign(other, tensor)
-                    self._stamps[key] = stamp
-                    copied += 1
+                        copied += _assign(other, tensor)
         return copied
 
     def sum_grads(self) -> None:
@@ -163,10 +145,14 @@ class ReplicaTensors:
                     other.grad = None
 
 
-def _assign(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Make ``target`` hold ``source``'s values, taking its dtype and shape if they differ
-    (a master converted with ``.double()``), on ``target``'s device."""
-    if target.dtype == source.dtype and target.shape == source.shape:
-        target.copy_(source)
-    else:
+def _assign(target: torch.Tensor, source: torch.Tensor) -> bool:
+    """Make ``target`` hold ``source``'s values, on ``target``'s device, taking its dtype and
+    shape if they differ (a master converted with ``.double()``); ``False`` if it did."""
+    if target.dtype != source.dtype or target.shape != source.shape:
         target.data = source.detach().to(target.device, copy=True)
+        return True
+    value = source.detach().to(target.device)
+    if torch.equal(target, value):
+        return False
+    target.copy_(value)
+    return True

@@ -18,11 +18,10 @@ instead (no joining), weighting a ``"mean"`` loss by the share's size.
 
 Rules the user can rely on:
 
-- Weights are never stale: before each call, every master tensor that changed since the
-  replicas last copied it (an optimizer step, ``load_state_dict``, a ``.to()``, batch norm
-  statistics) is copied to the replicas (``partitioner.runtime.replica_copy``). Writes
-  through ``tensor.data`` escape the version counter this reads: call :meth:`sync_replicas`
-  after them.
+- Weights are never stale: before each call, every replica tensor whose values differ
+  from the master's takes the master's (an optimizer step, fused or not, ``load_state_dict``,
+  a ``.to()``, writes through ``.data``, batch norm statistics), as ``nn.DataParallel``
+  broadcasts them on every call (``partitioner.runtime.replica_copy``).
 - Dropout: each replica draws its own masks, from a generator seeded per call from torch's
   global generator (plus the replica's index), so runs repeat under ``torch.manual_seed``.
   Replicas that are pipelines seed their stages themselves, from the global generator: their
@@ -159,11 +158,6 @@ class ReplicatedModule(ModelWrapper):
         """Every replica, the master first."""
         return [self.module, *self._copies]
 
-    def sync_replicas(self) -> None:
-        """Copy every master tensor to the replicas now, changed or not (needed only after
-        writes through ``tensor.data``, which the version counters do not see)."""
-        self._tensors.refresh(force=True)
-
     # -- running ------------------------------------------------------------------------
 
     def _shares(self, values: Any) -> tuple[list[Any], list[bool]]:
@@ -186,7 +180,7 @@ class ReplicatedModule(ModelWrapper):
         return split_batch(values, self.dp, batch)
 
     def _prepare(self) -> None:
-        """Before a call: the copies take the master's mode and changed tensors, and every
+        """Before a call: the copies take the master's mode and values, and every
         replica's generator a fresh seed from torch's global generator."""
         for copy in self._copies:
             if copy.training != self.training:
