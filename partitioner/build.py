@@ -13,6 +13,7 @@ capture baked the mode in (``torch.export``).
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,8 @@ from partitioner.runtime.tensor_parallel.module import ShardStore, Source, Tenso
 from partitioner.runtime.tensor_parallel.sharding import Sharding
 from partitioner.runtime.tensor_parallel.stage import TensorParallelStage
 
-__all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorParallelSetup", "first_names",
-           "attr_shardings"]
+__all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorParallelSetup",
+           "first_names", "attr_shardings"]
 
 
 def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
@@ -96,52 +97,58 @@ def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan,
                           f"{mesh.dp * width} devices but {len(devices)} were given; pass "
                           f"{mesh.dp * width} (replica r on devices[r*{width}:(r+1)*{width}])")
     groups = [devices[r * width:(r + 1) * width] for r in range(mesh.dp)]
-    base = _mode_graphs(model, analysis, plan, request, groups[0])
+    # The replicas ask for the other mode's graphs on their own threads, at once; capturing
+    # patches torch globally (torch.fx), so one capture (and copy) at a time.
+    lock = threading.RLock()
+    base = _mode_graphs(model, analysis, plan, request, groups[0], lock)
     replicas = [_replica(model, base, analysis, plan, groups[0])]
     for group in groups[1:]:
         memo: dict[int, Any] = {}
         twin = copy.deepcopy(model, memo)
         if len(group) == 1:
             twin.to(group[0])
-        replicas.append(_replica(twin, _copied(base, memo, group), analysis, plan, group))
+        replicas.append(_replica(twin, _copied(base, memo, group, lock), analysis, plan,
+                                 group))
     module = ReplicatedModule(plan, replicas, [group[0] for group in groups])
     module.analysis = analysis  # type: ignore[assignment]
     return module
 
 
 def _mode_graphs(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
-                 group: list[torch.device]) -> GraphFactory:
+                 group: list[torch.device], lock: threading.RLock) -> GraphFactory:
     """Replica 0's stage graphs per train/eval mode, on ``group`` (captured again for the
-    mode the analysis did not capture, on first use)."""
+    mode the analysis did not capture, on first use, holding ``lock``)."""
     cache: dict[bool, list[fx.GraphModule]] = {}
 
     def factory(training: bool) -> list[fx.GraphModule]:
-        if training not in cache:
-            current = analysis
-            if training != analysis.training:
-                current = recapture(model, analysis, training, request.example_inputs,
-                                    request.kwargs)
-            graphs = _local_stage_graphs(current, plan)
-            for gm, device in zip(graphs, group):
-                gm.to(device)
-            cache[training] = graphs
-        return cache[training]
+        with lock:
+            if training not in cache:
+                current = analysis
+                if training != analysis.training:
+                    current = recapture(model, analysis, training, request.example_inputs,
+                                        request.kwargs)
+                graphs = _local_stage_graphs(current, plan)
+                for gm, device in zip(graphs, group):
+                    gm.to(device)
+                cache[training] = graphs
+            return cache[training]
     return factory
 
 
-def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device]
-            ) -> GraphFactory:
+def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device],
+            lock: threading.RLock) -> GraphFactory:
     """A replica's stage graphs: copies of ``base``'s whose tensors and submodules are the
     model copy's (``memo``, from deep-copying the model), moved to ``group``."""
     cache: dict[bool, list[fx.GraphModule]] = {}
 
     def factory(training: bool) -> list[fx.GraphModule]:
-        if training not in cache:
-            graphs = copy.deepcopy(base(training), dict(memo))
-            for gm, device in zip(graphs, group):
-                gm.to(device)
-            cache[training] = graphs
-        return cache[training]
+        with lock:
+            if training not in cache:
+                graphs = copy.deepcopy(base(training), dict(memo))
+                for gm, device in zip(graphs, group):
+                    gm.to(device)
+                cache[training] = graphs
+            return cache[training]
     return factory
 
 

@@ -25,7 +25,7 @@ Example:
     >>> other = copy.deepcopy(master)
     >>> tensors = ReplicaTensors(master, [other])
     >>> with torch.no_grad():
-    ...     master.weight.add_(1.0)
+    ...     _ = master.weight.add_(1.0)
     >>> tensors.refresh()
     1
     >>> torch.equal(other.weight, master.weight)

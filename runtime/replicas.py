@@ -35,9 +35,9 @@ Example:
     >>> from partitioner.runtime.replica_copy import GraphReplica
     >>> model = torch.nn.Linear(2, 2)
     >>> copy = torch.nn.Linear(2, 2)
-    >>> replicas = [GraphReplica(m, lambda training, m=m: torch.fx.symbolic_trace(m),
-    ...                          lambda args, kwargs: list(args), lambda out: out)
-    ...             for m in (model, copy)]
+    >>> graphs = [torch.fx.symbolic_trace(m) for m in (model, copy)]
+    >>> replicas = [GraphReplica(m, lambda training, g=g: g, lambda args, kwargs: list(args),
+    ...                          lambda out: out) for m, g in zip((model, copy), graphs)]
     >>> pm = ReplicatedModule(None, replicas, [torch.device("cpu")] * 2)
     >>> x = torch.randn(5, 2)
     >>> torch.allclose(pm(x), model(x))
@@ -147,6 +147,13 @@ class ReplicatedModule(ModelWrapper):
                          for d in self.devices]
         self._tensors = ReplicaTensors(replicas[0], replicas[1:])
         self._generators = [torch.Generator(device=d) for d in self.devices]
+
+    def train(self, mode: bool = True) -> ReplicatedModule:
+        """Set train/eval mode on every replica (the copies are not children)."""
+        super().train(mode)
+        for copy in self._copies:
+            copy.train(mode)
+        return self
 
     @property
     def dp(self) -> int:

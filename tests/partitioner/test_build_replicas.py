@@ -85,6 +85,19 @@ def test_pipeline_replicas_equal_the_model() -> None:
     grads_match(model, reference)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_switching_to_eval_mode_stops_dropout(pp: int) -> None:
+    """The other mode's graphs are captured on first use, from every replica's thread."""
+    model = _dropout_model().double().train()
+    reference = copy.deepcopy(model).eval()
+    x = torch.randn(8, 12, dtype=torch.float64)
+    with replicated(model, (x,), dp=2, pp=pp, balance=[2, 2] if pp == 2 else None) as pm:
+        assert not torch.allclose(pm(x), reference(x))
+        pm.eval()
+        assert [r.training for r in pm.replicas] == [False, False]
+        same(pm(x), reference(x))
+
+
 def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 3,
            use_step: bool = True) -> list[float]:
     """``steps`` SGD steps on the batch; the losses."""
