@@ -13,7 +13,7 @@ capture baked the mode in (``torch.export``).
 from __future__ import annotations
 
 import copy
-import threading
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,87 +68,117 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
 GraphFactory = Callable[[bool], list[fx.GraphModule]]
 
 
-def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan,
-                   request: PlanRequest) -> ReplicatedModule:
+def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+                   setup: TensorParallelSetup | None = None) -> ReplicatedModule:
     """The one-process module running ``plan`` with ``plan.mesh.dp`` replicas.
 
-    ``request.devices`` holds ``dp`` groups of ``pp`` consecutive devices: replica ``r``
-    runs on ``devices[r * pp:(r + 1) * pp]``, stage ``j`` on the group's ``j``-th device.
+    ``request.devices`` holds ``dp`` groups of ``pp x tp`` consecutive devices: replica
+    ``r`` runs on ``devices[r * pp * tp:(r + 1) * pp * tp]``, stage ``j`` on the group's
+    ``j``-th device (with tensor parallelism, on its ``j``-th ``tp`` devices, one per rank).
     Replica 0 is the model itself (its parameters are what an optimizer steps); the others
     are deep copies whose graphs are copies of replica 0's, sharing the copy's tensors. A
     replica with one stage and one micro-batch runs its graph directly on its worker; any
-    other is a one-process pipeline (``plan.chunks``, ``plan.checkpoint``).
+    other is a one-process pipeline (``plan.chunks``, ``plan.checkpoint``), or a
+    tensor-parallel module when ``mesh.tp > 1``.
+
+    Args:
+        model: the model (replica 0).
+        analysis: the captured model the plan was made for.
+        plan: the plan; ``plan.mesh`` says ``dp x pp x tp``.
+        request: the request (its devices, and example inputs for capturing again).
+        setup: with ``mesh.tp > 1``, the tensor-parallel planning (its analysis and shard
+            plan are used; its devices are replaced by each replica's).
 
     Raises:
-        DeviceError: the devices are not ``dp x pp``.
-        StrategyError: the plan also splits tensors (``mesh.tp > 1``), which replicas in one
-            process do not run yet.
+        DeviceError: the devices are not ``dp x pp x tp``.
+        StrategyError: ``mesh.tp > 1`` without ``setup``.
     """
     mesh = plan.mesh
     assert mesh is not None  # Plan.__post_init__ sets it
-    if mesh.tp != 1:
-        raise StrategyError(f"the plan has mesh dp={mesh.dp} x tp={mesh.tp}: data-parallel "
-                            "replicas of tensor-parallel stages do not run in one process "
-                            "yet; plan with tp=1, or with dp=1 (tensor_parallel=)")
-    width = mesh.pp
+    width = mesh.pp * mesh.tp
     devices = [torch.device(d) for d in request.devices]
     if len(devices) != mesh.dp * width:
-        raise DeviceError(f"the plan's mesh dp={mesh.dp} x pp={mesh.pp} needs "
+        raise DeviceError(f"the plan's mesh dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp} needs "
                           f"{mesh.dp * width} devices but {len(devices)} were given; pass "
                           f"{mesh.dp * width} (replica r on devices[r*{width}:(r+1)*{width}])")
     groups = [devices[r * width:(r + 1) * width] for r in range(mesh.dp)]
-    # The replicas ask for the other mode's graphs on their own threads, at once; capturing
-    # patches torch globally (torch.fx), so one capture (and copy) at a time.
-    lock = threading.RLock()
-    base = _mode_graphs(model, analysis, plan, request, groups[0], lock)
+    if mesh.tp > 1:
+        if setup is None:
+            raise StrategyError(f"the plan has mesh tp={mesh.tp} but no tensor-parallel setup "
+                                "was given; pass setup= (partitioner.tensor_parallel."
+                                "plan_tensor_parallel's result)")
+        replicas = _tensor_parallel_replicas(model, setup, plan, groups, mesh.tp)
+    else:
+        replicas = _graph_replicas(model, analysis, plan, request, groups)
+    module = ReplicatedModule(plan, replicas, [group[0] for group in groups])
+    module.analysis = analysis  # type: ignore[assignment]
+    return module
+
+
+def _graph_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+                    groups: list[list[torch.device]]) -> list[nn.Module]:
+    """One replica per device group: graphs called directly, or pipelines."""
+    base = _mode_graphs(model, analysis, plan, request, groups[0])
     replicas = [_replica(model, base, analysis, plan, groups[0])]
     for group in groups[1:]:
         memo: dict[int, Any] = {}
         twin = copy.deepcopy(model, memo)
         if len(group) == 1:
             twin.to(group[0])
-        replicas.append(_replica(twin, _copied(base, memo, group, lock), analysis, plan,
-                                 group))
-    module = ReplicatedModule(plan, replicas, [group[0] for group in groups])
-    module.analysis = analysis  # type: ignore[assignment]
-    return module
+        replicas.append(_replica(twin, _copied(base, memo, group), analysis, plan, group))
+    return replicas
+
+
+def _tensor_parallel_replicas(model: nn.Module, setup: TensorParallelSetup, plan: Plan,
+                              groups: list[list[torch.device]], tp: int) -> list[nn.Module]:
+    """One tensor-parallel module per device group; replicas 1.. shard a copy of the model
+    (the setup copied alike, so its captured graph holds the copy's tensors)."""
+    replicas: list[nn.Module] = []
+    for r, group in enumerate(groups):
+        stages = [group[k:k + tp] for k in range(0, len(group), tp)]
+        owner, own_setup = model, setup
+        if r > 0:
+            memo: dict[int, Any] = {}
+            owner = copy.deepcopy(model, memo)
+            own_setup = copy.deepcopy(setup, memo)
+        replicas.append(build_tensor_parallel(
+            owner, dataclasses.replace(own_setup, plan=plan, groups=stages)))
+    return replicas
 
 
 def _mode_graphs(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
-                 group: list[torch.device], lock: threading.RLock) -> GraphFactory:
+                 group: list[torch.device]) -> GraphFactory:
     """Replica 0's stage graphs per train/eval mode, on ``group`` (captured again for the
-    mode the analysis did not capture, on first use, holding ``lock``)."""
+    mode the analysis did not capture, on first use)."""
     cache: dict[bool, list[fx.GraphModule]] = {}
 
     def factory(training: bool) -> list[fx.GraphModule]:
-        with lock:
-            if training not in cache:
-                current = analysis
-                if training != analysis.training:
-                    current = recapture(model, analysis, training, request.example_inputs,
-                                        request.kwargs)
-                graphs = _local_stage_graphs(current, plan)
-                for gm, device in zip(graphs, group):
-                    gm.to(device)
-                cache[training] = graphs
-            return cache[training]
+        if training not in cache:
+            current = analysis
+            if training != analysis.training:
+                current = recapture(model, analysis, training, request.example_inputs,
+                                    request.kwargs)
+            graphs = _local_stage_graphs(current, plan)
+            for gm, device in zip(graphs, group):
+                gm.to(device)
+            cache[training] = graphs
+        return cache[training]
     return factory
 
 
-def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device],
-            lock: threading.RLock) -> GraphFactory:
+def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device]
+            ) -> GraphFactory:
     """A replica's stage graphs: copies of ``base``'s whose tensors and submodules are the
     model copy's (``memo``, from deep-copying the model), moved to ``group``."""
     cache: dict[bool, list[fx.GraphModule]] = {}
 
     def factory(training: bool) -> list[fx.GraphModule]:
-        with lock:
-            if training not in cache:
-                graphs = copy.deepcopy(base(training), dict(memo))
-                for gm, device in zip(graphs, group):
-                    gm.to(device)
-                cache[training] = graphs
-            return cache[training]
+        if training not in cache:
+            graphs = copy.deepcopy(base(training), dict(memo))
+            for gm, device in zip(graphs, group):
+                gm.to(device)
+            cache[training] = graphs
+        return cache[training]
     return factory
 
 

@@ -147,6 +147,9 @@ class ReplicatedModule(ModelWrapper):
                          for d in self.devices]
         self._tensors = ReplicaTensors(replicas[0], replicas[1:])
         self._generators = [torch.Generator(device=d) for d in self.devices]
+        # The modes some call ran in: a replica builds what a mode needs on its first call
+        # (graphs captured again, pipelines), and capturing patches torch globally.
+        self._built: set[bool] = set()
 
     def train(self, mode: bool = True) -> ReplicatedModule:
         """Set train/eval mode on every replica (the copies are not children)."""
@@ -207,10 +210,15 @@ class ReplicatedModule(ModelWrapper):
         return moved, out
 
     def _run(self, fn: Callable[[int, Any], T], items: Sequence[Any]) -> list[T]:
-        """``fn(r, items[r])`` on every replica's worker at once; the first error re-raised,
-        once every replica has stopped, with a note naming its replica."""
-        futures: list[Future[T]] = [w.submit(fn, r, item)
-                                    for r, (w, item) in enumerate(zip(self._workers, items))]
+        """``fn(r, items[r])`` on every replica's worker, at once except on the first call in
+        a mode (then one replica after another); the first error re-raised, once every
+        replica has stopped, with a note naming its replica."""
+        futures: list[Future[T]] = []
+        for r, (worker, item) in enumerate(zip(self._workers, items)):
+            futures.append(worker.submit(fn, r, item))
+            if self.training not in self._built:
+                futures[-1].exception()  # wait
+        self._built.add(self.training)
         errors = [(r, e) for r, f in enumerate(futures) if (e := f.exception()) is not None]
         if errors:
             r, error = errors[0]

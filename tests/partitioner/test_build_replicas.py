@@ -11,6 +11,7 @@ import torch
 from models import grads_match, mlp
 from replicated import replicated, same
 from torch import nn
+from tp_models import mlp_pair
 
 from partitioner.analysis import analyze
 from partitioner.build import build_replicas
@@ -20,6 +21,8 @@ from partitioner.plans.plan import Mesh
 from partitioner.request import PlanRequest
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.replica_copy import GraphReplica
+from partitioner.runtime.tensor_parallel.module import TensorParallelModule
+from partitioner.tensor_parallel import plan_tensor_parallel
 
 
 class KeywordsAndTuple(nn.Module):
@@ -153,13 +156,33 @@ def _parts(model: nn.Module, x: torch.Tensor, devices: int, mesh: Mesh) -> tuple
 def test_wrong_device_count_refused() -> None:
     model, x = mlp(), torch.randn(4, 12)
     analysis, plan, request = _parts(model, x, 3, Mesh(2, 1, 1))
-    with pytest.raises(DeviceError, match="dp=2 x pp=1 needs 2 devices but 3"):
+    with pytest.raises(DeviceError, match="dp=2 x pp=1 x tp=1 needs 2 devices but 3"):
         build_replicas(model, analysis, plan, request)
 
 
-def test_tensor_parallel_replicas_refused() -> None:
+def test_tensor_parallel_replicas_need_their_setup() -> None:
     model, x = mlp(), torch.randn(4, 12)
     analysis, plan, request = _parts(model, x, 4, Mesh(2, 1, 1))
     plan = dataclasses.replace(plan, mesh=Mesh(2, 1, 2))
-    with pytest.raises(StrategyError, match="tp=2"):
+    with pytest.raises(StrategyError, match="tp=2 but no tensor-parallel setup"):
         build_replicas(model, analysis, plan, request)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tensor_parallel_replicas_equal_the_model(pp: int) -> None:
+    model = nn.Sequential(mlp_pair(), nn.Tanh(), mlp_pair()).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 16, dtype=torch.float64)
+    y = torch.randn(6, 16, dtype=torch.float64)
+    setup = plan_tensor_parallel(model, ["cpu"] * 2 * pp, 2, example_inputs=(x,))
+    plan = dataclasses.replace(setup.plan, mesh=Mesh(2, pp, 2))
+    request = dataclasses.replace(setup.request, devices=(torch.device("cpu"),) * 4 * pp)
+    with build_replicas(model, setup.analysis, plan, request, setup) as pm:
+        assert [type(r) for r in pm.replicas] == [TensorParallelModule] * 2
+        assert list(pm.state_dict()) == list(model.state_dict())
+        losses = _train(pm, x, y, steps=2)
+        state = pm.state_dict()
+    want = _train(reference, x, y, steps=2)
+    assert losses == pytest.approx(want, abs=1e-10)
+    for key, value in reference.state_dict().items():
+        same(state[key], value)
