@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from models import grads_match, mlp
+from models import gpt2, grads_match, mlp
 from replicated import replicated, same
 from torch import nn
 from tp_models import mlp_pair
@@ -86,6 +86,24 @@ def test_pipeline_replicas_equal_the_model() -> None:
         pm(x).sum().backward()
         reference(x).sum().backward()
     grads_match(model, reference)
+
+
+@pytest.mark.slow
+def test_exported_gpt2_equals_the_model() -> None:
+    """torch.export capture (its graphs deep-copied for replica 1, captured again for
+    training mode) and a ModelOutput joined across replicas."""
+    model = gpt2(dropout=0.1).double().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randint(0, 64, (5, 8))
+    with replicated(model, (x,), dp=2) as pm:
+        assert pm.plan.capture == "export"
+        out = pm(x)
+        same(out.logits, reference(x).logits)
+        out.logits.square().sum().backward()
+        reference(x).logits.square().sum().backward()
+        grads_match(model, reference)
+        pm.train()
+        assert not torch.allclose(pm(x).logits, reference(x).logits)
 
 
 @pytest.mark.parametrize("pp", [1, 2])

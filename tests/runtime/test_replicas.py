@@ -48,6 +48,15 @@ def test_uneven_batch_matches_the_model() -> None:
     grads_match(model, reference)
 
 
+def test_without_autograd_outputs_carry_no_graph() -> None:
+    model = mlp().double()
+    x = torch.randn(5, 12, dtype=torch.float64)
+    with replicated(model, (x,), dp=2) as pm, torch.no_grad():
+        out = pm(x)
+        assert out.grad_fn is None and not out.requires_grad
+        same(out, model(x))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_an_optimizer_step_between_forwards_is_picked_up(fused: bool) -> None:
     """Regression: fused optimizers write parameters without bumping their version counters,
