@@ -3,13 +3,18 @@
 :func:`build_pipeline` gives a :class:`~partitioner.runtime.module.PartitionedModule` (a
 stage per device); :func:`build_tensor_parallel` a
 :class:`~partitioner.runtime.tensor_parallel.module.TensorParallelModule` (a stage per group
-of devices, each stage's graph rewritten once per rank). Both hand the runtime a factory
+of devices, each stage's graph rewritten once per rank); :func:`build_replicas` a
+:class:`~partitioner.runtime.replicas.ReplicatedModule` (``mesh.dp`` data-parallel replicas,
+each a copy of the model on its own group of devices). They hand the runtime a factory
 that gives the stage graphs of either train/eval mode, captured again on first use when the
 capture baked the mode in (``torch.export``).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, build_stage_graphs, recapture
-from partitioner.errors import PartitionError
+from partitioner.errors import DeviceError, PartitionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_module_randomness
@@ -26,13 +31,16 @@ from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
+from partitioner.runtime.checkpointing import checkpoint_stop
 from partitioner.runtime.module import PartitionedModule
+from partitioner.runtime.replica_copy import GraphReplica
+from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import ShardStore, Source, TensorParallelModule
 from partitioner.runtime.tensor_parallel.sharding import Sharding
 from partitioner.runtime.tensor_parallel.stage import TensorParallelStage
 
-__all__ = ["build_pipeline", "build_tensor_parallel", "TensorParallelSetup", "first_names",
-           "attr_shardings"]
+__all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorParallelSetup",
+           "first_names", "attr_shardings"]
 
 
 def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
@@ -55,6 +63,136 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
     # What partitioner.viz draws: the captured graph, its shapes and layers.
     pm.analysis = analysis  # type: ignore[assignment]
     return pm
+
+
+#: Given the training flag, the stage graphs of one replica (built once per mode).
+GraphFactory = Callable[[bool], list[fx.GraphModule]]
+
+
+def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+                   setup: TensorParallelSetup | None = None) -> ReplicatedModule:
+    """The one-process module running ``plan`` with ``plan.mesh.dp`` replicas.
+
+    ``request.devices`` holds ``dp`` groups of ``pp x tp`` consecutive devices: replica
+    ``r`` runs on ``devices[r * pp * tp:(r + 1) * pp * tp]``, stage ``j`` on the group's
+    ``j``-th device (with tensor parallelism, on its ``j``-th ``tp`` devices, one per rank).
+    Replica 0 is the model itself (its parameters are what an optimizer steps); the others
+    are deep copies whose graphs are copies of replica 0's, sharing the copy's tensors. A
+    replica with one stage and one micro-batch runs its graph directly on its worker; any
+    other is a one-process pipeline (``plan.chunks``, ``plan.checkpoint``), or a
+    tensor-parallel module when ``mesh.tp > 1``.
+
+    Args:
+        model: the model (replica 0).
+        analysis: the captured model the plan was made for.
+        plan: the plan; ``plan.mesh`` says ``dp x pp x tp``.
+        request: the request (its devices, and example inputs for capturing again).
+        setup: with ``mesh.tp > 1``, the tensor-parallel planning (its analysis and shard
+            plan are used; its devices are replaced by each replica's).
+
+    Raises:
+        DeviceError: the devices are not ``dp x pp x tp``.
+        StrategyError: ``mesh.tp > 1`` without ``setup``.
+    """
+    mesh = plan.mesh
+    assert mesh is not None  # Plan.__post_init__ sets it
+    width = mesh.pp * mesh.tp
+    devices = [torch.device(d) for d in request.devices]
+    if len(devices) != mesh.dp * width:
+        raise DeviceError(f"the plan's mesh dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp} needs "
+                          f"{mesh.dp * width} devices but {len(devices)} were given; pass "
+                          f"{mesh.dp * width} (replica r on devices[r*{width}:(r+1)*{width}])")
+    groups = [devices[r * width:(r + 1) * width] for r in range(mesh.dp)]
+    if mesh.tp > 1:
+        if setup is None:
+            raise StrategyError(f"the plan has mesh tp={mesh.tp} but no tensor-parallel setup "
+                                "was given; pass setup= (partitioner.tensor_parallel."
+                                "plan_tensor_parallel's result)")
+        replicas = _tensor_parallel_replicas(model, setup, plan, groups, mesh.tp)
+    else:
+        replicas = _graph_replicas(model, analysis, plan, request, groups)
+    module = ReplicatedModule(plan, replicas, [group[0] for group in groups])
+    module.analysis = analysis  # type: ignore[assignment]
+    return module
+
+
+def _graph_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+                    groups: list[list[torch.device]]) -> list[nn.Module]:
+    """One replica per device group: graphs called directly, or pipelines."""
+    base = _mode_graphs(model, analysis, plan, request, groups[0])
+    replicas = [_replica(model, base, analysis, plan, groups[0])]
+    for group in groups[1:]:
+        memo: dict[int, Any] = {}
+        twin = copy.deepcopy(model, memo)
+        if len(group) == 1:
+            twin.to(group[0])
+        replicas.append(_replica(twin, _copied(base, memo, group), analysis, plan, group))
+    return replicas
+
+
+def _tensor_parallel_replicas(model: nn.Module, setup: TensorParallelSetup, plan: Plan,
+                              groups: list[list[torch.device]], tp: int) -> list[nn.Module]:
+    """One tensor-parallel module per device group; replicas 1.. shard a copy of the model
+    (the setup copied alike, so its captured graph holds the copy's tensors)."""
+    replicas: list[nn.Module] = []
+    for r, group in enumerate(groups):
+        stages = [group[k:k + tp] for k in range(0, len(group), tp)]
+        owner, own_setup = model, setup
+        if r > 0:
+            memo: dict[int, Any] = {}
+            owner = copy.deepcopy(model, memo)
+            own_setup = copy.deepcopy(setup, memo)
+        replicas.append(build_tensor_parallel(
+            owner, dataclasses.replace(own_setup, plan=plan, groups=stages)))
+    return replicas
+
+
+def _mode_graphs(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+                 group: list[torch.device]) -> GraphFactory:
+    """Replica 0's stage graphs per train/eval mode, on ``group`` (captured again for the
+    mode the analysis did not capture, on first use)."""
+    cache: dict[bool, list[fx.GraphModule]] = {}
+
+    def factory(training: bool) -> list[fx.GraphModule]:
+        if training not in cache:
+            current = analysis
+            if training != analysis.training:
+                current = recapture(model, analysis, training, request.example_inputs,
+                                    request.kwargs)
+            graphs = _local_stage_graphs(current, plan)
+            for gm, device in zip(graphs, group):
+                gm.to(device)
+            cache[training] = graphs
+        return cache[training]
+    return factory
+
+
+def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device]
+            ) -> GraphFactory:
+    """A replica's stage graphs: copies of ``base``'s whose tensors and submodules are the
+    model copy's (``memo``, from deep-copying the model), moved to ``group``."""
+    cache: dict[bool, list[fx.GraphModule]] = {}
+
+    def factory(training: bool) -> list[fx.GraphModule]:
+        if training not in cache:
+            graphs = copy.deepcopy(base(training), dict(memo))
+            for gm, device in zip(graphs, group):
+                gm.to(device)
+            cache[training] = graphs
+        return cache[training]
+    return factory
+
+
+def _replica(module: nn.Module, graphs: GraphFactory, analysis: Analysis, plan: Plan,
+             group: list[torch.device]) -> nn.Module:
+    """One replica: its graph called directly, or a pipeline when the plan has several
+    stages, micro-batches or checkpointing."""
+    captured = analysis.captured
+    if len(group) == 1 and plan.chunks == 1 and checkpoint_stop(plan.checkpoint, 1) == 0:
+        return GraphReplica(module, lambda training: graphs(training)[0],
+                            captured.placeholder_values, captured.restructure)
+    return PartitionedModule(module, plan, graphs, group, plan.chunks, plan.checkpoint,
+                             bind=captured.placeholder_values, restructure=captured.restructure)
 
 
 def _local_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:

@@ -54,6 +54,7 @@ __all__ = [
     "ShardSizeError",
     "TensorParallelExecutionError",
     "ClosedError",
+    "ReplicaError",
 ]
 
 
@@ -341,3 +342,12 @@ class TensorParallelExecutionError(PartitionError, RuntimeError):
 
 class ClosedError(PartitionError, RuntimeError):
     """A partitioned model was run after ``close()`` released its threads or hooks."""
+
+
+# Raised by partitioner.runtime.replicas.
+
+
+class ReplicaError(PartitionError, ValueError):
+    """A call that data-parallel replicas in one process cannot split or join (a batch
+    smaller than the replicas, outputs without a batch dimension, an unknown loss
+    reduction)."""
