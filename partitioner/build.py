@@ -10,6 +10,7 @@ capture baked the mode in (``torch.export``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, build_stage_graphs, recapture
-from partitioner.errors import PartitionError
+from partitioner.errors import PartitionError, ScheduleError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_module_randomness
@@ -27,6 +28,7 @@ from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
 from partitioner.runtime.module import PartitionedModule
+from partitioner.runtime.schedule_registry import GPIPE, Runtime, runtime_problem
 from partitioner.runtime.tensor_parallel.module import ShardStore, Source, TensorParallelModule
 from partitioner.runtime.tensor_parallel.sharding import Sharding
 from partitioner.runtime.tensor_parallel.stage import TensorParallelStage
@@ -37,7 +39,12 @@ __all__ = ["build_pipeline", "build_tensor_parallel", "TensorParallelSetup", "fi
 
 def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
                    request: PlanRequest) -> PartitionedModule:
-    """The one-process pipeline module running ``plan`` on ``request.devices``."""
+    """The one-process pipeline module running ``plan`` on ``request.devices``.
+
+    Raises:
+        ScheduleError: a schedule (or virtual stages) this runtime does not execute.
+    """
+    _check_schedule(plan)
     cache = {analysis.training: _local_stage_graphs(analysis, plan)}
 
     def stage_factory(training: bool) -> list[fx.GraphModule]:
@@ -54,6 +61,22 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
     # What partitioner.viz draws: the captured graph, its shapes and layers.
     pm.analysis = analysis  # type: ignore[assignment]
     return pm
+
+
+def _check_schedule(plan: Plan) -> None:
+    """Refuse a plan whose schedule ``PartitionedModule`` would not run as planned.
+
+    ``PartitionedModule`` drives ``LocalPipeline`` with GPipe; until it takes the plan's
+    schedule and virtual stages (issue #13), any other plan would run as GPipe, not as
+    planned, so it is refused rather than silently changed.
+    """
+    problem = runtime_problem(plan.schedule, Runtime.ONE_PROCESS)
+    takes = "schedule" in inspect.signature(PartitionedModule.__init__).parameters
+    if problem is None and (takes or (plan.schedule == GPIPE and plan.virtual_stages == 1)):
+        return
+    raise ScheduleError(problem or f"schedule={plan.schedule!r} (virtual_stages="
+                        f"{plan.virtual_stages}) is not run by the one-process pipeline "
+                        "module yet; pass schedule='gpipe', or plan it with make_plan")
 
 
 def _local_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
