@@ -5,7 +5,7 @@ Example:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> x = torch.randn(4, 8)
-    >>> pm = partition(model, devices=["cpu", "cpu"], example_inputs=(x,), chunks=2)
+    >>> pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(x,), chunks=2)
     >>> torch.allclose(pm(x), model(x))
     True
     >>> pm.plan.balance

@@ -16,7 +16,7 @@ Example:
     >>> import torch
     >>> from partitioner import partition
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    >>> first = partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(2, 4),))
+    >>> first = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(torch.randn(2, 4),))
     >>> again = partition(model, ["cpu", "cpu"], plan=first.plan)
     >>> again.plan == first.plan
     True

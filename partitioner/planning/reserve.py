@@ -42,8 +42,8 @@ def describe_reserve(memory: float, reserve: float) -> str:
     """A note for ``Plan.notes``: how much of the memory plans may use and why.
 
     Example:
-        >>> describe_reserve(16 * 2**30, 0.25)
-        'memory reserve 25%: plans use at most 12 GiB of each device's 16 GiB'
+        >>> print(describe_reserve(16 * 2**30, 0.25))
+        memory reserve 25%: plans use at most 12 GiB of each device's 16 GiB
     """
     return (f"memory reserve {reserve:.0%}: plans use at most "
             f"{format_bytes(usable_memory(memory, reserve))} of each device's "
