@@ -203,7 +203,10 @@ def _planned(model: nn.Module, request: PlanRequest) -> tuple[Analysis, Plan]:
     degrees = None
     if request.strategy == "auto" and not request.fixes_split and request.devices \
             and (request.cluster is None or request.cluster.is_local):
-        degrees = shardable_degrees(analysis, model, request.n_devices)
+        # A forward that updates buffers (counters) runs once per call in the pipeline
+        # runtime; the tensor-parallel one does not write them back: keep auto off it.
+        degrees = () if analysis.captured.writes else shardable_degrees(
+            analysis, model, request.n_devices)
     return analysis, record(plan_request(analysis, request, tp_degrees=degrees), model,
                             analysis, request, request.strategy)
 
