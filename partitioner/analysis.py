@@ -177,11 +177,13 @@ def build_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
     _check_microbatches(analysis, plan)
     split = split_stages(gm, stage_of, len(plan.stages))
     graphs = [stage.graph_module for stage in split.stages]
-    _check_tied_parameters(graphs, plan.devices)
+    # Virtual stage k runs on devices[k % P] (one stage per device unless interleaved).
+    devices = [stage.device for stage in plan.stages]
+    _check_tied_parameters(graphs, devices)
     if analysis.captured.rules is not None:
         # Every micro-batch passes stage 0 first: refuse sizes the capture does not hold for.
         guard_inputs(graphs[0], analysis.captured.rules)
-    for gm_j, device in zip(graphs, plan.devices):
+    for gm_j, device in zip(graphs, devices):
         route_dropout(gm_j)
         protect_inputs(gm_j)
         gm_j.to(torch.device(device))

@@ -5,7 +5,7 @@ Example:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> x = torch.randn(4, 8)
-    >>> pm = partition(model, devices=["cpu", "cpu"], example_inputs=(x,), chunks=2)
+    >>> pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(x,), chunks=2)
     >>> torch.allclose(pm(x), model(x))
     True
     >>> pm.plan.balance
@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
 
@@ -22,17 +23,17 @@ from torch import nn
 
 from partitioner.analysis import Analysis, analyze
 from partitioner.apply import resolve_plan
-from partitioner.build import build_pipeline
+from partitioner.build import TensorParallelSetup, build_pipeline, build_tensor_parallel
 from partitioner.errors import DeviceError, ModelError, StrategyError
-from partitioner.planning.planner import plan_request, record
-from partitioner.plans.plan import Plan
+from partitioner.planning.planner import plan_request, record, shardable_degrees
+from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
-from partitioner.tensor_parallel import partition_tensor_parallel
+from partitioner.tensor_parallel import partition_tensor_parallel, plan_tensor_parallel
 
-__all__ = ["partition", "make_plan", "STRATEGIES"]
+__all__ = ["partition", "make_plan", "route", "STRATEGIES"]
 
 
 @overload
@@ -44,7 +45,10 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               memory_limit: float | Sequence[float] | None = ...,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = ...,
               calibrate: bool = ...,
-              tensor_parallel: None = ...) -> PartitionedModule: ...
+              tensor_parallel: None = ..., schedule: str | None = ...,
+              virtual_stages: int | None = ...,
+              memory_reserve: float | None = ...) -> PartitionedModule | TensorParallelModule:
+    ...
 
 
 @overload
@@ -56,7 +60,9 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               memory_limit: float | Sequence[float] | None = ...,
               plan: None = ...,
               calibrate: bool = ...,
-              tensor_parallel: int | Mapping[str, str]) -> TensorParallelModule: ...
+              tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
+              virtual_stages: int | None = ...,
+              memory_reserve: float | None = ...) -> TensorParallelModule: ...
 
 
 def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -67,7 +73,9 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               memory_limit: float | Sequence[float] | None = None,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
               calibrate: bool = False,
-              tensor_parallel: int | Mapping[str, str] | None = None
+              tensor_parallel: int | Mapping[str, str] | None = None,
+              schedule: str | None = None, virtual_stages: int | None = None,
+              memory_reserve: float | None = None
               ) -> PartitionedModule | TensorParallelModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -76,8 +84,10 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         devices: device strings, ``torch.device`` objects, a count, or a local
             :class:`~partitioner.cost.devices.Cluster`.
         strategy: ``"auto"`` (search data x tensor x pipeline parallelism, micro-batches,
-            schedule and checkpoint mode, keeping what this runtime executes: pipeline
-            plans, ``partitioner.planning.auto``) or ``"pipeline"`` (every device a stage).
+            schedule and checkpoint mode, keeping what the one-process runtimes execute,
+            ``partitioner.planning.auto``: the result may be a pipeline, a tensor-parallel
+            module or replicas, whichever is predicted fastest) or ``"pipeline"`` (every
+            device a stage).
         example_inputs: one batch of positional inputs; needed to cost the layers (so always,
             unless ``balance`` or ``split_points`` fixes the split) and for export capture.
         example_kwargs: keyword inputs of that batch.
@@ -99,7 +109,15 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             ``devices`` by ``n`` per pipeline stage and chooses the splits; a mapping of
             module globs to ``"colwise"``/``"rowwise"``/``"vocab"``/``"replicate"``
             overrides the choice (``devices`` is then one stage's list, or a list of them).
-            See ``docs/design/005-tensor-parallel.md``.
+            See ``docs/design/005-tensor-parallel.md``. With ``strategy="auto"`` the degree
+            (and rules) are kept and the rest is searched.
+        schedule: the pipeline schedule, a registered name (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved"``, ...); ``"auto"`` then searches only it, ``"pipeline"`` plans
+            it (default: ``"auto"`` searches all, ``"pipeline"`` runs GPipe).
+        virtual_stages: model chunks per device for ``schedule="interleaved"`` (default:
+            the most of 4, 3, 2 that leaves every chunk a layer; ``"auto"`` searches them).
+        memory_reserve: the share of each device's memory (or of ``memory_limit``) plans
+            leave unused, in ``[0, 1)``; default 0.10.
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -116,10 +134,13 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
                                 "tensor_parallel=, not both (tensor-parallel plans are made "
                                 "from the uncalibrated cost model)")
+        PlanRequest.make(None, strategy, schedule=schedule, virtual_stages=virtual_stages,
+                         memory_reserve=memory_reserve)  # validates them
         return partition_tensor_parallel(
             model, devices, tensor_parallel, strategy=strategy, example_inputs=example_inputs,
             example_kwargs=example_kwargs, chunks=chunks, checkpoint=checkpoint,
-            balance=balance, split_points=split_points, memory_limit=memory_limit)
+            balance=balance, split_points=split_points, memory_limit=memory_limit,
+            schedule=schedule, memory_reserve=memory_reserve)
     if devices is None and plan is None:
         raise DeviceError("devices=None; pass the devices to partition over, e.g. "
                           "devices=['cpu', 'cpu'], or plan= a saved plan that names them")
@@ -127,12 +148,16 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                example_kwargs=example_kwargs, chunks=chunks,
                                checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit,
-                               calibrate=calibrate, local=True)
+                               calibrate=calibrate, local=True, schedule=schedule,
+                               virtual_stages=virtual_stages, memory_reserve=memory_reserve)
     if plan is not None:
         analysis, made, request = resolve_plan(model, plan, request)
         return build_pipeline(model, analysis, made, request)
     analysis, made = _planned(model, request)
-    return build_pipeline(model, analysis, made, request)
+    routed = route(model, analysis, made, request)
+    if isinstance(routed, TensorParallelSetup):
+        return build_tensor_parallel(model, routed)
+    return build_pipeline(model, analysis, routed, request)
 
 
 def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -142,13 +167,15 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
               split_points: Sequence[str] | None = None,
               memory_limit: float | Sequence[float] | None = None,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
-              calibrate: bool = False) -> Plan:
+              calibrate: bool = False, schedule: str | None = None,
+              virtual_stages: int | None = None, memory_reserve: float | None = None) -> Plan:
     """Plan like :func:`partition` without building the runtime (works on meta models).
 
     With ``plan=`` a hand-written spec is compiled (or a saved plan checked) for ``model``.
     ``devices`` may also be a :class:`~partitioner.cost.devices.Cluster` beyond this machine
     (``Cluster.preset("A100-80GB", nodes=4)``): ``"auto"`` then plans any mix of data,
-    tensor and pipeline parallelism for it.
+    tensor and pipeline parallelism for it. On this machine's devices the plan is the one
+    :func:`partition` would run (a tensor-parallel choice with its shard specs).
     """
     _check_model(model)
     if devices is None and plan is None:
@@ -158,18 +185,65 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                example_kwargs=example_kwargs, chunks=chunks,
                                checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit,
-                               calibrate=calibrate)
+                               calibrate=calibrate, schedule=schedule,
+                               virtual_stages=virtual_stages, memory_reserve=memory_reserve)
     if plan is not None:
         return resolve_plan(model, plan, request)[1]
-    return _planned(model, request)[1]
+    analysis, made = _planned(model, request)
+    if request.cluster is not None and not request.cluster.is_local:
+        return made
+    routed = route(model, analysis, made, request)
+    return routed.plan if isinstance(routed, TensorParallelSetup) else routed
 
 
 def _planned(model: nn.Module, request: PlanRequest) -> tuple[Analysis, Plan]:
     """The model analysed and planned as ``request`` asks, the plan recorded."""
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=not request.fixes_split)
-    return analysis, record(plan_request(analysis, request), model, analysis, request,
-                            request.strategy)
+    degrees = None
+    if request.strategy == "auto" and not request.fixes_split and request.devices \
+            and (request.cluster is None or request.cluster.is_local):
+        # A forward that updates buffers (counters) runs once per call in the pipeline
+        # runtime; the tensor-parallel one does not write them back: keep auto off it.
+        degrees = () if analysis.captured.writes else shardable_degrees(
+            analysis, model, request.n_devices)
+    return analysis, record(plan_request(analysis, request, tp_degrees=degrees), model,
+                            analysis, request, request.strategy)
+
+
+def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
+          ) -> Plan | TensorParallelSetup:
+    """Where a plan for this machine goes: the one place that picks the runtime.
+
+    A pipeline plan (``dp = tp = 1``) is built as it is. A tensor-parallel choice of
+    ``strategy="auto"`` is planned again by the tensor-parallel front (its layers are
+    merged so no stage boundary cuts a column/row pair) with the chosen degree,
+    micro-batches, checkpoint mode and schedule, and keeps the search's candidates.
+
+    Raises:
+        StrategyError: a plan with replicas (``dp > 1``) while the replicas runtime is not
+            installed.
+    """
+    mesh = plan.mesh or Mesh()
+    if mesh.dp > 1:
+        raise StrategyError(f"the plan has dp={mesh.dp} replicas but the one-process replicas "
+                            "runtime (runtime/replicas.py) is not installed; pass "
+                            "strategy='pipeline' or tensor_parallel=")
+    if mesh.tp == 1:
+        return plan
+    setup = plan_tensor_parallel(model, list(request.devices), mesh.tp, strategy="auto",
+                                 example_inputs=request.example_inputs,
+                                 example_kwargs=request.kwargs, chunks=plan.chunks,
+                                 checkpoint=plan.checkpoint, schedule=plan.schedule,
+                                 memory_limit=min(request.memory_limit)
+                                 if request.memory_limit else None,
+                                 memory_reserve=request.memory_reserve)
+    chosen = replace(setup.plan, candidates=plan.candidates,
+                     notes=(*(n for n in setup.plan.notes if not n.startswith("chosen:")),
+                            *(n for n in plan.notes if n.startswith("chosen:"))),
+                     planner=replace(setup.plan.planner or PlannerInputs(),
+                                     strategy=request.strategy))
+    return replace(setup, plan=chosen)
 
 
 def _check_model(model: object) -> None:

@@ -16,7 +16,7 @@ Example:
     >>> import torch
     >>> from partitioner import partition
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    >>> first = partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(2, 4),))
+    >>> first = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(torch.randn(2, 4),))
     >>> again = partition(model, ["cpu", "cpu"], plan=first.plan)
     >>> again.plan == first.plan
     True
@@ -171,7 +171,8 @@ def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
     for key in ("balance", "split_points", "memory_limit"):
         if asked.get(key) is not None:
             problems.append(f"{key}= is given but the plan fixes the split; drop {key}=")
-    for key, default in (("chunks", 1), ("checkpoint", EXCEPT_LAST)):
+    for key, default in (("chunks", 1), ("checkpoint", EXCEPT_LAST), ("schedule", None),
+                         ("virtual_stages", None)):
         value = asked.get(key, default)
         if value != default and value != getattr(plan, key):
             problems.append(f"{key}={value!r} but the plan says {getattr(plan, key)!r}; edit "
@@ -198,6 +199,7 @@ def _compile(model: nn.Module, spec: Spec, request: PlanRequest
     checkpoint = _merge(spec.checkpoint, asked.get("checkpoint", EXCEPT_LAST), EXCEPT_LAST,
                         "checkpoint")
     strategy = _merge(spec.strategy, asked.get("strategy", "auto"), "auto", "strategy")
+    schedule = _merge(spec.schedule, asked.get("schedule"), None, "schedule")
     limits = asked.get("memory_limit")
     memory = _merge(_limits(spec.memory_limit), limits, None, "memory_limit")
     for key in ("balance", "split_points"):
@@ -216,7 +218,9 @@ def _compile(model: nn.Module, spec: Spec, request: PlanRequest
                                split_points=spec.split_points,
                                memory_limit=memory[0] if memory and len(set(memory)) == 1
                                else memory,
-                               calibrate=request.calibrate)
+                               calibrate=request.calibrate, schedule=schedule,
+                               virtual_stages=request.virtual_stages,
+                               memory_reserve=request.memory_reserve)
     made = plan_request(analysis, settled)
     mesh = Mesh(spec.mesh.get("dp", 1), len(made.stages), spec.mesh.get("tp", 1))
     made = replace(made, strategy="spec" if spec.fixes_split else made.strategy,

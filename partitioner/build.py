@@ -45,7 +45,8 @@ __all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorP
 
 def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
                    request: PlanRequest) -> PartitionedModule:
-    """The one-process pipeline module running ``plan`` on ``request.devices``."""
+    """The one-process pipeline module running ``plan`` on ``request.devices``, in the
+    plan's schedule over its virtual stages."""
     cache = {analysis.training: _local_stage_graphs(analysis, plan)}
 
     def stage_factory(training: bool) -> list[fx.GraphModule]:

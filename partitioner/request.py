@@ -31,9 +31,12 @@ from partitioner.errors import (
     ExampleInputsError,
     MemoryLimitError,
     PartitionError,
+    ScheduleError,
     StrategyError,
 )
+from partitioner.planning.reserve import MEMORY_RESERVE, reserve_problem
 from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.schedule_registry import name_problem, schedule_kind, schedule_names
 
 __all__ = ["PlanRequest", "STRATEGIES"]
 
@@ -58,6 +61,12 @@ class PlanRequest:
         memory_limit: bytes per device, one per device, or ``None``.
         cluster: the cluster planned for, when ``devices=`` was one.
         calibrate: time each distinct layer on this machine before planning.
+        schedule: the pipeline schedule, a registered name (``None``: ``"auto"`` searches
+            every schedule, ``"pipeline"`` runs GPipe).
+        virtual_stages: model chunks per device for the interleaved schedule (``None``:
+            chosen).
+        memory_reserve: the share of each device's memory plans leave unused
+            (``partitioner.planning.reserve``).
     """
 
     devices: tuple[torch.device, ...] = ()
@@ -71,6 +80,9 @@ class PlanRequest:
     memory_limit: tuple[float, ...] | None = None
     cluster: Cluster | None = None
     calibrate: bool = False
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    memory_reserve: float = MEMORY_RESERVE
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -92,6 +104,10 @@ class PlanRequest:
             found.append((StrategyError, unknown))
         if not isinstance(self.calibrate, bool):
             found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
+        found += self._schedule_problems()
+        reserve = reserve_problem(self.memory_reserve)
+        if reserve is not None:
+            found.append((MemoryLimitError, reserve))
         if self.balance is not None and self.split_points is not None:
             found.append((BalanceError, "pass balance= or split_points=, not both"))
         n = self.n_devices
@@ -104,6 +120,32 @@ class PlanRequest:
                                             f"for {n} devices; pass one number or {n} of them"))
         return found
 
+    def _schedule_problems(self) -> list[tuple[type[PartitionError], str]]:
+        """``schedule=`` registered, ``virtual_stages=`` an int >= 1 that suits it."""
+        found: list[tuple[type[PartitionError], str]] = []
+        if self.schedule is not None and name_problem(self.schedule) is not None:
+            found.append((ScheduleError, str(name_problem(self.schedule))))
+        v = self.virtual_stages
+        if v is None:
+            return found
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            found.append((ScheduleError, f"virtual_stages={v!r}; pass an int >= 2 (model "
+                                         "chunks per device) with schedule='interleaved', or "
+                                         "omit it"))
+        elif self.schedule is None or name_problem(self.schedule) is None:
+            virtual = self.schedule is not None and schedule_kind(self.schedule).virtual
+            if v > 1 and not virtual:
+                found.append((ScheduleError, f"virtual_stages={v} needs a schedule with model "
+                                             f"chunks, got schedule={self.schedule!r}; pass "
+                                             f"schedule= one of "
+                                             f"{list(schedule_names(virtual=True))} or omit "
+                                             "virtual_stages"))
+            elif v == 1 and virtual:
+                found.append((ScheduleError, f"virtual_stages=1 but schedule="
+                                             f"{self.schedule!r} needs 2 or more model chunks "
+                                             "per device; pass virtual_stages >= 2 or omit it"))
+        return found
+
     @classmethod
     def make(cls, devices: Any, strategy: str = "auto", *,
              example_inputs: tuple[Any, ...] | None = None,
@@ -111,7 +153,9 @@ class PlanRequest:
              checkpoint: str | None = None, balance: Sequence[int] | None = None,
              split_points: Sequence[str] | None = None,
              memory_limit: float | Sequence[float] | None = None, calibrate: bool = False,
-             local: bool = False) -> PlanRequest:
+             local: bool = False, schedule: str | None = None,
+             virtual_stages: int | None = None,
+             memory_reserve: float | None = None) -> PlanRequest:
         """A request from a public function's keywords (see :func:`partitioner.partition`).
 
         Args:
@@ -136,7 +180,8 @@ class PlanRequest:
         return cls(parsed, strategy, inputs, _kwargs(example_kwargs), chunks,
                    checkpoint, _ints("balance", balance), _names(split_points),
                    _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
-                   calibrate)
+                   calibrate, schedule, virtual_stages,
+                   MEMORY_RESERVE if memory_reserve is None else memory_reserve)
 
     @property
     def n_devices(self) -> int:
@@ -157,7 +202,8 @@ class PlanRequest:
         """The settings the caller gave explicitly (a plan file must not be overridden)."""
         given = dict(strategy=self.strategy, chunks=self.chunks, checkpoint=self.checkpoint,
                      balance=self.balance, split_points=self.split_points,
-                     memory_limit=self.memory_limit)
+                     memory_limit=self.memory_limit, schedule=self.schedule,
+                     virtual_stages=self.virtual_stages)
         return {k: v for k, v in given.items() if v is not None}
 
     def with_changes(self, **changes: Any) -> PlanRequest:

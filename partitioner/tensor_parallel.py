@@ -52,7 +52,7 @@ from partitioner.errors import DeviceError, ExampleInputsError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_dropout, route_module_randomness
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers, shard_graph
-from partitioner.planning.planner import plan_request, record
+from partitioner.planning.planner import plan_request, record, tensor_parallel_plan
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
 from partitioner.plans.plan import Mesh, Plan, ShardSpec
 from partitioner.request import PlanRequest
@@ -114,8 +114,13 @@ def plan_tensor_parallel(
         example_kwargs: dict[str, Any] | None = None, chunks: int | None = None,
         checkpoint: str | None = None, balance: Sequence[int] | None = None,
         split_points: Sequence[str] | None = None,
-        memory_limit: float | Sequence[float] | None = None) -> TensorParallelSetup:
+        memory_limit: float | Sequence[float] | None = None, schedule: str | None = None,
+        memory_reserve: float | None = None) -> TensorParallelSetup:
     """Capture, choose the shardings and plan the stages (``partition``'s first half).
+
+    ``strategy="auto"`` searches the micro-batches, checkpoint mode and stage split for the
+    groups (``partitioner.planning.planner.tensor_parallel_plan``); ``"pipeline"`` plans
+    GPipe with ``chunks`` (default 1) and ``checkpoint`` (default ``"except_last"``).
 
     Runtimes that place stages and ranks themselves (one process per rank) build from the
     result with ``partitioner.analysis.build_stage_graphs`` and :func:`shard_stage`.
@@ -129,17 +134,20 @@ def plan_tensor_parallel(
         raise ExampleInputsError("tensor parallelism needs example_inputs: the shapes decide "
                                  "what splits; pass example_inputs=(x,) with one batch")
     # The stages' split is planned as a pipeline of the groups (each group one stage).
-    request = PlanRequest.make([g[0] for g in groups], "pipeline" if strategy == "auto"
-                               else strategy, example_inputs=example_inputs,
-                               example_kwargs=example_kwargs, chunks=1 if chunks is None
-                               else chunks, checkpoint=checkpoint or EXCEPT_LAST,
+    search = strategy == "auto" and balance is None and split_points is None
+    request = PlanRequest.make([g[0] for g in groups], strategy, example_inputs=example_inputs,
+                               example_kwargs=example_kwargs,
+                               chunks=chunks if search or chunks is not None else 1,
+                               checkpoint=checkpoint if search else checkpoint or EXCEPT_LAST,
                                balance=balance, split_points=split_points,
-                               memory_limit=memory_limit)
-    return plan_groups(model, groups, rules, request)
+                               memory_limit=memory_limit, schedule=schedule,
+                               memory_reserve=memory_reserve)
+    return plan_groups(model, groups, rules, request, search=search)
 
 
 def plan_groups(model: nn.Module, groups: list[list[torch.device]],
-                rules: TensorParallelRules, request: PlanRequest) -> TensorParallelSetup:
+                rules: TensorParallelRules, request: PlanRequest, *,
+                search: bool = False) -> TensorParallelSetup:
     """:func:`plan_tensor_parallel` for device groups and a request already validated.
 
     Args:
@@ -147,6 +155,8 @@ def plan_groups(model: nn.Module, groups: list[list[torch.device]],
         groups: per pipeline stage, one device per tensor-parallel rank.
         rules: rules overriding the automatic choice of splits.
         request: the planning options, one device per stage (``groups``' first ones).
+        search: search micro-batches, checkpoint mode and schedule for the groups
+            (``strategy="auto"``) instead of planning ``request``'s pipeline.
     """
     tp = len(groups[0])
     found: dict[str, Any] = {}
@@ -160,8 +170,9 @@ def plan_groups(model: nn.Module, groups: list[list[torch.device]],
     analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False,
                        regroup=regroup)
     shard_plan: ShardPlan = found["plan"]
-    plan = _record(plan_request(analysis, request), model, analysis, request, shard_plan,
-                   groups)
+    made = tensor_parallel_plan(analysis, request, groups) if search else \
+        plan_request(analysis, request)
+    plan = _record(made, model, analysis, request, shard_plan, groups)
     return TensorParallelSetup(analysis, plan, shard_plan, groups, found["names"], request)
 
 
@@ -171,11 +182,13 @@ def partition_tensor_parallel(
         example_kwargs: dict[str, Any] | None = None, chunks: int | None = None,
         checkpoint: str | None = None, balance: Sequence[int] | None = None,
         split_points: Sequence[str] | None = None,
-        memory_limit: float | Sequence[float] | None = None) -> TensorParallelModule:
+        memory_limit: float | Sequence[float] | None = None, schedule: str | None = None,
+        memory_reserve: float | None = None) -> TensorParallelModule:
     """``partition()`` with tensor parallelism: pipeline stages of ``tp`` ranks each.
 
     Args: as :func:`partitioner.partition`; ``tensor_parallel`` is the degree or rules.
-    ``strategy="auto"`` plans the pipeline of the device groups (each group one stage).
+    ``strategy="auto"`` keeps the degree (and rules) and searches the rest for the device
+    groups (each group one pipeline stage): micro-batches, checkpoint mode, split.
 
     Returns:
         A :class:`partitioner.runtime.tensor_parallel.module.TensorParallelModule`; ``.plan``
@@ -189,7 +202,8 @@ def partition_tensor_parallel(
     setup = plan_tensor_parallel(model, devices, tensor_parallel, strategy=strategy,
                                  example_inputs=example_inputs, example_kwargs=example_kwargs,
                                  chunks=chunks, checkpoint=checkpoint, balance=balance,
-                                 split_points=split_points, memory_limit=memory_limit)
+                                 split_points=split_points, memory_limit=memory_limit,
+                                 schedule=schedule, memory_reserve=memory_reserve)
     return build_tensor_parallel(model, setup)
 
 

@@ -116,7 +116,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("memory too small", lambda: partition(_model(), CPU2, example_inputs=(X,),
                                            memory_limit=16),
      MemoryLimitError, ""),
-    ("more devices than layers", lambda: partition(_model(), ["cpu"] * 9,
+    ("more devices than layers", lambda: partition(_model(), ["cpu"] * 9, "pipeline",
                                                    example_inputs=(X,)),
      StageCountError, "9 devices"),
     ("tensor parallel and plan", lambda: partition(_model(), CPU2, tensor_parallel=2,

@@ -56,7 +56,7 @@ def _check(name: str, chunks: int, mode: str, n_devices: int) -> None:
     expected = reference(x)
     _loss(expected).backward()
 
-    pm = partition(model, devices=["cpu"] * n_devices, example_inputs=(x,), chunks=chunks,
+    pm = partition(model, ["cpu"] * n_devices, "pipeline", example_inputs=(x,), chunks=chunks,
                    checkpoint=mode)
     assert len(pm.plan.stages) == n_devices
     out = pm(x)
@@ -98,7 +98,7 @@ def test_skip_connection_spans_three_stages() -> None:
 def test_eval_mode_and_no_grad_match() -> None:
     model = gpt2(dropout=0.1)
     x = _inputs("gpt2")
-    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=3)
+    pm = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=3)
     pm.eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(x).logits, model(x).logits)
@@ -153,8 +153,8 @@ def test_torch_transformers_split_between_their_layers(name: str, stages: int,
     without gradients (torch's fast path) where it computes anything (unpadded positions)."""
     model, args, kwargs, kept = TRANSFORMERS[name]()
     reference = copy.deepcopy(model)
-    pm = partition(model, devices=["cpu"] * stages, example_inputs=args, example_kwargs=kwargs,
-                   chunks=chunks)
+    pm = partition(model, ["cpu"] * stages, "pipeline", example_inputs=args,
+                   example_kwargs=kwargs, chunks=chunks)
     assert len(pm.plan.stages) == stages
     assert sum(".layers." in layer for layer in pm.plan.layers) == 4
     out, expected = pm(*args, **kwargs), reference(*args, **kwargs)

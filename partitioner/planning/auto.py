@@ -13,9 +13,11 @@ then the best found is returned with its gap to the smallest bound not yet explo
 order is deterministic: equal inputs give equal plans.
 
 When the plan will run here, only configurations the runtime can execute are chosen:
-:func:`executable` is that predicate, and :data:`LOCAL_RUNTIME` says what the runtime can do
-today (one process, pipeline only, the schedules the registry says it executes: GPipe).
-Widening it is one line.
+:func:`executable` is that predicate, and :data:`LOCAL_RUNTIME` says what the one-process
+runtimes can do: pipelines with every schedule the registry says the one-process runtime
+executes, tensor parallelism (``partitioner.tensor_parallel``: groups of ``tp`` consecutive
+devices per pipeline stage, GPipe only, as ``TensorParallelModule`` drives the pipeline),
+and data-parallel replicas once ``runtime/replicas.py`` is there.
 
 Example:
     >>> from partitioner.cost.devices import Cluster
@@ -28,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import time
@@ -60,8 +63,8 @@ from partitioner.runtime.schedule_registry import (
     schedule_names,
 )
 
-__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "executable", "SearchResult", "search",
-           "configurations", "CHECKPOINT_ORDER"]
+__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "local_support", "executable", "SearchResult",
+           "search", "configurations", "CHECKPOINT_ORDER"]
 
 CHECKPOINT_ORDER = (NEVER, EXCEPT_LAST, ALWAYS)
 """Checkpoint modes from the least recomputation to the most (the search's order)."""
@@ -77,17 +80,40 @@ class RuntimeSupport:
             one-process runtime executes).
         data_parallel: whether it runs ``dp > 1``.
         tensor_parallel: whether it runs ``tp > 1``.
+        tp_schedules: the schedules it runs with ``tp > 1`` (``None``: all of ``schedules``).
+        dp_missing: why ``dp > 1`` does not run, when ``data_parallel`` is false.
     """
 
     name: str
     schedules: tuple[str, ...] = schedule_names([Runtime.ONE_PROCESS])
     data_parallel: bool = False
     tensor_parallel: bool = False
+    tp_schedules: tuple[str, ...] | None = None
+    dp_missing: str = ""
 
 
-LOCAL_RUNTIME = RuntimeSupport(Runtime.ONE_PROCESS.label,
-                               schedule_names([Runtime.ONE_PROCESS]))
-"""Today's runtime: pipeline stages in one process, the schedules it executes (GPipe)."""
+_REPLICAS = "partitioner.runtime.replicas"
+
+
+def local_support() -> RuntimeSupport:
+    """What the one-process runtimes execute in this installation.
+
+    Pipelines: the schedules the registry lists for ``Runtime.ONE_PROCESS``. Tensor
+    parallelism: ``TensorParallelModule`` runs ``pp`` groups of ``tp`` consecutive devices
+    through the one-process pipeline with its default schedule (GPipe). Data parallelism:
+    the replicas runtime (``runtime/replicas.py``), when installed.
+    """
+    replicas = importlib.util.find_spec(_REPLICAS) is not None
+    return RuntimeSupport(Runtime.ONE_PROCESS.label, schedule_names([Runtime.ONE_PROCESS]),
+                          data_parallel=replicas, tensor_parallel=True,
+                          tp_schedules=(GPIPE,),
+                          dp_missing="" if replicas else
+                          "the one-process replicas runtime (runtime/replicas.py) is not "
+                          "installed")
+
+
+LOCAL_RUNTIME = local_support()
+"""The one-process runtimes: pipelines, tensor parallelism, replicas when installed."""
 
 
 def executable(config: Config, cluster: Cluster,
@@ -99,17 +125,22 @@ def executable(config: Config, cluster: Cluster,
         >>> here = Cluster.local_devices(["cpu", "cpu"], [REFERENCE_CPU] * 2)
         >>> print(executable(Config(pp=2), here))
         None
-        >>> executable(Config(dp=2), here)
-        'dp=2: the one-process runtime (runtime/local.py) has no data parallelism'
+        >>> executable(Config(tp=2, pp=1), here) is None
+        True
     """
     if not cluster.is_local:
         return f"the cluster ({cluster.describe()}) is not this machine"
     if config.dp > 1 and not support.data_parallel:
-        return f"dp={config.dp}: {support.name} has no data parallelism"
+        return (f"dp={config.dp}: {support.name} has no data parallelism"
+                + (f" ({support.dp_missing})" if support.dp_missing else ""))
     if config.tp > 1 and not support.tensor_parallel:
         return f"tp={config.tp}: {support.name} has no tensor parallelism"
     if config.schedule not in support.schedules:
         return f"schedule {config.schedule!r}: {support.name} runs {list(support.schedules)}"
+    if config.tp > 1 and support.tp_schedules is not None \
+            and config.schedule not in support.tp_schedules:
+        return (f"schedule {config.schedule!r} with tp={config.tp}: the tensor-parallel "
+                f"pipeline runs {list(support.tp_schedules)}")
     return None
 
 
@@ -154,23 +185,32 @@ def _divisors(n: int) -> list[int]:
 def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
                    checkpoint: str | None = None, schedules: Sequence[str] | None = None,
                    optimizer: str = "adam", overlap_grad_reduce: bool = True,
-                   overlap_p2p: bool = True, max_microbatches: int = 64) -> Iterator[Config]:
+                   overlap_p2p: bool = True, max_microbatches: int = 64,
+                   tp: int | None = None, pp: int | None = None,
+                   virtual: int | None = None,
+                   tp_degrees: Sequence[int] | None = None) -> Iterator[Config]:
     """Every configuration the search considers, in a fixed order.
 
-    ``chunks`` and ``checkpoint`` fix those choices when given; micro-batches split the
-    batch evenly (``chunks`` divides each replica's batch) and stay at 1 when the workload
-    is not micro-batch safe (batch norm) unless ``chunks`` is given.
+    ``chunks``, ``checkpoint``, ``tp``, ``pp`` and ``virtual`` fix those choices when given;
+    micro-batches split the batch evenly (``chunks`` divides each replica's batch) and stay
+    at 1 when the workload is not micro-batch safe (batch norm) unless ``chunks`` is given.
+    ``tp_degrees`` lists the degrees > 1 the model's split dimensions divide by (default:
+    every power of two in a node).
     """
     n, layers = cluster.size, len(workload.layers)
     splittable = workload.max_tp != 1
     tps = [t for t in _divisors(min(n, cluster.devices_per_node))
            if t == 1 or (splittable and t in workload_tp_degrees(workload, cluster))]
+    if tp_degrees is not None:
+        tps = [t for t in tps if t == 1 or t in tp_degrees]
+    if tp is not None:
+        tps = [tp] if n % tp == 0 else []
     names = tuple(schedules) if schedules is not None else tuple(SCHEDULES)
     modes = (checkpoint,) if checkpoint is not None else CHECKPOINT_ORDER
-    for tp in tps:
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
-            if pp > layers or workload.batch % dp:
+    for t in tps:
+        for p in _divisors(n // t):
+            dp = n // (t * p)
+            if p > layers or workload.batch % dp or (pp is not None and p != pp):
                 continue
             per_replica = workload.batch // dp
             if chunks is not None:
@@ -183,9 +223,10 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
             for m, name, mode in itertools.product(counts, names, modes):
                 if mode == EXCEPT_LAST and m == 1 and mode != checkpoint:
                     continue  # replays nothing: NEVER at no less memory
-                for v in _chunk_counts(name, pp, m, layers):
-                    yield Config(dp, tp, pp, m, name, v, mode, optimizer, overlap_grad_reduce,
-                                 overlap_p2p)
+                for v in _chunk_counts(name, p, m, layers, schedules is not None):
+                    if virtual is None or v == virtual:
+                        yield Config(dp, t, p, m, name, v, mode, optimizer,
+                                     overlap_grad_reduce, overlap_p2p)
 
 
 def workload_tp_degrees(workload: Workload, cluster: Cluster) -> tuple[int, ...]:
@@ -194,11 +235,12 @@ def workload_tp_degrees(workload: Workload, cluster: Cluster) -> tuple[int, ...]
     return tuple(2**k for k in range(int(math.log2(limit)) + 1))
 
 
-def _chunk_counts(schedule: str, pp: int, m: int, layers: int) -> list[int]:
+def _chunk_counts(schedule: str, pp: int, m: int, layers: int, asked: bool = False
+                  ) -> list[int]:
     """Virtual stages per stage worth trying (none: the schedule does not apply)."""
     kind = schedule_kind(schedule)
-    if pp == 1:
-        # One stage runs every schedule alike: try it once, as GPipe.
+    if pp == 1 and not (asked and not kind.virtual):
+        # One stage runs every schedule alike: try it once, as GPipe (or as the one asked).
         return [1] if schedule == GPIPE else []
     if not kind.virtual:
         return [1]
@@ -256,7 +298,9 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
            overlap_p2p: bool = True, executable_only: bool | None = None,
            support: RuntimeSupport = LOCAL_RUNTIME,
            budget: float | None = 5.0, capacity: float | None = None,
-           keep: int = 10) -> SearchResult:
+           keep: int = 10, tp: int | None = None, pp: int | None = None,
+           virtual: int | None = None,
+           tp_degrees: Sequence[int] | None = None) -> SearchResult:
     """The fastest configuration of ``workload`` on ``cluster`` that fits.
 
     Args:
@@ -264,7 +308,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
         cluster: the devices.
         chunks: fix the micro-batches per replica.
         checkpoint: fix the checkpoint mode.
-        schedules: the schedules to try (default all three).
+        schedules: the schedules to try (default every registered one).
         optimizer: the optimizer whose state is held (``partitioner.cost.memory.OPTIMIZERS``).
         overlap_grad_reduce: whether gradient all-reduces overlap the last backward.
         overlap_p2p: whether sends between stages overlap compute.
@@ -272,8 +316,13 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
             cluster is this machine).
         support: what the runtime can execute.
         budget: seconds of planning before returning the best found (None: no limit).
-        capacity: bytes a device may use (default: its memory).
+        capacity: bytes a device may use (default: its memory; the caller takes off the
+            memory reserve, ``partitioner.planning.reserve``).
         keep: how many ranked candidates to return.
+        tp: fix the tensor-parallel degree.
+        pp: fix the pipeline stages.
+        virtual: fix the model chunks per device (interleaved).
+        tp_degrees: the tensor-parallel degrees the model's layers divide by.
 
     Returns:
         The :class:`SearchResult`.
@@ -291,7 +340,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
     configs = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
                                   schedules=schedules, optimizer=optimizer,
                                   overlap_grad_reduce=overlap_grad_reduce,
-                                  overlap_p2p=overlap_p2p))
+                                  overlap_p2p=overlap_p2p, tp=tp, pp=pp, virtual=virtual,
+                                  tp_degrees=tp_degrees))
     queue, excluded, not_executable = [], [], 0
     for c in configs:
         why = executable(c, cluster, support) if local_only else None

@@ -32,12 +32,21 @@ from partitioner.analysis import Analysis
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.machine import local_cluster
-from partitioner.errors import ChunksError, MemoryLimitError, StageCountError
-from partitioner.planning.auto import records, search
+from partitioner.errors import (
+    BalanceError,
+    ChunksError,
+    MemoryLimitError,
+    ScheduleError,
+    StageCountError,
+    TensorParallelError,
+)
+from partitioner.planning.auto import LOCAL_RUNTIME, records, search
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
+from partitioner.planning.reserve import MEMORY_RESERVE, describe_reserve, usable_memory
 from partitioner.planning.simulate import refine
+from partitioner.planning.tp_rules import resolve_shardings
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import fingerprint
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs, Stage
@@ -45,16 +54,22 @@ from partitioner.plans.signature import describe
 from partitioner.plans.spec import Spec
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
-from partitioner.runtime.schedule_registry import GPIPE
+from partitioner.runtime.schedule_registry import GPIPE, schedule_kind
 
-__all__ = ["pipeline_plan", "auto_plan", "plan_from", "plan_request", "record"]
+__all__ = ["pipeline_plan", "auto_plan", "plan_from", "plan_request", "record",
+           "default_virtual", "VIRTUAL_CHOICES", "tensor_parallel_plan", "shardable_degrees"]
+
+VIRTUAL_CHOICES = (4, 3, 2)
+"""Model chunks per device ``schedule="interleaved"`` tries, most first, when not given."""
 
 
-def plan_request(analysis: Analysis, request: PlanRequest) -> Plan:
+def plan_request(analysis: Analysis, request: PlanRequest, *,
+                 tp_degrees: Sequence[int] | None = None) -> Plan:
     """The plan for an analysed model: the split ``request`` fixes, or the planner's.
 
     Without costs (no example inputs) the split must be fixed (``balance=`` or
-    ``split_points=``) and the plan carries no predictions.
+    ``split_points=``) and the plan carries no predictions. ``tp_degrees`` limits the
+    tensor-parallel degrees ``"auto"`` may choose (:func:`shardable_degrees`).
 
     Raises:
         StageCountError: more devices than layers.
@@ -62,7 +77,7 @@ def plan_request(analysis: Analysis, request: PlanRequest) -> Plan:
     """
     names = analysis.layer_names
     n_stages = request.n_devices
-    if n_stages > len(names) and request.devices:
+    if n_stages > len(names) and request.devices and not _fewer_stages(analysis, request):
         raise StageCountError(f"{n_stages} devices but the model has only {len(names)} layers "
                               f"({names[:8]}{' ...' if len(names) > 8 else ''}); pass at most "
                               f"{len(names)} devices")
@@ -78,14 +93,15 @@ def plan_request(analysis: Analysis, request: PlanRequest) -> Plan:
     if request.chunks is not None and batch is not None and request.chunks > batch:
         raise ChunksError(f"chunks={request.chunks} but the example batch has {batch} samples; "
                           f"pass chunks <= {batch} (each micro-batch needs at least one sample)")
+    _check_virtual(request, len(names), cuts is not None)
     if analysis.workload is None:
         assert cuts is not None, "analysis without costs for a split the planner chooses"
         return _uncosted_plan(analysis, request, strategy, cuts)
-    return _costed_plan(analysis, request, strategy, cuts)
+    return _costed_plan(analysis, request, strategy, cuts, tp_degrees)
 
 
 def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
-                 cuts: tuple[int, ...] | None) -> Plan:
+                 cuts: tuple[int, ...] | None, tp_degrees: Sequence[int] | None) -> Plan:
     from partitioner.cost.measure import calibrate_layers
     cluster = request.cluster or local_cluster(list(request.devices))
     workload = analysis.workload
@@ -95,17 +111,132 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                                   workload.layers, analysis.inputs or [], cluster.spec(0),
                                   workload.batch)
         workload = replace(workload, layers=tuple(layers))
-    capacity = min(request.memory_limit) if request.memory_limit else None
+    limit = min(request.memory_limit) if request.memory_limit else None
     method = analysis.captured.method
+    reserve = request.memory_reserve
     if cuts is None and request.strategy == "auto":
+        if request.schedule is not None and cluster.is_local:
+            _check_local_schedule(request.schedule)
         plan = auto_plan(workload, analysis.layer_names, cluster, chunks=request.chunks,
-                         checkpoint=request.checkpoint, capacity=capacity, capture=method)
+                         checkpoint=request.checkpoint, capacity=limit, capture=method,
+                         schedules=(request.schedule,) if request.schedule else None,
+                         virtual=request.virtual_stages, reserve=reserve,
+                         tp_degrees=tp_degrees)
     else:
+        schedule = request.schedule or GPIPE
+        virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
+                                                            len(analysis.layer_names))
+        chunks = request.chunks or (cluster.size if schedule_kind(schedule).grouped else 1)
         plan = pipeline_plan(workload, analysis.layer_names, cluster, strategy=strategy,
-                             chunks=request.chunks or 1,
-                             checkpoint=request.checkpoint or EXCEPT_LAST, boundaries=cuts,
-                             capacity=capacity, capture=method)
+                             chunks=chunks, checkpoint=request.checkpoint or EXCEPT_LAST,
+                             boundaries=cuts, capacity=limit, capture=method,
+                             schedule=schedule, virtual=virtual, reserve=reserve)
     return _check_host_memory(plan, cluster)
+
+
+def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees (powers of two up to ``n_devices``) whose splits the
+    model's dimensions divide by: what ``"auto"`` may choose on this machine (a degree the
+    tensor-parallel pass refuses is not executable)."""
+    degrees = []
+    t = 2
+    while t <= n_devices:
+        try:
+            resolve_shardings(analysis.captured.graph_module, model, t)
+        except TensorParallelError:
+            pass
+        else:
+            degrees.append(t)
+        t *= 2
+    return tuple(degrees)
+
+
+def _fewer_stages(analysis: Analysis, request: PlanRequest) -> bool:
+    """Whether ``"auto"`` may use fewer pipeline stages than devices here: tensor
+    parallelism splits a layer, or replicas run (the search then keeps ``pp <= layers``)."""
+    if request.strategy != "auto" or request.fixes_split or analysis.workload is None:
+        return False
+    return analysis.workload.max_tp != 1 or LOCAL_RUNTIME.data_parallel
+
+
+def default_virtual(schedule: str, n_devices: int, n_layers: int) -> int:
+    """Model chunks per device when ``virtual_stages=`` is not given: 1 for schedules
+    without chunks, else the most of :data:`VIRTUAL_CHOICES` (4, 3, 2) that leaves every
+    virtual stage a layer (``P * v <= layers``); 2 when none does (then refused by
+    :func:`plan_request`, naming the fix).
+
+    Example:
+        >>> default_virtual("interleaved", 4, 10), default_virtual("gpipe", 4, 10)
+        (2, 1)
+    """
+    if not schedule_kind(schedule).virtual:
+        return 1
+    return next((v for v in VIRTUAL_CHOICES if n_devices * v <= n_layers), 2)
+
+
+def _check_virtual(request: PlanRequest, n_layers: int, fixed_split: bool) -> None:
+    """Refuse virtual stages the layers cannot fill, or a fixed split with chunks."""
+    schedule = request.schedule
+    if schedule is None or not schedule_kind(schedule).virtual:
+        return
+    p = request.n_devices
+    if fixed_split:
+        raise BalanceError(f"balance= or split_points= gives one stage per device, but "
+                           f"schedule={schedule!r} runs several model chunks per device; "
+                           "drop balance=/split_points= and let the planner split, or use a "
+                           "schedule without chunks such as 'gpipe'")
+    if request.strategy == "auto":
+        p = 2  # the search tries every pipeline depth; the shallowest with chunks is 2
+    v = request.virtual_stages or default_virtual(schedule, p, n_layers)
+    if p * v > n_layers:
+        most = n_layers // p
+        fix = (f"pass virtual_stages <= {most}" if most >= 2 else
+               f"use fewer devices (at most {n_layers // 2}) or a schedule without chunks "
+               "such as 'gpipe'")
+        raise StageCountError(f"virtual_stages={v} on {p} devices makes {p * v} virtual "
+                              f"stages but the model has only {n_layers} layers; {fix}")
+
+
+def tensor_parallel_plan(analysis: Analysis, request: PlanRequest,
+                         groups: Sequence[Sequence[Any]]) -> Plan:
+    """``strategy="auto"`` for fixed device groups: ``tp`` = a group's size, a pipeline stage
+    per group; the search chooses the micro-batches, checkpoint mode and split (with the
+    schedules the one-process tensor-parallel pipeline runs).
+
+    Raises:
+        StageCountError: more groups than layers.
+        ScheduleError: a schedule the tensor-parallel pipeline does not run.
+        MemoryLimitError: nothing fits.
+    """
+    names = analysis.layer_names
+    if len(groups) > len(names):
+        raise StageCountError(f"{len(groups)} tensor-parallel groups (pipeline stages) but the "
+                              f"model has only {len(names)} layers once its split layers are "
+                              f"merged; pass at most {len(names) * len(groups[0])} devices")
+    tp_schedules = LOCAL_RUNTIME.tp_schedules or LOCAL_RUNTIME.schedules
+    if request.schedule is not None and request.schedule not in tp_schedules:
+        raise ScheduleError(f"schedule={request.schedule!r} with tensor parallelism: the "
+                            f"one-process tensor-parallel pipeline runs {list(tp_schedules)}; "
+                            "pass one of those or omit schedule=")
+    cluster = local_cluster([d for g in groups for d in g])
+    workload = analysis.workload
+    assert workload is not None, "tensor-parallel planning without example inputs"
+    plan = auto_plan(workload, names, cluster, chunks=request.chunks,
+                     checkpoint=request.checkpoint,
+                     capacity=min(request.memory_limit) if request.memory_limit else None,
+                     capture=analysis.captured.method, schedules=tp_schedules,
+                     tp=len(groups[0]), pp=len(groups), reserve=request.memory_reserve,
+                     devices=[str(g[0]) for g in groups])
+    return _check_host_memory(plan, cluster)
+
+
+def _check_local_schedule(schedule: str) -> None:
+    """Refuse a schedule the one-process runtimes cannot run (auto would find nothing)."""
+    if schedule not in LOCAL_RUNTIME.schedules:
+        raise ScheduleError(f"schedule={schedule!r} is not executed by "
+                            f"{LOCAL_RUNTIME.name}; use one of "
+                            f"{list(LOCAL_RUNTIME.schedules)}, or plan for a cluster with "
+                            "make_plan")
 
 
 def _check_host_memory(plan: Plan, cluster: Cluster) -> Plan:
@@ -137,8 +268,8 @@ def _uncosted_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     stages = [Stage(j, str(device), tuple(names[cuts[j]:cuts[j + 1]]))
               for j, device in enumerate(request.devices)]
     return Plan(strategy, tuple(str(d) for d in request.devices), tuple(stages),
-                request.chunks or 1, request.checkpoint or EXCEPT_LAST, GPIPE,
-                analysis.captured.method)
+                request.chunks or 1, request.checkpoint or EXCEPT_LAST,
+                request.schedule or GPIPE, analysis.captured.method)
 
 
 def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanRequest,
@@ -158,7 +289,8 @@ def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanReques
     inputs = PlannerInputs(asked_strategy, request.balance, request.split_points,
                            request.memory_limit, _describe(request.example_inputs),
                            spec.source if spec is not None else None,
-                           describe(request.example_inputs, request.example_kwargs))
+                           describe(request.example_inputs, request.example_kwargs),
+                           request.memory_reserve)
     return replace(plan, stages=stages, planner=inputs, fingerprint=fingerprint(model))
 
 
@@ -179,8 +311,10 @@ def _labels(cluster: Cluster, config: Config) -> tuple[str, ...]:
 
 def plan_from(prediction: Prediction, names: Sequence[str], cluster: Cluster, *,
               strategy: str, capture: str = "fx", candidates: tuple[dict, ...] = (),
-              notes: tuple[str, ...] = ()) -> Plan:
-    """The plan of one prediction: a stage per pipeline device, its chunks' layers in order.
+              notes: tuple[str, ...] = (), devices: Sequence[str] | None = None,
+              reserve: float | None = None) -> Plan:
+    """The plan of one prediction: a stage per virtual stage (``pp * virtual`` of them,
+    virtual stage ``k`` on pipeline device ``k % pp``), its layers in order.
 
     Args:
         prediction: the chosen configuration's prediction.
@@ -190,57 +324,104 @@ def plan_from(prediction: Prediction, names: Sequence[str], cluster: Cluster, *,
         capture: how the model was captured.
         candidates: the records for ``Plan.candidates`` (default: this prediction's).
         notes: remarks for ``Plan.notes``.
+        devices: the pipeline devices' names (default: this machine's, or ``"A100#8"``).
+        reserve: the memory reserve the prediction's capacity left, recorded in the first
+            candidate for ``Plan.explain()``.
     """
     c = prediction.config
     share = replayed(c.checkpoint, c.chunks) / c.chunks
-    labels = _labels(cluster, c)
+    labels = tuple(devices) if devices is not None else _labels(cluster, c)
     stages = []
-    for j in range(c.pp):
-        mine = prediction.stages[j::c.pp]
-        layers = tuple(name for s in mine for name in names[s.first:s.last])
-        time = sum(s.forward + s.backward + share * s.replay for s in mine)
-        stages.append(Stage(j, labels[j], layers, time, int(prediction.memory[j].total),
-                            int(sum(s.param_bytes for s in mine))))
+    for k, s in enumerate(prediction.stages):
+        j = k % c.pp
+        # A device's memory is shared by its chunks: each reports its share of the peak.
+        memory = prediction.memory[j].total * _share(prediction, k)
+        stages.append(Stage(k, labels[j], tuple(names[s.first:s.last]),
+                            s.forward + s.backward + share * s.replay, int(memory),
+                            int(s.param_bytes)))
     own = candidates or (dict(to_record(prediction, cluster), rank=1, chosen=True),)
+    if reserve is not None:
+        own = ({**own[0], "memory_reserve": reserve}, *own[1:])
     return Plan(strategy, labels, tuple(stages), c.chunks, c.checkpoint, c.schedule, capture,
                 prediction.step_time, prediction.bubble, notes, Mesh(c.dp, c.pp, c.tp),
-                candidates=own)
+                candidates=own, virtual_stages=c.virtual)
+
+
+def _share(prediction: Prediction, k: int) -> float:
+    """Virtual stage ``k``'s share of its device's memory (by parameters and activations)."""
+    p = prediction.config.pp
+    if prediction.config.virtual == 1:
+        return 1.0
+    mine = prediction.stages[k % p::p]
+    weight = [s.param_bytes + s.activation_bytes for s in mine]
+    total = sum(weight)
+    return weight[k // p] / total if total > 0 else 1 / len(mine)
 
 
 def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
                   strategy: str = "pipeline", chunks: int = 1, checkpoint: str = "except_last",
                   boundaries: Sequence[int] | None = None, capacity: float | None = None,
-                  optimizer: str = "adam", capture: str = "fx") -> Plan:
-    """A GPipe plan over every device: the optimal split, or ``boundaries`` as given.
+                  optimizer: str = "adam", capture: str = "fx", schedule: str = GPIPE,
+                  virtual: int = 1, reserve: float = MEMORY_RESERVE) -> Plan:
+    """A plan over every device with ``schedule``: the optimal split, or ``boundaries``.
+
+    Args:
+        capacity: bytes of each device (default: its memory); plans use ``1 - reserve``
+            of it.
+        virtual: model chunks per device (``schedule="interleaved"``).
 
     Raises:
         MemoryLimitError: no split fits (only when the split is the planner's to choose).
+        ConfigError: the counts do not suit the schedule (the message says how).
     """
-    config = Config(1, 1, cluster.size, chunks, GPIPE, 1, checkpoint, optimizer)
-    prediction = predict(workload, cluster, config, boundaries, capacity)
+    config = Config(1, 1, cluster.size, chunks, schedule, virtual, checkpoint, optimizer)
+    memory = capacity if capacity is not None else cluster.spec(0).memory_bytes
+    prediction = predict(workload, cluster, config, boundaries, usable_memory(memory, reserve))
     if prediction.reason:
         raise MemoryLimitError(prediction.reason)
     if cluster.is_local and cluster.spec(0).shared_speedup:
         prediction = refine(prediction, cluster)
     return plan_from(prediction, names, cluster, strategy=strategy, capture=capture,
-                     notes=workload.notes)
+                     notes=(*workload.notes, describe_reserve(memory, reserve)),
+                     reserve=reserve)
 
 
 def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
               chunks: int | None = None, checkpoint: str | None = None,
               capacity: float | None = None, optimizer: str = "adam",
-              budget: float | None = 5.0, capture: str = "fx") -> Plan:
+              budget: float | None = 5.0, capture: str = "fx",
+              schedules: Sequence[str] | None = None, virtual: int | None = None,
+              tp: int | None = None, pp: int | None = None, reserve: float = MEMORY_RESERVE,
+              devices: Sequence[str] | None = None,
+              tp_degrees: Sequence[int] | None = None) -> Plan:
     """The fastest fitting configuration :func:`partitioner.planning.auto.search` finds, as a plan.
 
-    On this machine's devices only configurations the runtime can execute are chosen.
-    ``Plan.strategy`` says what was chosen: ``"pipeline"`` (``dp = tp = 1``) or ``"hybrid"``.
+    On this machine's devices only configurations the runtimes can execute are chosen.
+    ``Plan.strategy`` says what was chosen: ``"pipeline"`` (``dp = tp = 1``),
+    ``"tensor_parallel"`` (``tp > 1``, ``dp = 1``), ``"replicas"`` (``dp > 1`` here) or
+    ``"hybrid"`` (``dp > 1`` on a cluster).
+
+    Args:
+        capacity: bytes of each device (default: its memory); plans use ``1 - reserve``
+            of it (``partitioner.planning.reserve``).
+        schedules, virtual, tp, pp: fix those choices (see ``search``).
+        tp_degrees: the tensor-parallel degrees the model's layers divide by.
+        devices: the pipeline devices' names in the plan (default: the cluster's).
     """
+    memory = capacity if capacity is not None else cluster.spec(0).memory_bytes
     result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                    optimizer=optimizer, budget=budget, capacity=capacity)
+                    optimizer=optimizer, budget=budget,
+                    capacity=usable_memory(memory, reserve), schedules=schedules,
+                    virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees)
     made = records(result, cluster)
-    why = explain(made).splitlines()[-1]
-    notes = (*workload.notes, why)
-    c = result.best.config
-    kind = "pipeline" if c.dp == c.tp == 1 else "hybrid"
-    return plan_from(result.best, names, cluster, strategy=kind, capture=capture,
-                     candidates=made, notes=notes)
+    why = next(line for line in explain(made).splitlines() if line.startswith("chosen:"))
+    notes = (*workload.notes, describe_reserve(memory, reserve), why)
+    return plan_from(result.best, names, cluster, strategy=_kind(result.best.config, cluster),
+                     capture=capture, candidates=made, notes=notes, devices=devices,
+                     reserve=reserve)
+
+
+def _kind(c: Config, cluster: Cluster) -> str:
+    if c.dp == 1:
+        return "pipeline" if c.tp == 1 else "tensor_parallel"
+    return "replicas" if cluster.is_local else "hybrid"

@@ -65,7 +65,7 @@ INPUT_SHARE = 0.5
 """The share of a stage's backward its input-gradient half (``I``) takes; ``W`` the rest."""
 
 __all__ = ["INPUT_SHARE", "ConfigError", "Config", "StageProfile", "Prediction", "predict",
-           "layer_profile", "replayed", "stage_problem"]
+           "layer_profile", "replayed", "stage_problem", "replica_sync_time"]
 
 
 @dataclass(frozen=True)
@@ -429,6 +429,24 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
     return tuple(out)
 
 
+def replica_sync_time(grad_bytes: float, param_bytes: float, dp: int, bandwidth: float
+                      ) -> float:
+    """Seconds to sum ``dp`` replicas' gradients and copy the weights back to each, in one
+    process (``runtime/replicas.py``): copies over the host's memory bandwidth, after the
+    backward (nothing overlaps them).
+
+    The sum reads every replica's gradients and writes one; the broadcast reads the weights
+    and writes ``dp - 1`` copies, each ``dp - 1`` times a read and a write.
+
+    Example:
+        >>> replica_sync_time(1e9, 1e9, 2, 10e9)  # (3 + 2) GB at 10 GB/s
+        0.5
+    """
+    if dp <= 1 or bandwidth <= 0:
+        return 0.0
+    return ((dp + 1) * grad_bytes + 2 * (dp - 1) * param_bytes) / bandwidth
+
+
 def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[StageProfile],
                        spec: DeviceSpec) -> float:
     """Seconds of faulting in the optimizer's temporaries for weights too large for the
@@ -505,9 +523,14 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
                                     optimizer=config.optimizer, element=element,
                                     mixed_precision=workload.mixed_precision))
         ranks = [(j * config.dp + r) * config.tp for r in range(config.dp)]
-        reduce = all_reduce_time(sum(s.grad_bytes for s in mine), config.dp,
-                                 cluster.group_link(ranks)) if config.dp > 1 else 0.0
-        window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce else 0
+        grads = sum(s.grad_bytes for s in mine)
+        if config.dp > 1 and cluster.is_local:
+            reduce = replica_sync_time(grads, params, config.dp, cluster.intra_node.bandwidth)
+        else:
+            reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
+                if config.dp > 1 else 0.0
+        window = mine[0].backward + share * mine[0].replay \
+            if config.overlap_grad_reduce and not cluster.is_local else 0
         optimizer = params / element * traffic / cluster.spec(j).optimizer_rate \
             + _fresh_temporaries(workload, config, mine, cluster.spec(j))
         ends.append(pipeline - drained + max(reduce - window, 0.0)

@@ -40,8 +40,25 @@ def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = 
     table = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     table.insert(1, "  ".join("-" * w for w in widths))
     lines += table
+    memory = _memory(records[0])
+    if memory:
+        lines.append(memory)
     lines.append(_why(ranked, info))
     return "\n".join(lines)
+
+
+def _memory(record: dict[str, Any]) -> str:
+    """What each device's memory the plan may use, and the reserve it leaves."""
+    capacity = record.get("capacity")
+    if not capacity:
+        return ""
+    reserve = record.get("memory_reserve")
+    if reserve is None:
+        return f"memory: plans use at most {format_bytes(capacity)} per device."
+    whole = capacity / (1 - reserve)
+    return (f"memory: plans use at most {format_bytes(capacity)} of each device's "
+            f"{format_bytes(whole)} (memory_reserve={reserve:g} left for the allocator and "
+            "workspaces).")
 
 
 def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
@@ -97,12 +114,19 @@ def _after(r: dict[str, Any]) -> float:
 
 
 def format_seconds(s: float) -> str:
+    """Seconds as ``"12.3 ms"`` below a second, else ``"1.23 s"``."""
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    """Bytes in binary units, three significant digits, as memory is sold and reported.
+
+    Example:
+        >>> format_bytes(12.5 * 2**30), format_bytes(3 * 2**20), format_bytes(512)
+        ('12.5 GiB', '3 MiB', '512 B')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} TB"
+        n /= 1024
+    return f"{n:.3g} TiB"

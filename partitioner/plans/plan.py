@@ -26,7 +26,7 @@ from typing import Any
 
 from partitioner.errors import PlanFormatError
 from partitioner.plans.documents import check_document, parse_json, read_text
-from partitioner.plans.explain import explain
+from partitioner.plans.explain import explain, format_bytes
 from partitioner.plans.fingerprint import Fingerprint
 from partitioner.plans.plan_check import document_problems
 from partitioner.plans.signature import InputSignature
@@ -122,6 +122,8 @@ class PlannerInputs:
         signature: the example batch's inputs, positional and keyword (shapes, dtypes,
             batch dimension, non-tensor values): what applying the plan captures the model
             with when no example inputs are given (``partitioner.plans.signature``).
+        memory_reserve: the share of each device's memory the plan leaves unused
+            (``partitioner.planning.reserve``), if recorded.
     """
 
     strategy: str = "auto"
@@ -131,6 +133,7 @@ class PlannerInputs:
     example_inputs: tuple[str, ...] = ()
     spec: dict[str, Any] | None = field(default=None, compare=False)
     signature: InputSignature | None = None
+    memory_reserve: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,9 @@ class Plan:
 
     Attributes:
         strategy: how it was made ("pipeline", "balance", "split_points", ...).
-        devices: one device string per stage.
-        stages: the stages, in order.
+        devices: one device string per pipeline stage (``P`` of them).
+        stages: the stages, in order: ``P * virtual_stages`` virtual stages, virtual stage
+            ``k`` on ``devices[k % P]``.
         chunks: micro-batches per mini-batch.
         checkpoint: "always", "except_last" or "never".
         schedule: the pipeline schedule, a name of ``partitioner.runtime.schedule_registry``.
@@ -156,6 +160,7 @@ class Plan:
         candidates: the planner's ranked candidates as plain JSON data, the chosen one
             first with its stage costs (``partitioner.planning.auto``; read by :meth:`explain` and
             ``partitioner.planning.simulate``).
+        virtual_stages: model chunks per device ``v`` (the interleaved schedule's; else 1).
     """
 
     strategy: str
@@ -173,21 +178,18 @@ class Plan:
     planner: PlannerInputs | None = None
     fingerprint: Fingerprint | None = None
     candidates: tuple[dict[str, Any], ...] = field(default=())
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
+        v = self.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanFormatError(f"virtual_stages={v!r}; give an int >= 1 (model chunks per "
+                                  "device, 1 unless the schedule is interleaved)")
         if self.mesh is None:
-            object.__setattr__(self, "mesh", Mesh(1, len(self.stages), 1))
+            object.__setattr__(self, "mesh", Mesh(1, max(len(self.stages) // v, 1), 1))
         # Sorted, so equal plans print and save alike whatever order the specs came in.
         object.__setattr__(self, "shard_specs", dict(sorted(self.shard_specs.items())))
-        problems = []
-        if self.mesh is not None and self.mesh.pp != len(self.stages):
-            problems.append(f"mesh pp={self.mesh.pp} but there are {len(self.stages)} stages")
-        if len(self.devices) != len(self.stages):
-            problems.append(f"{len(self.stages)} stages but {len(self.devices)} devices")
-        problems += [f"stages[{j}].device is {s.device!r} but devices[{j}] is "
-                     f"{self.devices[j]!r}: the plan would report one and run on the other; "
-                     "make them the same" for j, s in enumerate(self.stages)
-                     if j < len(self.devices) and s.device != self.devices[j]]
+        problems = self._device_problems()
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             problems.append(f"stage indices {[s.index for s in self.stages]} are not 0..P-1")
         if self.chunks < 1:
@@ -201,8 +203,24 @@ class Plan:
         if problems:
             raise PlanFormatError("invalid plan: " + "; ".join(problems))
 
+    def _device_problems(self) -> list[str]:
+        """Whether stages, devices and mesh agree: virtual stage ``k`` on ``devices[k % P]``."""
+        p, v, n = len(self.devices), self.virtual_stages, len(self.stages)
+        problems = []
+        if self.mesh is not None and self.mesh.pp != p:
+            problems.append(f"mesh pp={self.mesh.pp} but there are {p} devices")
+        if n != p * v:
+            problems.append(f"{n} stages but {p} devices x virtual_stages={v} = {p * v}; "
+                            "list one stage per device and model chunk")
+        problems += [f"stages[{k}].device is {s.device!r} but devices[{k % p}] is "
+                     f"{self.devices[k % p]!r}: the plan would report one and run on the "
+                     "other; make them the same" for k, s in enumerate(self.stages)
+                     if p and s.device != self.devices[k % p]]
+        return problems
+
     def __hash__(self) -> int:
-        return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint))
+        return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint,
+                     self.schedule, self.virtual_stages))
 
     def explain(self) -> str:
         """The planner's ranked candidates and why this one won (``partitioner.planning.auto``)."""
@@ -231,6 +249,9 @@ class Plan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         summary = (f"{self.strategy}: {len(self.stages)} stages, chunks={self.chunks}, "
                    f"checkpoint={self.checkpoint}, schedule={self.schedule}")
+        if self.virtual_stages > 1:
+            summary += (f" ({self.virtual_stages} virtual stages on each of "
+                        f"{len(self.devices)} devices)")
         if self.mesh is not None and (self.mesh.dp, self.mesh.tp) != (1, 1):
             summary += f", mesh dp={self.mesh.dp} pp={self.mesh.pp} tp={self.mesh.tp}"
         if self.shard_specs:
@@ -308,6 +329,7 @@ def _fields_from_dict(data: dict[str, Any]) -> dict[str, Any]:
     body.update(
         stages=tuple(_stage(s) for s in body["stages"]), devices=tuple(body["devices"]),
         chunks=int(body.get("chunks", 1)), notes=tuple(body.get("notes", ())),
+        virtual_stages=int(body.get("virtual_stages", 1)),
         mesh=Mesh(**{k: int(v) for k, v in mesh.items()}) if mesh is not None else None,
         shard_specs={str(k): ShardSpec(int(v["dim"]), v["kind"]) for k, v in shards.items()},
         planner=_planner_from_dict(body.get("planner")),
@@ -390,11 +412,4 @@ def _ms(seconds: float | None) -> str:
 
 
 def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} GB"
+    return "-" if n is None else format_bytes(n)

@@ -34,7 +34,7 @@ __all__ = ["document_problems", "TOP_KEYS", "STAGE_KEYS", "CAPTURES", "CHECKPOIN
 
 TOP_KEYS = ("format", "version", "strategy", "devices", "stages", "chunks", "checkpoint",
             "schedule", "capture", "predicted_step_time", "predicted_bubble", "notes",
-            "candidates", "mesh", "shard_specs", "planner", "fingerprint")
+            "candidates", "mesh", "shard_specs", "planner", "fingerprint", "virtual_stages")
 STAGE_KEYS = ("index", "device", "layers", "predicted_time", "predicted_memory",
               "param_bytes", "send_bytes")
 CAPTURES = ("fx", "export")
@@ -172,6 +172,13 @@ def _positive(value: Any, where: str) -> list[str]:
     return [] if _is_number(value) and value > 0 else [f"{where}: {value!r}; give a number > 0"]
 
 
+def _reserve(value: Any, where: str) -> list[str]:
+    if value is None or (_is_number(value) and 0 <= value < 1):
+        return []
+    return [f"{where}: {value!r}; give a number in [0, 1) (the share of memory left unused), "
+            "or null"]
+
+
 def _signature(value: Any, where: str) -> list[str]:
     shape = _object({"args": _array(0, entry_problems, "inputs"),
                      "kwargs": _mapping(entry_problems, "an object of keyword inputs")},
@@ -198,6 +205,7 @@ _FIELDS: dict[str, Check] = {
     "devices": _strings(1, "device strings"),
     "stages": _array(1, _STAGE, "stages"),
     "chunks": _integer(1),
+    "virtual_stages": _integer(1),
     "checkpoint": _choice(CHECKPOINTS),
     "schedule": _string("gpipe"),
     "capture": _choice(CAPTURES),
@@ -217,7 +225,8 @@ _FIELDS: dict[str, Check] = {
                         "memory_limit": _array(0, _positive, "byte counts > 0", nullable=True),
                         "example_inputs": _strings(0, "input descriptions"),
                         "spec": _any_object(nullable=True),
-                        "signature": _signature},
+                        "signature": _signature,
+                        "memory_reserve": _reserve},
                        (), "an object of what the planner was asked", nullable=True),
     "fingerprint": _object({"digest": _digest, "model": _string("GPT2LMHeadModel"),
                             "modules": _strings(0, "module names"), "parameters": _TENSORS,

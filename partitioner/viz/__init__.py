@@ -21,7 +21,8 @@ Example:
     >>> import torch
     >>> from partitioner import partition
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> pm = partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(6, 4),), chunks=2)
+    >>> pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(torch.randn(6, 4),),
+    ...                chunks=2)
     >>> "subgraph cluster_stage1" in to_dot(diagram(pm.analysis, pm.plan))
     True
 """

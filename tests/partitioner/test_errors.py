@@ -50,7 +50,7 @@ def test_unknown_strategy() -> None:
 
 def test_more_stages_than_layers() -> None:
     with pytest.raises(StageCountError, match="8 devices but the model has only 7 layers"):
-        partition(mlp(), devices=["cpu"] * 8, example_inputs=(_x(),))
+        partition(mlp(), ["cpu"] * 8, "pipeline", example_inputs=(_x(),))
 
 
 def test_balance_wrong_length() -> None:
@@ -92,7 +92,8 @@ def test_plan_that_cannot_fit_memory_says_how_many_devices_would() -> None:
     # Each layer needs ~33 KB of parameters+gradients (+ activations): 2 devices of 70 KB
     # cannot hold 8 of them, and the message says how many would.
     with pytest.raises(MemoryLimitError, match=r"\d+ devices of that size would fit") as info:
-        partition(model, devices=["cpu"] * 2, example_inputs=(x,), memory_limit=70_000)
+        partition(model, devices=["cpu"] * 2, example_inputs=(x,), memory_limit=70_000,
+                  memory_reserve=0.0)
     assert isinstance(info.value, ValueError)
 
 

@@ -139,7 +139,8 @@ def test_plans_that_the_runtime_cannot_run_are_refused() -> None:
 def test_export_captured_plan_applies_exactly(tmp_path: Path) -> None:
     model = gpt2().eval()
     ids = torch.randint(0, 64, (4, 16))
-    first = partition(model, ["cpu"] * 2, example_inputs=(ids,), chunks=2)
+    # A pipeline plan: applying a saved tensor-parallel plan is not supported yet.
+    first = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(ids,), chunks=2)
     again = partition(model, None, plan=_saved(tmp_path, first.plan), example_inputs=(ids,))
     assert again.plan == first.plan and again.plan.capture == "export"
     with torch.no_grad():
