@@ -52,7 +52,7 @@ from partitioner.runtime.schedule_registry import (
     schedule_names,
 )
 
-__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "executable", "SearchResult", "search",
+__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "MULTI_PROCESS_RUNTIME", "executable", "SearchResult", "search",
            "configurations", "CHECKPOINT_ORDER"]
 
 CHECKPOINT_ORDER = (NEVER, EXCEPT_LAST, ALWAYS)
@@ -80,6 +80,12 @@ class RuntimeSupport:
 LOCAL_RUNTIME = RuntimeSupport(Runtime.ONE_PROCESS.label,
                                schedule_names([Runtime.ONE_PROCESS]))
 """Today's runtime: pipeline stages in one process, the schedules it executes (GPipe)."""
+
+MULTI_PROCESS_RUNTIME = RuntimeSupport(Runtime.MULTI_PROCESS.label,
+                                       schedule_names([Runtime.MULTI_PROCESS]),
+                                       data_parallel=True, tensor_parallel=True)
+"""``partition_distributed``: one process per rank, data and tensor parallelism (tensor
+parallelism inside a node: :func:`configurations` keeps it there), the schedules it runs."""
 
 
 def executable(config: Config, cluster: Cluster,
