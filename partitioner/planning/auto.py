@@ -52,8 +52,8 @@ from partitioner.runtime.schedule_registry import (
     schedule_names,
 )
 
-__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "MULTI_PROCESS_RUNTIME", "executable", "SearchResult", "search",
-           "configurations", "CHECKPOINT_ORDER"]
+__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "MULTI_PROCESS_RUNTIME", "executable",
+           "SearchResult", "search", "configurations", "CHECKPOINT_ORDER"]
 
 CHECKPOINT_ORDER = (NEVER, EXCEPT_LAST, ALWAYS)
 """Checkpoint modes from the least recomputation to the most (the search's order)."""

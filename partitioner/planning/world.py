@@ -107,7 +107,7 @@ class Degrees:
         product = math.prod(given.values())
         if world_size % product or (len(given) == 3 and product != world_size):
             raise MeshError(
-                f"{self.label()} make {product} ranks per mesh, but the world has "
+                f"{self.label()} need {product} ranks per mesh, but the world has "
                 f"{world_size}; pass sizes whose product "
                 f"{'is' if len(given) == 3 else 'divides'} {world_size}, or leave them out "
                 "for strategy='auto' to choose")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,15 @@ def build(name: str) -> nn.Module:
 
 
 def data(name: str, batch: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch, ``steps`` times: its loss must fall step by step."""
     g = torch.Generator().manual_seed(1)
     if name == "gpt":
-        return [(torch.randint(0, 64, (batch, 8), generator=g),
-                 torch.randint(0, 64, (batch, 8), generator=g)) for _ in range(steps)]
-    return [(torch.randn(batch, 8, generator=g, dtype=torch.float64),
-             torch.randn(batch, 8, generator=g, dtype=torch.float64)) for _ in range(steps)]
+        x, y = (torch.randint(0, 64, (batch, 8), generator=g),
+                torch.randint(0, 64, (batch, 8), generator=g))
+    else:
+        x, y = (torch.randn(batch, 8, generator=g, dtype=torch.float64),
+                torch.randn(batch, 8, generator=g, dtype=torch.float64))
+    return [(x, y)] * steps
 
 
 def loss_for(name: str) -> Any:
@@ -123,7 +127,7 @@ def scenario_enumerate(args: dict[str, Any]) -> None:
     name, batch = args["model"], args["batch"]
     x = data(name, batch, 1)[0][0]
     workload = analyze(build(name), (x,)).workload
-    cluster = world_cluster(["here"] * dist.get_world_size(), "cpu")
+    cluster = world_cluster(["here"] * int(os.environ["WORLD_SIZE"]), "cpu")
     seen, skipped = {}, []
     for c in configurations(workload, cluster):
         why = executable(c, cluster, MULTI_PROCESS_RUNTIME)
@@ -139,7 +143,7 @@ def scenario_enumerate(args: dict[str, Any]) -> None:
         try:
             record = train(case)
         except PartitionError as error:  # reported, so the test names the configuration
-            record = dict(case=case, rank=dist.get_rank(), error=f"{type(error).__name__}: "
+            record = dict(case=case, rank=int(os.environ["RANK"]), error=f"{type(error).__name__}: "
                                                                  f"{error}")
         report(kind="run", label=label, **record)
 
@@ -157,7 +161,7 @@ def scenario_errors(args: dict[str, Any]) -> None:
         else:
             report(case=case, type=None, message="", partition_error=False)
 
-    world = dist.get_world_size() if dist.is_initialized() else args["world"]
+    world = int(os.environ["WORLD_SIZE"])
     attempt("product", strategy="auto", pp=3)
     attempt("all_three", strategy="auto", pp=world, dp=2, tp=1)
     attempt("balance", strategy="auto", balance=[5, 4])
