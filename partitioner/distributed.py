@@ -239,7 +239,7 @@ def _auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: 
                             f"stage, but tp={tp}; pass tp=2 (or more) with them")
     memory = float(memory_limit) if memory_limit is not None else None
     return AutoOptions(Degrees(pp, dp, tp), cluster, chunks, schedule, checkpoint, memory,
-                       memory_reserve)
+                       memory_reserve, rules)
 
 
 def _mesh_sizes(given: Plan | None, pp: int | None, dp: int | None, tp: int | None

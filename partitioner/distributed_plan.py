@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,12 +25,16 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import errors
-from partitioner.analysis import analyze
+from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import Cluster
 from partitioner.errors import PartitionError, StrategyError
+from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.planner import record
+from partitioner.planning.predict import Config
+from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.world import (
     DEFAULT_RESERVE,
+    Check,
     Degrees,
     capacity_of,
     cluster_option,
@@ -43,7 +48,8 @@ from partitioner.request import PlanRequest
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.microbatch import scatter
 
-__all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster"]
+__all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
+           "tensor_parallel_check"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class AutoOptions:
         checkpoint: a checkpoint mode.
         memory_limit: bytes per rank.
         memory_reserve: share of each device's memory left unused.
+        rules: ``tensor_parallel=`` rules (with a fixed ``tp``).
     """
 
     degrees: Degrees
@@ -67,6 +74,7 @@ class AutoOptions:
     checkpoint: str | None = None
     memory_limit: float | None = None
     memory_reserve: float | None = None
+    rules: Mapping[str, str] | None = None
 
 
 def describe_cluster(cluster: Cluster | str | None) -> str | None:
@@ -124,6 +132,41 @@ def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     return Plan.from_dict(outcome["plan"])
 
 
+def tensor_parallel_check(model: nn.Module, analysis: Analysis,
+                          rules: Mapping[str, str] | None = None) -> Check:
+    """Why the tensor-parallel pass cannot run a configuration on this model (``None``: it
+    can): the splits must divide by ``tp`` (attention heads, say), and a stage boundary may
+    not cut a column/row pair, so the layers merge and fewer stages fit.
+
+    The search costs any ``tp``; this asks the pass, once per degree, on the capture.
+    """
+    parsed = TensorParallelRules.parse(rules)
+    gm = analysis.captured.graph_module
+    found: dict[int, tuple[str | None, int]] = {}
+
+    def merged(tp: int) -> tuple[str | None, int]:
+        if tp not in found:
+            try:
+                plan = resolve_shardings(gm, model, tp, parsed)
+                assert plan.choice is not None, "resolve_shardings records the pass's choice"
+                layers = merge_split_layers(gm, analysis.layers, plan.choice.propagation)
+                found[tp] = (None, len(layers))
+            except PartitionError as error:
+                found[tp] = (f"tp={tp}: {str(error).splitlines()[0]}", 0)
+        return found[tp]
+
+    def check(config: Config) -> str | None:
+        if config.tp == 1:
+            return None
+        why, count = merged(config.tp)
+        if why is None and config.pp * config.virtual > count:
+            why = (f"tp={config.tp} keeps each column/row pair in one stage, which leaves "
+                   f"{count} layers: too few for pp={config.pp}")
+        return why
+
+    return check
+
+
 def _rank0_error(name: str, message: str) -> Exception:
     kind = getattr(errors, name, None)
     if isinstance(kind, type) and issubclass(kind, PartitionError):
@@ -144,7 +187,8 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     capacity = capacity_of(cluster, reserve, limit)
     result = search_world(analysis.workload, cluster, options.degrees, chunks=request.chunks,
                           checkpoint=request.checkpoint, schedule=options.schedule,
-                          capacity=capacity)
+                          capacity=capacity, check=tensor_parallel_check(model, analysis,
+                                                                         options.rules))
     plan = world_plan(result, analysis.layer_names, cluster,
                       capture=analysis.captured.method, notes=analysis.workload.notes)
     plan = record(plan, model, analysis, request, "auto")

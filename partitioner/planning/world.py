@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 from partitioner.cost.cost import Workload
@@ -52,7 +52,7 @@ from partitioner.plans.plan import Plan
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
 
 __all__ = ["Degrees", "LOOPBACK", "ETHERNET", "nodes_of", "world_cluster", "cluster_option",
-           "capacity_of", "search_world", "world_plan", "assume_split", "DEFAULT_RESERVE"]
+           "capacity_of", "Check", "search_world", "world_plan", "assume_split", "DEFAULT_RESERVE"]
 
 LOOPBACK = LinkSpec("gloo over loopback (assumed)", 5e9, 30e-6)
 """Between the ranks of one CPU node: gloo through the kernel's loopback (an assumption;
@@ -221,15 +221,23 @@ def capacity_of(cluster: Cluster, reserve: float, memory_limit: float | None = N
     return spec.memory_bytes * (1 - reserve) / shared
 
 
+Check = Callable[[Config], str | None]
+"""Why the model cannot run a configuration (``None``: it can), beyond what the runtime
+supports: e.g. whether tensor parallelism splits this model ``tp`` ways."""
+
+
 def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degrees(), *,
                  chunks: int | None = None, checkpoint: str | None = None,
                  schedule: str | None = None, capacity: float | None = None,
-                 budget: float | None = 5.0) -> SearchResult:
+                 budget: float | None = 5.0, check: Check | None = None) -> SearchResult:
     """The fastest configuration of ``workload`` that the multi-process runtime runs on
     ``cluster``, with the ``degrees`` given.
 
     Without fixed degrees this is :func:`partitioner.planning.auto.search`; with them, the
     configurations of those degrees are predicted one by one (fewer: no bound needed).
+    ``check`` refuses configurations the model cannot take: the search's ranked candidates
+    are kept only if it passes them, and when none passes, the search runs again without
+    tensor parallelism (which ``check`` is for).
 
     Raises:
         ScheduleError: ``schedule`` is not one the multi-process runtime runs.
@@ -246,12 +254,27 @@ def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degree
     schedules = (schedule,) if schedule else (None if cluster.is_local else support.schedules)
     if degrees.tp is not None and degrees.tp > 1 and workload.max_tp == 1:
         workload = assume_split(workload)
-    if not degrees.given:
-        return search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                      schedules=schedules, executable_only=cluster.is_local, support=support,
-                      budget=budget, capacity=capacity)
-    return _fixed_search(workload, cluster, degrees, chunks=chunks, checkpoint=checkpoint,
-                         schedules=schedules, capacity=capacity, budget=budget)
+    if degrees.given:
+        return _fixed_search(workload, cluster, degrees, chunks=chunks, checkpoint=checkpoint,
+                             schedules=schedules, capacity=capacity, budget=budget,
+                             check=check)
+    result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
+                    schedules=schedules, executable_only=cluster.is_local, support=support,
+                    budget=budget, capacity=capacity)
+    if check is None:
+        return result
+    refused = [(p.config.label(), why, p.step_time) for p in result.ranked
+               for why in [check(p.config)] if why is not None]
+    kept = tuple(p for p in result.ranked if check(p.config) is None)
+    if not kept:
+        return _fixed_search(workload, cluster, Degrees(tp=1), chunks=chunks,
+                             checkpoint=checkpoint, schedules=schedules, capacity=capacity,
+                             budget=budget, check=check, refused=refused)
+    # The refused were predicted faster than the new best: they lead the explanation.
+    return replace(result, best=kept[0], ranked=kept,
+                   not_executable=result.not_executable + len(refused),
+                   excluded=(*refused, *result.excluded)[:5],
+                   excluded_faster=result.excluded_faster + len(refused))
 
 
 def assume_split(workload: Workload) -> Workload:
@@ -269,15 +292,18 @@ def assume_split(workload: Workload) -> Workload:
 def _fixed_search(workload: Workload, cluster: Cluster, degrees: Degrees, *,
                   chunks: int | None, checkpoint: str | None,
                   schedules: Sequence[str] | None, capacity: float | None,
-                  budget: float | None) -> SearchResult:
+                  budget: float | None, check: Check | None = None,
+                  refused: Sequence[tuple[str, str, float]] = ()) -> SearchResult:
     start = time.perf_counter()
     every = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
                                 schedules=schedules))
     wanted = [c for c in every if degrees.matches(c)]
-    excluded: list[tuple[str, str, float]] = []
+    excluded: list[tuple[str, str, float]] = list(refused)
     runnable = []
     for c in wanted:
         why = executable(c, cluster, MULTI_PROCESS_RUNTIME) if cluster.is_local else None
+        if why is None and check is not None:
+            why = check(c)
         if why is None:
             runnable.append(c)
         else:

@@ -170,3 +170,22 @@ def test_world_plan_records_the_choice(workload: object) -> None:
     assert sum(len(s.layers) for s in plan.stages) == len(workload.layer_names)
     text = plan.explain()
     assert "chosen: " + c.label() in text
+
+
+def test_check_refuses_ranked_candidates(workload: object) -> None:
+    cluster = world_cluster(["box"] * 4, "cpu")
+    free = search_world(workload.workload, cluster)
+    first = free.best.config
+    result = search_world(workload.workload, cluster,
+                          check=lambda c: "refused" if c == first else None)
+    assert result.best.config != first and first not in [p.config for p in result.ranked]
+    assert (first.label(), "refused") in [(label, why) for label, why, _ in result.excluded]
+    assert result.not_executable == free.not_executable + 1
+
+
+def test_check_refusing_every_candidate_falls_back_to_tp_1(workload: object) -> None:
+    cluster = world_cluster(["box"] * 4, "cpu")
+    ranked = {p.config for p in search_world(workload.workload, cluster).ranked}
+    result = search_world(workload.workload, cluster,
+                          check=lambda c: "refused" if c in ranked else None)
+    assert result.best.config not in ranked and result.best.config.tp == 1
