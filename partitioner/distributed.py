@@ -13,6 +13,10 @@ same stage graphs, keeps only its own stage, and trains with :meth:`DistributedM
         optimizer.step()
     dpm.save("ckpt.pt", optimizer)                   # one file; ["model"] loads into `model`
 
+With ``strategy="auto"`` the mesh sizes, schedule, micro-batches and checkpoint mode not
+given are searched for this world (``partitioner.distributed_plan``, rank 0 plans; design
+004, "Choosing the mesh"); ``example_inputs`` is then the whole batch of a step.
+
 This front only validates, plans and hands off: it starts torch.distributed
 (``partitioner.runtime.distributed.mesh``) and the failure watchdog
 (``partitioner.runtime.distributed.failure``), makes the plan from one

@@ -121,16 +121,19 @@ def scenario_enumerate(args: dict[str, Any]) -> None:
     """Every configuration the multi-process search marks executable for ``args["model"]``
     on this world, each fixed through ``strategy="auto"`` and trained one step."""
     from partitioner.analysis import analyze
+    from partitioner.distributed_plan import tensor_parallel_check
     from partitioner.planning.auto import MULTI_PROCESS_RUNTIME, configurations, executable
     from partitioner.planning.world import world_cluster
 
     name, batch = args["model"], args["batch"]
     x = data(name, batch, 1)[0][0]
-    workload = analyze(build(name), (x,)).workload
+    model = build(name)
+    analysis = analyze(model, (x,))
+    check = tensor_parallel_check(model, analysis)
     cluster = world_cluster(["here"] * int(os.environ["WORLD_SIZE"]), "cpu")
     seen, skipped = {}, []
-    for c in configurations(workload, cluster):
-        why = executable(c, cluster, MULTI_PROCESS_RUNTIME)
+    for c in configurations(analysis.workload, cluster):
+        why = executable(c, cluster, MULTI_PROCESS_RUNTIME) or check(c)
         if why is not None:
             skipped.append([c.label(), why])
             continue
