@@ -13,6 +13,10 @@ same stage graphs, keeps only its own stage, and trains with :meth:`DistributedM
         optimizer.step()
     dpm.save("ckpt.pt", optimizer)                   # one file; ["model"] loads into `model`
 
+With ``strategy="auto"`` the mesh sizes, schedule, micro-batches and checkpoint mode not
+given are searched for this world (``partitioner.distributed_plan``, rank 0 plans; design
+004, "Choosing the mesh"); ``example_inputs`` is then the whole batch of a step.
+
 This front only validates, plans and hands off: it starts torch.distributed
 (``partitioner.runtime.distributed.mesh``) and the failure watchdog
 (``partitioner.runtime.distributed.failure``), makes the plan from one
@@ -38,12 +42,15 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze, build_stage_graphs
+from partitioner.cost.devices import Cluster
+from partitioner.distributed_plan import AutoOptions, choose_plan, describe_cluster, local_batch
 from partitioner.errors import StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
+from partitioner.planning.world import Degrees
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
@@ -80,7 +87,9 @@ def partition_distributed(
         plan: Plan | str | Path | None = None, memory_limit: float | None = None,
         loss_reduction: str = "mean", bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         seed: int = 0, failure: FailurePolicy | None = None, fuse_weight_grads: bool = True,
-        backend: str | None = None) -> DistributedModel:
+        backend: str | None = None, strategy: str | None = None,
+        cluster: Cluster | str | None = None,
+        memory_reserve: float | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -117,6 +126,17 @@ def partition_distributed(
             tensor
             hooks, are left to autograd).
         backend: ``"gloo"`` or ``"nccl"`` if torch.distributed must be started.
+        strategy: ``"auto"``: search the mesh sizes not given (``pp``, ``dp``, ``tp``), the
+            schedule, ``chunks`` and ``checkpoint`` not given, for this world's devices
+            (``partitioner.planning.world``); ``example_inputs`` is then the whole batch of
+            a step (every replica's rows: replica ``r`` of ``dp`` steps on the ``r``-th of
+            ``dp`` equal slices). ``None`` or ``"pipeline"``: the sizes as given, ``pp``
+            filling the world.
+        cluster: with ``"auto"``: the devices to plan for, a
+            :class:`~partitioner.cost.devices.Cluster` of the world's size or a preset name
+            (default: inferred from the ranks' hosts and device kind).
+        memory_reserve: with ``"auto"``: the share of each device's memory the plan leaves
+            unused (default 0.10); ``memory_limit`` overrides it.
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -130,10 +150,14 @@ def partition_distributed(
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-    pp, dp, tp = _mesh_sizes(given, pp, dp, tp)
-    if tensor_parallel is not None and tp == 1:
-        raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
-                            "stage, but tp=1; pass tp=2 (or more) with them")
+    auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
+                         checkpoint, balance, split_points, memory_limit, cluster,
+                         memory_reserve)
+    if auto is None:
+        pp, dp, tp = _mesh_sizes(given, pp, dp, tp)
+        if tensor_parallel is not None and tp == 1:
+            raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
+                                "stage, but tp=1; pass tp=2 (or more) with them")
     info = init_distributed(backend)
     watchdog = start_watchdog(failure)
     # Before anything collective: ranks asked for other meshes would wait in each other's groups.
@@ -142,7 +166,19 @@ def partition_distributed(
         checkpoint=checkpoint, balance=balance, split_points=split_points,
         plan=given.to_dict() if given is not None else None, memory_limit=memory_limit,
         loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
-        fuse_weight_grads=fuse_weight_grads))
+        fuse_weight_grads=fuse_weight_grads, strategy=strategy,
+        cluster=describe_cluster(cluster), memory_reserve=memory_reserve))
+    chosen: Plan | None = None
+    if auto is not None:
+        auto.degrees.check(info.world_size)
+        chosen = choose_plan(model, example_inputs, example_kwargs, auto, info.device)
+        assert chosen.mesh is not None, "the search records the mesh it chose"
+        pp, dp, tp = chosen.mesh.pp, chosen.mesh.dp, chosen.mesh.tp
+        chunks, schedule, checkpoint = chosen.chunks, chosen.schedule, chosen.checkpoint
+        example_inputs, example_kwargs = local_batch(example_inputs, example_kwargs, dp)
+        # A tensor-parallel mesh plans its own split (layers merged around the splits).
+        given = chosen if tp == 1 else None
+    assert tp is not None
     shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
     chunks, schedule, checkpoint = _run_settings(model, given, chunks, schedule, checkpoint,
                                                  balance, split_points)
@@ -161,6 +197,8 @@ def partition_distributed(
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
     made = replace(made, schedule=schedule, mesh=PlanMesh(shape.dp, shape.pp, shape.tp))
+    if chosen is not None and made is not chosen:  # keep the search's record for explain()
+        made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
     _check_layers(analysis, made)
     home = model_device(model)
     here = tuple(replace(s, device=str(home)) for s in made.stages)  # as devices must say
@@ -177,6 +215,35 @@ def partition_distributed(
     return assemble(model, made, graphs, stage, mesh, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
+
+
+def _auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: int | None,
+                  tp: int | None, rules: Mapping[str, str] | None, chunks: int | None,
+                  schedule: str | None, checkpoint: str | None,
+                  balance: Sequence[int] | None, split_points: Sequence[str] | None,
+                  memory_limit: float | None, cluster: Cluster | str | None,
+                  memory_reserve: float | None) -> AutoOptions | None:
+    """The search's options when ``strategy="auto"`` (``None`` otherwise), after refusing
+    options that fix what the search chooses, or that only the search reads."""
+    if strategy not in (None, "auto", "pipeline"):
+        raise StrategyError(f"strategy={strategy!r} is unknown; pass 'auto' (search the mesh, "
+                            "schedule and micro-batches) or 'pipeline' (the sizes as given)")
+    if strategy != "auto":
+        if cluster is not None or memory_reserve is not None:
+            raise StrategyError("cluster= and memory_reserve= shape the search of "
+                                "strategy='auto'; pass strategy='auto' or drop them")
+        return None
+    fixed = [name for name, value in (("plan", given), ("balance", balance),
+                                      ("split_points", split_points)) if value is not None]
+    if fixed:
+        raise StrategyError(f"strategy='auto' chooses the split, but {fixed[0]}= fixes it; "
+                            f"drop {fixed[0]}= or strategy='auto'")
+    if rules is not None and (tp is None or tp == 1):
+        raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
+                            f"stage, but tp={tp}; pass tp=2 (or more) with them")
+    memory = float(memory_limit) if memory_limit is not None else None
+    return AutoOptions(Degrees(pp, dp, tp), cluster, chunks, schedule, checkpoint, memory,
+                       memory_reserve, rules)
 
 
 def _mesh_sizes(given: Plan | None, pp: int | None, dp: int | None, tp: int | None

@@ -35,7 +35,7 @@ from partitioner.cost.measure import cache_file, cached_cpu_spec, measure_cpu
 from partitioner.errors import DeviceError
 
 __all__ = ["cpu_spec", "pin_cpu_spec", "pinned_cpu_spec", "spec_for", "local_cluster",
-           "as_cluster"]
+           "as_cluster", "preset_for"]
 
 _GiB = float(2**30)
 _PINNED: list[DeviceSpec] = []
@@ -107,6 +107,17 @@ def spec_for(device: torch.device) -> DeviceSpec:
     # Without a datasheet entry, assume a mid-range accelerator.
     return DeviceSpec(f"{device} {props.name}", {"fp32": 20e12, "bf16": 100e12},
                       float(props.total_memory), 1e12)
+
+
+def preset_for(name: str, memory_bytes: float) -> str | None:
+    """The key of :data:`~partitioner.cost.devices.DEVICES` for a GPU that CUDA calls
+    ``name`` with ``memory_bytes`` of memory, or ``None`` when no preset matches.
+
+    Example:
+        >>> preset_for("NVIDIA A100-SXM4-80GB", 80 * 2**30), preset_for("Tesla T4", 16e9)
+        ('A100-80GB', None)
+    """
+    return _preset_named(name, memory_bytes / _GiB)
 
 
 def _preset_named(name: str, gib: float) -> str | None:

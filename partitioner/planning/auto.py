@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import time
@@ -63,8 +62,8 @@ from partitioner.runtime.schedule_registry import (
     schedule_names,
 )
 
-__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "local_support", "executable", "SearchResult",
-           "search", "configurations", "CHECKPOINT_ORDER"]
+__all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "MULTI_PROCESS_RUNTIME", "local_support",
+           "executable", "SearchResult", "search", "configurations", "CHECKPOINT_ORDER"]
 
 CHECKPOINT_ORDER = (NEVER, EXCEPT_LAST, ALWAYS)
 """Checkpoint modes from the least recomputation to the most (the search's order)."""
@@ -92,28 +91,29 @@ class RuntimeSupport:
     dp_missing: str = ""
 
 
-_REPLICAS = "partitioner.runtime.replicas"
-
-
 def local_support() -> RuntimeSupport:
     """What the one-process runtimes execute in this installation.
 
     Pipelines: the schedules the registry lists for ``Runtime.ONE_PROCESS``. Tensor
     parallelism: ``TensorParallelModule`` runs ``pp`` groups of ``tp`` consecutive devices
     through the one-process pipeline with its default schedule (GPipe). Data parallelism:
-    the replicas runtime (``runtime/replicas.py``), when installed.
+    the replicas runtime (``runtime/replicas.py``), each replica a copy of what ``pp x tp``
+    runs.
     """
-    replicas = importlib.util.find_spec(_REPLICAS) is not None
     return RuntimeSupport(Runtime.ONE_PROCESS.label, schedule_names([Runtime.ONE_PROCESS]),
-                          data_parallel=replicas, tensor_parallel=True,
-                          tp_schedules=(GPIPE,),
-                          dp_missing="" if replicas else
-                          "the one-process replicas runtime (runtime/replicas.py) is not "
-                          "installed")
+                          data_parallel=True, tensor_parallel=True, tp_schedules=(GPIPE,))
 
 
 LOCAL_RUNTIME = local_support()
 """The one-process runtimes: pipelines, tensor parallelism, replicas when installed."""
+
+MULTI_PROCESS_RUNTIME = RuntimeSupport(
+    Runtime.MULTI_PROCESS.label, schedule_names([Runtime.MULTI_PROCESS]), data_parallel=True,
+    tensor_parallel=True,
+    # Virtual stages hold whole (unsplit) stages: interleaving does not run with tp > 1.
+    tp_schedules=tuple(n for n in schedule_names([Runtime.MULTI_PROCESS], virtual=False)))
+"""``partition_distributed``: one process per rank, data and tensor parallelism (tensor
+parallelism inside a node: :func:`configurations` keeps it there), the schedules it runs."""
 
 
 def executable(config: Config, cluster: Cluster,

@@ -1,0 +1,212 @@
+"""``partition_distributed(..., strategy="auto")``: rank 0 searches, every rank runs its plan.
+
+The search (``partitioner.planning.world``) needs the world's cluster: the ranks gather
+their host names (how many nodes, how many ranks each) and the device kind gives the spec,
+unless ``cluster=`` names it. Only rank 0 captures the model at the whole batch, costs it
+and searches; the chosen plan (or rank 0's error, so that no rank waits for a plan that
+never comes) reaches every rank by one broadcast. The plan then runs as a given plan would:
+``partition_distributed`` checks every rank built the same stages.
+
+Example:
+    >>> dpm = partition_distributed(model, (x,), strategy="auto")  # doctest: +SKIP
+    >>> dpm.plan.mesh, dpm.plan.schedule, dpm.plan.chunks          # doctest: +SKIP
+    (Mesh(dp=2, pp=2, tp=1), '1f1b', 4)
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner import errors
+from partitioner.analysis import Analysis, analyze
+from partitioner.cost.devices import Cluster
+from partitioner.errors import PartitionError, StrategyError
+from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
+from partitioner.planning.planner import record
+from partitioner.planning.predict import Config
+from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
+from partitioner.planning.world import (
+    DEFAULT_RESERVE,
+    Check,
+    Degrees,
+    capacity_of,
+    cluster_option,
+    nodes_of,
+    search_world,
+    world_cluster,
+    world_plan,
+)
+from partitioner.plans.plan import Plan
+from partitioner.request import PlanRequest
+from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.microbatch import scatter
+
+__all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
+           "tensor_parallel_check"]
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """What the caller fixed for the search (``None``: searched or the default).
+
+    Attributes:
+        degrees: fixed mesh sizes.
+        cluster: ``cluster=``: a Cluster, a preset name, or ``None`` (the world's).
+        chunks: micro-batches per replica.
+        schedule: a schedule name.
+        checkpoint: a checkpoint mode.
+        memory_limit: bytes per rank.
+        memory_reserve: share of each device's memory left unused.
+        rules: ``tensor_parallel=`` rules (with a fixed ``tp``).
+    """
+
+    degrees: Degrees
+    cluster: Cluster | str | None = None
+    chunks: int | None = None
+    schedule: str | None = None
+    checkpoint: str | None = None
+    memory_limit: float | None = None
+    memory_reserve: float | None = None
+    rules: Mapping[str, str] | None = None
+
+
+def describe_cluster(cluster: Cluster | str | None) -> str | None:
+    """``cluster=`` as the settings check compares it."""
+    return cluster.describe() if isinstance(cluster, Cluster) else cluster
+
+
+def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster:
+    """The cluster of this world (collective: every rank gives its host name).
+
+    Raises:
+        DeviceError: ``cluster=`` does not fit the world, the ranks are not laid out node
+            by node, or no preset matches the GPUs (then pass ``cluster=``).
+    """
+    hosts: list[Any] = [None] * dist.get_world_size()
+    with communicating("gathering the ranks' host names (all_gather_object)"):
+        dist.all_gather_object(hosts, socket.gethostname())
+    if isinstance(option, Cluster):
+        return cluster_option(option, len(hosts), 1, len(hosts))
+    if option is not None:
+        nodes, per = nodes_of(hosts)
+        return cluster_option(option, len(hosts), nodes, per)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return world_cluster(hosts, "cuda", gpu_name=props.name,
+                             gpu_memory=float(props.total_memory))
+    return world_cluster(hosts, device.type)
+
+
+def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,
+                example_kwargs: dict[str, Any] | None, options: AutoOptions,
+                device: torch.device) -> Plan:
+    """Rank 0's plan for this world, on every rank (collective).
+
+    Raises:
+        PartitionError: the subclass rank 0 raised (every rank raises it).
+    """
+    cluster = infer_cluster(options.cluster, device)
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = {"plan": _search(model, example_inputs, example_kwargs, options, cluster,
+                                      device).to_dict()}
+        except Exception as error:  # every rank must hear of it, then rank 0 re-raises
+            failure = error
+            box[0] = {"error": type(error).__name__, "message": str(error)}
+    with communicating("sending rank 0's plan to every rank (broadcast_object_list)"):
+        dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    outcome = box[0]
+    if "error" in outcome:
+        raise _rank0_error(outcome["error"], outcome["message"])
+    return Plan.from_dict(outcome["plan"])
+
+
+def tensor_parallel_check(model: nn.Module, analysis: Analysis,
+                          rules: Mapping[str, str] | None = None) -> Check:
+    """Why the tensor-parallel pass cannot run a configuration on this model (``None``: it
+    can): the splits must divide by ``tp`` (attention heads, say), and a stage boundary may
+    not cut a column/row pair, so the layers merge and fewer stages fit.
+
+    The search costs any ``tp``; this asks the pass, once per degree, on the capture.
+    """
+    parsed = TensorParallelRules.parse(rules)
+    gm = analysis.captured.graph_module
+    found: dict[int, tuple[str | None, int]] = {}
+
+    def merged(tp: int) -> tuple[str | None, int]:
+        if tp not in found:
+            try:
+                plan = resolve_shardings(gm, model, tp, parsed)
+                assert plan.choice is not None, "resolve_shardings records the pass's choice"
+                layers = merge_split_layers(gm, analysis.layers, plan.choice.propagation)
+                found[tp] = (None, len(layers))
+            except PartitionError as error:
+                found[tp] = (f"tp={tp}: {str(error).splitlines()[0]}", 0)
+        return found[tp]
+
+    def check(config: Config) -> str | None:
+        if config.tp == 1:
+            return None
+        why, count = merged(config.tp)
+        if why is None and config.pp * config.virtual > count:
+            why = (f"tp={config.tp} keeps each column/row pair in one stage, which leaves "
+                   f"{count} layers: too few for pp={config.pp}")
+        return why
+
+    return check
+
+
+def _rank0_error(name: str, message: str) -> Exception:
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, PartitionError):
+        return kind(f"(on rank 0, which plans) {message}")
+    return StrategyError(f"rank 0 failed while planning ({name}: {message}); see its error")
+
+
+def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
+            example_kwargs: dict[str, Any] | None, options: AutoOptions, cluster: Cluster,
+            device: torch.device) -> Plan:
+    request = PlanRequest.make([device], "auto", example_inputs=example_inputs,
+                               example_kwargs=example_kwargs, chunks=options.chunks,
+                               checkpoint=options.checkpoint, memory_limit=options.memory_limit)
+    analysis = analyze(model, request.example_inputs, request.kwargs)
+    assert analysis.workload is not None, "analyze() costs a model given example inputs"
+    limit = min(request.memory_limit) if request.memory_limit else None
+    reserve = DEFAULT_RESERVE if options.memory_reserve is None else options.memory_reserve
+    capacity = capacity_of(cluster, reserve, limit)
+    result = search_world(analysis.workload, cluster, options.degrees, chunks=request.chunks,
+                          checkpoint=request.checkpoint, schedule=options.schedule,
+                          capacity=capacity, check=tensor_parallel_check(model, analysis,
+                                                                         options.rules))
+    plan = world_plan(result, analysis.layer_names, cluster,
+                      capture=analysis.captured.method, notes=analysis.workload.notes)
+    plan = record(plan, model, analysis, request, "auto")
+    dp = plan.mesh.dp if plan.mesh is not None else 1
+    # Recorded at the whole batch; each replica sends its share.
+    stages = tuple(replace(s, send_bytes=s.send_bytes // dp if s.send_bytes else s.send_bytes)
+                   for s in plan.stages)
+    return replace(plan, stages=stages)
+
+
+def local_batch(example_inputs: tuple[Any, ...] | None,
+                example_kwargs: dict[str, Any] | None, dp: int
+                ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
+    """The first replica's rows of the whole batch (what one replica's ``step`` takes)."""
+    if dp == 1:
+        return example_inputs, example_kwargs
+    inputs = tuple(scatter(list(example_inputs), dp)[0]) if example_inputs else example_inputs
+    if not example_kwargs:
+        return inputs, example_kwargs
+    keys = list(example_kwargs)
+    return inputs, dict(zip(keys, scatter([example_kwargs[k] for k in keys], dp)[0]))
