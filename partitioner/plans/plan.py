@@ -148,7 +148,7 @@ class Plan:
         predicted_step_time: seconds per training step, if costed.
         predicted_bubble: idle fraction of the schedule, if costed.
         notes: the planner's remarks (why this plan), free text.
-        mesh: dp x pp x tp; defaults to ``Mesh(1, len(stages), 1)``.
+        mesh: dp x pp x tp; defaults to ``Mesh(1, P, 1)``.
         shard_specs: tensor-parallel splits by parameter name (empty: no tensor parallelism).
         planner: what the planner was asked, if recorded.
         fingerprint: the structure of the model the plan was made for; ``None`` for plans
@@ -156,6 +156,8 @@ class Plan:
         candidates: the planner's ranked candidates as plain JSON data, the chosen one
             first with its stage costs (``partitioner.planning.auto``; read by :meth:`explain` and
             ``partitioner.planning.simulate``).
+        virtual_stages: virtual stages per device ``v``: ``stages`` lists ``P v`` of them,
+            virtual stage ``k`` on ``devices[k % P]`` (``"interleaved"``).
     """
 
     strategy: str
@@ -173,21 +175,29 @@ class Plan:
     planner: PlannerInputs | None = None
     fingerprint: Fingerprint | None = None
     candidates: tuple[dict[str, Any], ...] = field(default=())
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.mesh is None:
-            object.__setattr__(self, "mesh", Mesh(1, len(self.stages), 1))
+            object.__setattr__(self, "mesh", Mesh(1, len(self.stages) // max(
+                self.virtual_stages if isinstance(self.virtual_stages, int) else 1, 1), 1))
         # Sorted, so equal plans print and save alike whatever order the specs came in.
         object.__setattr__(self, "shard_specs", dict(sorted(self.shard_specs.items())))
         problems = []
-        if self.mesh is not None and self.mesh.pp != len(self.stages):
-            problems.append(f"mesh pp={self.mesh.pp} but there are {len(self.stages)} stages")
-        if len(self.devices) != len(self.stages):
-            problems.append(f"{len(self.stages)} stages but {len(self.devices)} devices")
-        problems += [f"stages[{j}].device is {s.device!r} but devices[{j}] is "
-                     f"{self.devices[j]!r}: the plan would report one and run on the other; "
-                     "make them the same" for j, s in enumerate(self.stages)
-                     if j < len(self.devices) and s.device != self.devices[j]]
+        v = self.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or len(self.stages) % v:
+            problems.append(f"virtual_stages={v!r} does not divide the {len(self.stages)} "
+                            "stages; list P * virtual_stages virtual stages")
+            v = 1
+        p = len(self.stages) // v  # virtual stage k runs on devices[k % P]
+        if self.mesh is not None and self.mesh.pp != p:
+            problems.append(f"mesh pp={self.mesh.pp} but there are {p} pipeline stages")
+        if len(self.devices) != p:
+            problems.append(f"{p} stages but {len(self.devices)} devices")
+        problems += [f"stages[{j}].device is {s.device!r} but devices[{j % p}] is "
+                     f"{self.devices[j % p]!r}: the plan would report one and run on the "
+                     "other; make them the same" for j, s in enumerate(self.stages)
+                     if p and j % p < len(self.devices) and s.device != self.devices[j % p]]
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             problems.append(f"stage indices {[s.index for s in self.stages]} are not 0..P-1")
         if self.chunks < 1:
@@ -312,7 +322,8 @@ def _fields_from_dict(data: dict[str, Any]) -> dict[str, Any]:
         shard_specs={str(k): ShardSpec(int(v["dim"]), v["kind"]) for k, v in shards.items()},
         planner=_planner_from_dict(body.get("planner")),
         fingerprint=Fingerprint.from_dict(printed) if printed else None,
-        candidates=tuple(body.get("candidates", ())))
+        candidates=tuple(body.get("candidates", ())),
+        virtual_stages=int(body.get("virtual_stages", 1)))
     return body
 
 

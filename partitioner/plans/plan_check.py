@@ -34,7 +34,7 @@ __all__ = ["document_problems", "TOP_KEYS", "STAGE_KEYS", "CAPTURES", "CHECKPOIN
 
 TOP_KEYS = ("format", "version", "strategy", "devices", "stages", "chunks", "checkpoint",
             "schedule", "capture", "predicted_step_time", "predicted_bubble", "notes",
-            "candidates", "mesh", "shard_specs", "planner", "fingerprint")
+            "candidates", "mesh", "shard_specs", "planner", "fingerprint", "virtual_stages")
 STAGE_KEYS = ("index", "device", "layers", "predicted_time", "predicted_memory",
               "param_bytes", "send_bytes")
 CAPTURES = ("fx", "export")
