@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze, build_stage_graphs
-from partitioner.errors import ScheduleError, StrategyError
+from partitioner.errors import ScheduleError, StageCountError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
@@ -163,7 +163,15 @@ def partition_distributed(
         made, analysis, shard_plan = _agree_on_split_plan(model, given, request, shape,
                                                           tensor_parallel)
     else:
-        made, analysis = _agree_on_plan(model, given, request)
+        try:
+            made, analysis = _agree_on_plan(model, given, request)
+        except StageCountError as error:
+            if virtual == 1:
+                raise
+            raise StrategyError(
+                f"pp={shape.pp} x virtual_stages={virtual} needs {shape.pp * virtual} "
+                f"stages, but the model cannot be cut so ({error}); pass a smaller "
+                "virtual_stages or pp") from error
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
     made = _on_mesh(replace(made, schedule=schedule), shape, virtual)

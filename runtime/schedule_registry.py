@@ -1,14 +1,14 @@
 """The one registry of pipeline schedules: by name, how each is built and who runs it.
 
-Plans, specs, the predictor, the simulator, the search and the runtimes all look a schedule
-up here. Each :class:`ScheduleKind` holds its generator (a pure function of
+Plans, specs, the predictor, the simulator, the search and the runtimes all look a
+schedule up here. Each :class:`ScheduleKind` holds its generator (a pure function of
 ``partitioner.runtime.schedules``), whether it needs virtual stages, the rules its counts
 must keep, and the :class:`Runtime` s that execute it; a schedule no runtime executes is
 still simulated and predicted. Both runtimes execute every registered schedule, through
 the one interpreter (``partitioner.runtime.interpreter``): ``gpipe``, ``1f1b``,
-``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``. Adding a schedule is adding its
-generator and one entry to :data:`SCHEDULES`; the tests then validate it over a grid of
-sizes and simulate it.
+``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``. Adding a schedule
+is adding its generator and one entry to :data:`SCHEDULES`; the tests then validate it
+over a grid of sizes and simulate it.
 
 Example:
     >>> [str(a) for a in make_schedule("1f1b", 2, 2)[0]]

@@ -225,7 +225,7 @@ class DistributedModel(ModelWrapper):
     _model: nn.Module
 
     def __init__(self, model: nn.Module, plan: Any, mesh: Mesh, pipeline: DistributedPipeline,
-                 stage: fx.GraphModule, *, bind: Binder, seed: int, watchdog: Watchdog,
+                 stage: nn.Module, *, bind: Binder, seed: int, watchdog: Watchdog,
                  shards: ShardState | None = None, norm_skip: frozenset[str] = frozenset(),
                  plan_record: Mapping[str, Any] | None = None) -> None:
         # Replicas hold the same averaged gradients: the world's sum counts each dp times.
