@@ -44,7 +44,7 @@ from torch import nn
 from partitioner.analysis import Analysis, analyze, build_stage_graphs
 from partitioner.cost.devices import Cluster
 from partitioner.distributed_plan import AutoOptions, choose_plan, describe_cluster, local_batch
-from partitioner.errors import StrategyError
+from partitioner.errors import ScheduleError, StageCountError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
@@ -70,6 +70,7 @@ from partitioner.runtime.distributed.model import (
     find_ties,
     model_device,
 )
+from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.tensor_parallel import device_groups, plan_groups, shard_stage, stage_shardings
@@ -89,7 +90,8 @@ def partition_distributed(
         seed: int = 0, failure: FailurePolicy | None = None, fuse_weight_grads: bool = True,
         backend: str | None = None, strategy: str | None = None,
         cluster: Cluster | str | None = None,
-        memory_reserve: float | None = None) -> DistributedModel:
+        memory_reserve: float | None = None,
+        virtual_stages: int | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -108,7 +110,8 @@ def partition_distributed(
         tensor_parallel: rules overriding the automatic splits, glob patterns over module
             names (``{"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}``).
         chunks: micro-batches per step (default: the plan's, else 1).
-        schedule: ``"1f1b"`` or ``"gpipe"`` (default: the plan's, else 1f1b).
+        schedule: any registered schedule, ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with
+            ``virtual_stages >= 2``) or ``"zero_bubble"`` (default: the plan's, else 1f1b).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"`` (default: the plan's, else
             never: 1F1B already bounds the activations a stage holds).
         balance: layers per stage (torchgpipe's ``balance``).
@@ -137,6 +140,9 @@ def partition_distributed(
             (default: inferred from the ranks' hosts and device kind).
         memory_reserve: with ``"auto"``: the share of each device's memory the plan leaves
             unused (default 0.10); ``memory_limit`` overrides it.
+        virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``): the model
+            is cut into ``pp * v`` stages, rank ``j`` runs stages ``j, j + pp, ...``
+            (default: the plan's, else 1).
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -167,7 +173,8 @@ def partition_distributed(
         plan=given.to_dict() if given is not None else None, memory_limit=memory_limit,
         loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
         fuse_weight_grads=fuse_weight_grads, strategy=strategy,
-        cluster=describe_cluster(cluster), memory_reserve=memory_reserve))
+        cluster=describe_cluster(cluster), memory_reserve=memory_reserve,
+        virtual_stages=virtual_stages))
     chosen: Plan | None = None
     if auto is not None:
         auto.degrees.check(info.world_size)
@@ -175,6 +182,7 @@ def partition_distributed(
         assert chosen.mesh is not None, "the search records the mesh it chose"
         pp, dp, tp = chosen.mesh.pp, chosen.mesh.dp, chosen.mesh.tp
         chunks, schedule, checkpoint = chosen.chunks, chosen.schedule, chosen.checkpoint
+        virtual_stages = chosen.virtual_stages
         example_inputs, example_kwargs = local_batch(example_inputs, example_kwargs, dp)
         # A tensor-parallel mesh plans its own split (layers merged around the splits).
         given = chosen if tp == 1 else None
@@ -182,9 +190,10 @@ def partition_distributed(
     shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
     chunks, schedule, checkpoint = _run_settings(model, given, chunks, schedule, checkpoint,
                                                  balance, split_points)
+    virtual = _virtual_stages(given, virtual_stages, schedule, shape, chunks, balance)
     if given is not None and shape.tp > 1:
         balance = given.balance  # planned again to check its layers and shard specs
-    request = PlanRequest.make([info.device.type] * shape.pp, "pipeline",
+    request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
                                example_inputs=example_inputs, example_kwargs=example_kwargs,
                                chunks=chunks, checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit)
@@ -193,26 +202,44 @@ def partition_distributed(
         made, analysis, shard_plan = _agree_on_split_plan(model, given, request, shape,
                                                           tensor_parallel)
     else:
-        made, analysis = _agree_on_plan(model, given, request)
+        try:
+            made, analysis = _agree_on_plan(model, given, request)
+        except StageCountError as error:
+            if virtual == 1:
+                raise
+            raise StrategyError(
+                f"pp={shape.pp} x virtual_stages={virtual} needs {shape.pp * virtual} "
+                f"stages, but the model cannot be cut so ({error}); pass a smaller "
+                "virtual_stages or pp") from error
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
-    made = replace(made, schedule=schedule, mesh=PlanMesh(shape.dp, shape.pp, shape.tp))
+    made = _on_mesh(replace(made, schedule=schedule), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
     _check_layers(analysis, made)
     home = model_device(model)
     here = tuple(replace(s, device=str(home)) for s in made.stages)  # as devices must say
-    graphs = build_stage_graphs(analysis, replace(made, devices=(str(home),) * len(here),
-                                                  stages=here))
+    # Cut as a flat pipeline of P v stages: virtual stage k is graph k.
+    graphs = build_stage_graphs(analysis, replace(
+        made, devices=(str(home),) * len(here), stages=here, virtual_stages=1,
+        mesh=PlanMesh(shape.dp, len(here), shape.tp)))
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
-                           int(bucket_mb * 2**20), seed, made.to_dict())
+                           int(bucket_mb * 2**20), seed, made.to_dict(), virtual)
     mesh = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
-    stage, shards = _rank_stage(graphs[mesh.stage], model, shard_plan, mesh, info.device)
+    if virtual > 1:
+        stages = {k: _rank_stage(graphs[k], model, None, mesh, info.device)[0]
+                  for k in range(mesh.stage, len(graphs), shape.pp)}
+        shards = None
+    else:
+        stage, shards = _rank_stage(graphs[mesh.stage], model, shard_plan, mesh, info.device)
+        stages = {mesh.stage: stage}
     if fuse_weight_grads:
-        fuse_linear_grads(stage)
+        for graph in stages.values():
+            fuse_linear_grads(graph)
     captured = analysis.captured
-    return assemble(model, made, graphs, stage, mesh, info.device, settings,
+    return assemble(model, made, graphs, stages if virtual > 1 else stages[mesh.stage],
+                    mesh, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
 
@@ -251,7 +278,7 @@ def _mesh_sizes(given: Plan | None, pp: int | None, dp: int | None, tp: int | No
     """The call's mesh sizes, completed from a given plan: it fixes the stages, and a
     replica count it names (> 1) is kept unless overridden."""
     if given is not None:
-        pp = len(given.stages) if pp is None else pp
+        pp = len(given.stages) // given.virtual_stages if pp is None else pp
         if dp is None and given.mesh is not None and given.mesh.dp > 1:
             dp = given.mesh.dp
         if tp is None and given.mesh is not None:
@@ -275,6 +302,50 @@ def _run_settings(model: nn.Module, given: Plan | None, chunks: int | None,
     return (chunks or (given.chunks if given else 1),
             schedule or (given.schedule if given else "1f1b"),
             checkpoint or (given.checkpoint if given else "never"))
+
+
+def _virtual_stages(given: Plan | None, virtual: int | None, schedule: str, shape: MeshShape,
+                    chunks: int, balance: Sequence[int] | None) -> int:
+    """Virtual stages per rank (the call's, else the given plan's, else 1), checked against
+    the schedule, the mesh and ``balance``.
+
+    Raises:
+        StrategyError: If ``virtual`` is not a positive int, or ``balance`` does not list
+            ``pp * virtual`` stages.
+        ScheduleError: If the schedule does not suit ``pp``, ``chunks`` and ``virtual``.
+    """
+    v = virtual if virtual is not None else (given.virtual_stages if given else 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise StrategyError(f"virtual_stages={v!r}; pass the model chunks per pipeline rank, "
+                            "an int >= 1 (2 or more for schedule='interleaved')")
+    problems = schedule_kind(schedule).problems(shape.pp, chunks, v)
+    if problems:
+        raise ScheduleError("; ".join(problems))
+    if balance is not None and len(balance) != shape.pp * v:
+        raise StrategyError(f"balance has {len(balance)} entries but pp={shape.pp} x "
+                            f"virtual_stages={v} needs {shape.pp * v} (layers per virtual "
+                            f"stage, stage k on rank k % {shape.pp}); pass {shape.pp * v}")
+    return v
+
+
+def _on_mesh(made: Plan, shape: MeshShape, virtual: int) -> Plan:
+    """``made`` (``P v`` stages in order) on the mesh: ``P`` devices, virtual stage ``k``
+    on ``devices[k % P]``.
+
+    Raises:
+        StrategyError: If the plan does not have ``P v`` stages (too few layers, say).
+    """
+    p = shape.pp
+    if virtual == 1 and made.virtual_stages == 1:
+        return replace(made, mesh=PlanMesh(shape.dp, p, shape.tp))
+    if len(made.stages) != p * virtual:
+        raise StrategyError(f"the plan has {len(made.stages)} stages but pp={p} x "
+                            f"virtual_stages={virtual} needs {p * virtual}; the model may "
+                            f"have too few layers: pass a smaller virtual_stages or pp")
+    devices = tuple(made.devices[k % len(made.devices)] for k in range(p))
+    stages = tuple(replace(s, device=devices[s.index % p]) for s in made.stages)
+    return replace(made, devices=devices, stages=stages, virtual_stages=virtual,
+                   mesh=PlanMesh(shape.dp, p, shape.tp))
 
 
 def _agree_on_plan(model: nn.Module, given: Plan | None, request: PlanRequest
@@ -376,6 +447,7 @@ def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: MeshShape,
     body = {
         "layers": [list(s.layers) for s in plan.stages], "chunks": plan.chunks,
         "checkpoint": plan.checkpoint, "schedule": plan.schedule,
+        "virtual_stages": settings.virtual,
         "mesh": [shape.pp, shape.dp, shape.tp], "loss_reduction": settings.loss_reduction,
         "shard_specs": sorted((k, repr(v)) for k, v in plan.shard_specs.items()),
         "bucket_bytes": settings.bucket_bytes, "seed": settings.seed,

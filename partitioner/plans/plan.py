@@ -152,7 +152,7 @@ class Plan:
         predicted_step_time: seconds per training step, if costed.
         predicted_bubble: idle fraction of the schedule, if costed.
         notes: the planner's remarks (why this plan), free text.
-        mesh: dp x pp x tp; defaults to ``Mesh(1, len(stages), 1)``.
+        mesh: dp x pp x tp; defaults to ``Mesh(1, P, 1)``.
         shard_specs: tensor-parallel splits by parameter name (empty: no tensor parallelism).
         planner: what the planner was asked, if recorded.
         fingerprint: the structure of the model the plan was made for; ``None`` for plans

@@ -1,17 +1,18 @@
 """What crosses a pipeline stage's boundaries, predicted without running the model.
 
-A rank holds one stage, yet must know the shapes and dtypes it will receive before the
-first message arrives (to post its receives) and what it sends (to check it).
-:class:`BoundaryPredictor` runs stages ``0..j`` on fake tensors (no compute, no data) once
-per distinct micro-batch signature and keeps the result; every rank predicts the same
-boundaries from the same graphs and the same stage-0 inputs.
+A rank holds one stage (or ``v`` virtual stages), yet must know the shapes and dtypes it
+will receive before the first message arrives (to post its receives) and what it sends (to
+check it). :class:`BoundaryPredictor` runs stages ``0..j`` on fake tensors (no compute, no
+data) once per distinct micro-batch signature (``j`` the last stage it holds) and keeps
+the result; every rank predicts the same boundaries from the same graphs and the same
+stage-0 inputs.
 
 Example:
     >>> import torch
     >>> from torch import fx, nn
     >>> graphs = [fx.symbolic_trace(nn.Linear(4, 3)), fx.symbolic_trace(nn.Linear(3, 2))]
     >>> predict = BoundaryPredictor(graphs, 1, [torch.device("cpu")] * 2)
-    >>> interface = predict.interface([torch.randn(5, 4)])
+    >>> interface = predict.interface([torch.randn(5, 4)])[1]
     >>> sent = interface.inputs
     >>> interface.outputs is None, [tuple(m.shape) for m in sent.metas(sent.tensor_positions)]
     (True, [(5, 3)])
@@ -30,40 +31,41 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner.runtime.distributed.p2p import Boundary, BoundaryMismatchError
-from partitioner.runtime.distributed.pipeline import StageInterface
+from partitioner.runtime.distributed.transport import StageInterface
 
 __all__ = ["BoundaryPredictor"]
 
 
 class BoundaryPredictor:
-    """What crosses this stage's boundaries, predicted by running stages ``0..j`` on fake
-    tensors (no compute, no data), once per distinct micro-batch signature.
+    """What crosses this rank's stages' boundaries, predicted by running stages ``0..j`` on
+    fake tensors (no compute, no data), once per distinct micro-batch signature.
 
     Args:
-        graphs: every stage's graph (other stages only lend their structure and shapes).
-        stage: this rank's stage ``j``.
+        graphs: every (virtual) stage's graph (other stages only lend their structure and
+            shapes).
+        stages: this rank's stage, or its virtual stages ``j, j + P, ...``.
         devices: where each stage's parameters live on this rank.
     """
 
-    def __init__(self, graphs: Sequence[fx.GraphModule], stage: int,
+    def __init__(self, graphs: Sequence[fx.GraphModule], stages: int | Sequence[int],
                  devices: Sequence[torch.device]) -> None:
         self.graphs = list(graphs)
-        self.stage = stage
+        self.stages = [stages] if isinstance(stages, int) else list(stages)
         self.devices = list(devices)
-        self._cache: dict[Any, StageInterface] = {}
+        self._cache: dict[Any, dict[int, StageInterface]] = {}
 
-    def __call__(self, micro: list[list[Any]]) -> list[StageInterface]:
+    def __call__(self, micro: list[list[Any]]) -> list[dict[int, StageInterface]]:
         return [self.interface(values) for values in micro]
 
-    def interface(self, values: list[Any]) -> StageInterface:
-        """This stage's interface for one micro-batch of stage-0 placeholder values."""
+    def interface(self, values: list[Any]) -> dict[int, StageInterface]:
+        """Each of this rank's stages' interface for one micro-batch of stage-0 values."""
         key = _signature(values)
         if key not in self._cache:
             self._cache[key] = self._predict(values)
         return self._cache[key]
 
-    def _predict(self, values: list[Any]) -> StageInterface:
-        j, last = self.stage, len(self.graphs) - 1
+    def _predict(self, values: list[Any]) -> dict[int, StageInterface]:
+        j, last = max(self.stages), len(self.graphs) - 1
         boundaries: list[Boundary] = []
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad(), \
                 _eval_mode(self.graphs[:j + 1]):
@@ -83,8 +85,8 @@ class BoundaryPredictor:
                         "the input shapes (no data-dependent shapes at a boundary)") from error
                 boundaries.append(Boundary.of(out))
                 current = list(out)
-        return StageInterface(boundaries[j - 1] if j > 0 else None,
-                              boundaries[j] if j < last else None)
+        return {k: StageInterface(boundaries[k - 1] if k > 0 else None,
+                                  boundaries[k] if k < last else None) for k in self.stages}
 
 
 def _signature(values: list[Any]) -> Any:

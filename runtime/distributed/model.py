@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from partitioner.errors import StrategyError
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, save_checkpoint
 from partitioner.runtime.distributed.data_parallel import (
@@ -44,6 +45,7 @@ from partitioner.runtime.distributed.failure import Watchdog
 from partitioner.runtime.distributed.mesh import Coords, Mesh
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.pipeline import DistributedPipeline
+from partitioner.runtime.distributed.stage_group import merge_stages
 from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.runtime.wrapper import GroupNorms, ModelWrapper
@@ -58,13 +60,14 @@ class RunSettings:
     """How a rank runs its stage: the plan's pipeline settings and the call's options.
 
     Attributes:
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: a schedule the multi-process runtime executes (any registered one).
         chunks: micro-batches per step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         loss_reduction: how ``loss_fn`` reduces a micro-batch, ``"mean"`` or ``"sum"``.
         bucket_bytes: the data-parallel all-reduce bucket size.
         seed: base seed of the stages' dropout generators.
         plan_record: the plan as checkpoints store it (``Plan.to_dict()``).
+        virtual: virtual stages per rank (``"interleaved"``: 2 or more).
     """
 
     schedule: str
@@ -74,6 +77,7 @@ class RunSettings:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     seed: int = 0
     plan_record: Mapping[str, Any] = field(default_factory=dict)
+    virtual: int = 1
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -84,16 +88,19 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
-             stage: fx.GraphModule, mesh: Mesh, device: torch.device, settings: RunSettings,
-             *, bind: Binder, restructure: Callable[[Any], Any], watchdog: Watchdog,
+             stage: fx.GraphModule | Mapping[int, fx.GraphModule], mesh: Mesh,
+             device: torch.device, settings: RunSettings, *, bind: Binder,
+             restructure: Callable[[Any], Any], watchdog: Watchdog,
              shards: ShardState | None = None, batched: bool = False) -> DistributedModel:
     """This rank's :class:`DistributedModel` (collective: every rank calls it).
 
     Args:
         model: the whole model (its other stages stay where they are).
         plan: the plan every rank runs (kept as ``.plan``; not read here).
-        graphs: every stage's graph (this rank's moved to ``device``).
-        stage: this rank's stage graph (its tensor-parallel rank graph when split).
+        graphs: every (virtual) stage's graph (this rank's moved to ``device``).
+        stage: this rank's stage graph (its tensor-parallel rank graph when split), or with
+            ``settings.virtual`` stages per rank, its virtual stages ``j, j + P, ...`` by
+            index.
         mesh: this rank's place in the (pp, dp, tp) mesh and its groups.
         device: where this rank computes.
         settings: the plan's pipeline settings and the call's options.
@@ -102,28 +109,53 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
         watchdog: this process's failure watchdog.
         shards: the stage's split entries when it is split over ``tp`` ranks.
         batched: batch the point-to-point transfers (NCCL).
+
+    Raises:
+        StrategyError: If virtual stages are asked for with ``pp=1`` or tensor parallelism.
     """
     j, shape = mesh.stage, mesh.shape
+    stages = {j: stage} if isinstance(stage, fx.GraphModule) else dict(sorted(stage.items()))
+    if settings.virtual > 1 and (shape.pp < 2 or shards is not None):
+        raise StrategyError(f"virtual_stages={settings.virtual} with pp={shape.pp}, "
+                            f"tp={shape.tp}: virtual stages run on a pipeline of 2 or more "
+                            "ranks without tensor parallelism; pass pp >= 2 and tp=1, or "
+                            "virtual_stages=1")
     home = model_device(model)
-    devices = [device if k == j else home for k in range(len(graphs))]
-    links = PipeLinks(mesh.group("pp"), mesh.neighbour("pp", -1), mesh.neighbour("pp", 1),
+    devices = [device if k in stages else home for k in range(len(graphs))]
+    links = PipeLinks(mesh.group("pp"), *_neighbours(mesh, ring=settings.virtual > 1),
                       device, batched=batched)
+    # One module for all virtual stages: parameters, state dict and checkpoints see them all.
+    held = stages[j] if len(stages) == 1 else merge_stages(stages)
     # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
-    reducer = (GradReducer(list(stage.parameters()), mesh.group("dp"), settings.bucket_bytes,
+    reducer = (GradReducer(list(held.parameters()), mesh.group("dp"), settings.bucket_bytes,
                            predivided=True) if shape.dp > 1 else None)
     ties = find_ties(graphs)
-    # A weight tied across stages is counted by its first stage only in gradient norms.
-    not_first = frozenset(name for tie in ties for k, name in tie[1:] if k == j)
+    # A weight tied across ranks is counted by the rank of its first stage only in norms.
+    not_first = frozenset(name for tie in ties if tie[0][0] % shape.pp != j
+                          for k, name in tie if k in stages)
+    runners = {k: StageRunner(k, gm, device, shard=mesh.shard if shards is not None else None)
+               for k, gm in stages.items()}
     pipeline = DistributedPipeline(
-        StageRunner(j, stage, device, shard=mesh.shard if shards is not None else None),
-        n_stages=shape.pp, links=links, interfaces=BoundaryPredictor(graphs, j, devices),
+        runners, n_stages=len(graphs), links=links,
+        interfaces=BoundaryPredictor(graphs, list(stages), devices),
         schedule=settings.schedule, chunks=settings.chunks, checkpoint=settings.checkpoint,
-        restructure=restructure, reducer=reducer, tied=_tie_groups(ties, mesh, stage),
-        dp_size=shape.dp, loss_rank=j == shape.pp - 1 and mesh.shard == 0,
-        loss_reduction=settings.loss_reduction, grad_scale=1.0 / shape.dp)
-    return DistributedModel(model, plan, mesh, pipeline, stage, bind=bind, seed=settings.seed,
+        restructure=restructure, reducer=reducer, tied=_tie_groups(ties, mesh, stages),
+        dp_size=shape.dp, loss_rank=len(graphs) - 1 in stages and mesh.shard == 0,
+        loss_reduction=settings.loss_reduction, grad_scale=1.0 / shape.dp,
+        virtual=settings.virtual)
+    return DistributedModel(model, plan, mesh, pipeline, held, bind=bind, seed=settings.seed,
                             watchdog=watchdog, shards=shards, norm_skip=not_first,
                             plan_record=settings.plan_record)
+
+
+def _neighbours(mesh: Mesh, *, ring: bool) -> tuple[int | None, int | None]:
+    """The global ranks before and after this one on the pipeline axis; with virtual
+    stages the axis is a ring (the last rank's stage feeds rank 0's next chunk)."""
+    if not ring:
+        return mesh.neighbour("pp", -1), mesh.neighbour("pp", 1)
+    line = mesh.ranks("pp")
+    k = line.index(mesh.rank)
+    return line[(k - 1) % len(line)], line[(k + 1) % len(line)]
 
 
 def find_ties(graphs: Sequence[fx.GraphModule]) -> list[tuple[tuple[int, str], ...]]:
@@ -137,17 +169,23 @@ def find_ties(graphs: Sequence[fx.GraphModule]) -> list[tuple[tuple[int, str], .
 
 
 def _tie_groups(ties: list[tuple[tuple[int, str], ...]], mesh: Mesh,
-                stage: fx.GraphModule) -> TiedGradients | None:
-    """One process group per tie and replica (collective); this rank's parameters in them."""
+                stages: Mapping[int, fx.GraphModule]) -> TiedGradients | None:
+    """One process group per tie and replica over the ranks holding its stages (virtual
+    stage ``k`` on pipeline rank ``k % P``; collective); this rank's parameters in them.
+    A tie within one rank needs none: its stages share the one tensor."""
     mine = []
+    p = mesh.shape.pp
     for tie in ties:
         for replica in range(mesh.shape.dp):
             for shard in range(mesh.shape.tp):
-                ranks = [mesh.shape.rank_of(Coords(j, replica, shard)) for j, _ in tie]
+                ranks = sorted({mesh.shape.rank_of(Coords(k % p, replica, shard))
+                                for k, _ in tie})
+                if len(ranks) < 2:
+                    continue
                 group = dist.new_group(ranks)
                 if mesh.rank in ranks:
-                    name = next(n for j, n in tie if j == mesh.stage)
-                    mine.append((stage.get_parameter(name), group))
+                    k, name = next((k, n) for k, n in tie if k in stages)
+                    mine.append((stages[k].get_parameter(name), group))
     return TiedGradients(mine) if mine else None
 
 
@@ -167,7 +205,8 @@ class DistributedModel(ModelWrapper):
         plan: the plan every rank runs (kept as ``.plan``).
         mesh: this rank's place in the mesh.
         pipeline: the runtime executing the stage.
-        stage: this rank's stage graph.
+        stage: this rank's stage graph (one module holding all its virtual stages' tensors
+            under the model's names, with virtual stages).
         bind: maps a call's ``(args, kwargs)`` to stage 0's placeholder values.
         seed: base seed of the stages' dropout generators.
         watchdog: this process's failure watchdog.
@@ -186,7 +225,7 @@ class DistributedModel(ModelWrapper):
     _model: nn.Module
 
     def __init__(self, model: nn.Module, plan: Any, mesh: Mesh, pipeline: DistributedPipeline,
-                 stage: fx.GraphModule, *, bind: Binder, seed: int, watchdog: Watchdog,
+                 stage: nn.Module, *, bind: Binder, seed: int, watchdog: Watchdog,
                  shards: ShardState | None = None, norm_skip: frozenset[str] = frozenset(),
                  plan_record: Mapping[str, Any] | None = None) -> None:
         # Replicas hold the same averaged gradients: the world's sum counts each dp times.

@@ -8,12 +8,13 @@ gradients back; nothing else crosses. What crosses one boundary for one micro-ba
 data moves, so a receiver allocates its buffers and posts its receives with no per-step
 shape handshake; a sender checks what it actually produced against the prediction.
 
-Each tensor leaf travels as one message tagged with (direction, micro-batch, leaf), so
-messages may be matched in any order (gloo). On NCCL, where sends and receives to one peer
-run in order on one stream, :class:`PipeLinks` with ``batched=True`` queues operations and
-posts them together with ``dist.batch_isend_irecv`` (a send of one action with the receive
-of the next, as torch.distributed.pipelining's 1F1B does), so neighbours sending to each
-other at the same time cannot deadlock.
+Each tensor leaf travels as one message tagged with (direction, boundary, micro-batch,
+leaf), so messages may be matched in any order (gloo), and messages of different virtual
+stages between the same two ranks (interleaved schedules) never match each other. On NCCL,
+where sends and receives to one peer run in order on one stream, :class:`PipeLinks` with
+``batched=True`` queues operations and posts them together with ``dist.batch_isend_irecv``
+(a send of one action with the receive of the next, as torch.distributed.pipelining's 1F1B
+does), so neighbours sending to each other at the same time cannot deadlock.
 
 Example:
     >>> import torch
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from partitioner.errors import BoundaryMismatchError
+from partitioner.errors import BoundaryMismatchError, ChunksError, ScheduleError
 from partitioner.runtime.distributed.comm_failure import communicating
 
 __all__ = ["TensorMeta", "Boundary", "BoundaryMismatchError", "PipeLinks", "Pending",
@@ -42,6 +43,10 @@ __all__ = ["TensorMeta", "Boundary", "BoundaryMismatchError", "PipeLinks", "Pend
 
 FORWARD, BACKWARD = 0, 1
 _MAX_LEAVES = 1 << 10
+_MAX_BOUNDARIES = 1 << 7
+_MAX_MICROBATCHES = 1 << 13
+"""Tags are C ``int`` s (31 bits): 10 for the leaf, 1 for the direction, 7 for the
+boundary, 13 for the micro-batch."""
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,30 @@ class Boundary:
         return [leaves[k] for k in self.tensor_positions]
 
 
-def message_tag(direction: int, microbatch: int, leaf: int) -> int:
-    """The tag of one tensor message: direction, micro-batch and leaf, packed in an int."""
+def message_tag(direction: int, microbatch: int, leaf: int, boundary: int = 0) -> int:
+    """The tag of one tensor message: direction, the boundary it crosses (virtual stage
+    ``boundary`` to ``boundary + 1``), micro-batch and leaf, packed in a 31-bit int.
+
+    Raises:
+        BoundaryMismatchError: If a boundary carries more than 1024 tensors.
+        ScheduleError: If the pipeline has more than 128 virtual stages.
+        ChunksError: If a step has more than 8192 micro-batches.
+
+    Example:
+        >>> message_tag(BACKWARD, 3, 2, boundary=1) != message_tag(BACKWARD, 3, 2, boundary=3)
+        True
+    """
     if not 0 <= leaf < _MAX_LEAVES:
         raise BoundaryMismatchError(f"a boundary with more than {_MAX_LEAVES} tensors; "
                                     "move the stage boundary where fewer values are live")
-    return (microbatch * 2 + direction) * _MAX_LEAVES + leaf
+    if not 0 <= boundary < _MAX_BOUNDARIES:
+        raise ScheduleError(f"stage boundary {boundary}: message tags hold at most "
+                            f"{_MAX_BOUNDARIES} virtual stages; use fewer stages or "
+                            "virtual stages")
+    if not 0 <= microbatch < _MAX_MICROBATCHES:
+        raise ChunksError(f"micro-batch {microbatch}: message tags hold at most "
+                          f"{_MAX_MICROBATCHES} micro-batches per step; pass fewer chunks")
+    return ((microbatch * _MAX_BOUNDARIES + boundary) * 2 + direction) * _MAX_LEAVES + leaf
 
 
 class Pending:
@@ -177,8 +200,10 @@ class PipeLinks:
 
     Args:
         group: the pipeline-axis process group (the ranks of one replica, one per stage).
-        prev_rank: global rank of stage ``j - 1`` (None on the first stage).
-        next_rank: global rank of stage ``j + 1`` (None on the last stage).
+        prev_rank: global rank of stage ``j - 1`` (None on the first stage; the last
+            stage's rank when virtual stages make the links a ring).
+        next_rank: global rank of stage ``j + 1`` (None on the last stage; the first
+            stage's rank in a ring).
         device: where received tensors are allocated.
         batched: queue operations until :meth:`flush` and post them as one batch (NCCL).
     """
@@ -226,21 +251,22 @@ class PipeLinks:
                 pending.works = []
         self._post(queued)
 
-    def _recv(self, peer: int | None, direction: int, i: int, metas: Sequence[TensorMeta],
-              positions: Sequence[int], what: str) -> Pending:
+    def _recv(self, peer: int | None, direction: int, b: int, i: int,
+              metas: Sequence[TensorMeta], positions: Sequence[int], what: str) -> Pending:
         if peer is None:
             raise BoundaryMismatchError(f"no neighbour to receive {what} from")
         tensors = [meta.empty(self.device) for meta in metas]
         pending = Pending(self, tensors, peer, what)
         ops: list[tuple[dist.P2POp, Pending | None]] = [
-            (dist.P2POp(dist.irecv, t, peer, self.group, message_tag(direction, i, k)), pending)
+            (dist.P2POp(dist.irecv, t, peer, self.group, message_tag(direction, i, k, b)),
+             pending)
             for t, k in zip(tensors, positions) if t.numel()]
         self._enqueue(ops, pending)
         if not ops:
             pending.works = []
         return pending
 
-    def _send(self, peer: int | None, direction: int, i: int,
+    def _send(self, peer: int | None, direction: int, b: int, i: int,
               tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> None:
         if peer is None:
             raise BoundaryMismatchError("no neighbour to send to")
@@ -249,33 +275,37 @@ class PipeLinks:
             if t.numel():
                 t = t.detach().contiguous()
                 ops.append((dist.P2POp(dist.isend, t, peer, self.group,
-                                       message_tag(direction, i, k)), None))
+                                       message_tag(direction, i, k, b)), None))
         self._enqueue(ops, None)
 
-    def recv_activations(self, i: int, boundary: Boundary) -> Pending:
-        """Post the receives of micro-batch ``i``'s inputs from the previous stage."""
+    def recv_activations(self, b: int, i: int, boundary: Boundary) -> Pending:
+        """Post the receives of micro-batch ``i``'s values crossing from virtual stage ``b``
+        (on the previous rank) to ``b + 1``."""
         positions = boundary.tensor_positions
-        return self._recv(self.prev_rank, FORWARD, i, boundary.metas(positions), positions,
-                          f"activations of micro-batch {i}")
+        return self._recv(self.prev_rank, FORWARD, b, i, boundary.metas(positions), positions,
+                          f"activations of micro-batch {i} from stage {b}")
 
-    def send_activations(self, i: int, boundary: Boundary, tensors: Sequence[torch.Tensor]
-                         ) -> None:
-        """Send micro-batch ``i``'s outputs (the tensor leaves of ``boundary``) onwards."""
-        self._send(self.next_rank, FORWARD, i, tensors, boundary.tensor_positions)
+    def send_activations(self, b: int, i: int, boundary: Boundary,
+                         tensors: Sequence[torch.Tensor]) -> None:
+        """Send micro-batch ``i``'s outputs of virtual stage ``b`` (the tensor leaves of
+        ``boundary``) on to ``b + 1``."""
+        self._send(self.next_rank, FORWARD, b, i, tensors, boundary.tensor_positions)
 
-    def recv_grads(self, i: int, boundary: Boundary) -> Pending:
-        """Post the receives of the gradients of micro-batch ``i``'s outputs."""
+    def recv_grads(self, b: int, i: int, boundary: Boundary) -> Pending:
+        """Post the receives of the gradients of micro-batch ``i``'s outputs of virtual
+        stage ``b`` (from ``b + 1`` on the next rank)."""
         positions = boundary.grad_positions
-        return self._recv(self.next_rank, BACKWARD, i, boundary.metas(positions), positions,
-                          f"gradients of micro-batch {i}")
+        return self._recv(self.next_rank, BACKWARD, b, i, boundary.metas(positions), positions,
+                          f"gradients of micro-batch {i} from stage {b + 1}")
 
-    def send_grads(self, i: int, boundary: Boundary,
+    def send_grads(self, b: int, i: int, boundary: Boundary,
                    grads: Sequence[torch.Tensor | None]) -> None:
-        """Send the gradients of micro-batch ``i``'s inputs back (zeros where None)."""
+        """Send the gradients of micro-batch ``i``'s inputs of virtual stage ``b + 1`` back
+        to ``b`` (zeros where None)."""
         positions = boundary.grad_positions
         tensors = [g if g is not None else meta.empty(self.device).zero_()
                    for g, meta in zip(grads, boundary.metas(positions))]
-        self._send(self.prev_rank, BACKWARD, i, tensors, positions)
+        self._send(self.prev_rank, BACKWARD, b, i, tensors, positions)
 
     def finish(self) -> None:
         """Post what is queued and wait until every send has completed."""

@@ -111,7 +111,7 @@ def scenario_train(configs: list[dict[str, Any]]) -> None:
             model, example_inputs=(data[0][0][:local],), pp=cfg["pp"], dp=cfg["dp"],
             chunks=cfg["chunks"], schedule=cfg["schedule"], checkpoint=cfg["checkpoint"],
             balance=cfg.get("balance"), failure=POLICY, bucket_mb=cfg.get("bucket_mb", 25.0),
-            fuse_weight_grads=cfg.get("fuse", True))
+            fuse_weight_grads=cfg.get("fuse", True), virtual_stages=cfg.get("virtual"))
         # A costed plan may give a stage no parameters (only activations, say).
         params = list(dpm.parameters())
         optimizer = torch.optim.SGD(params or [torch.zeros(0)], lr=0.05, momentum=0.9)
@@ -375,14 +375,14 @@ def scenario_p2p(args: dict[str, Any]) -> None:
         if mesh.stage == 0:
             for i in (2, 0, 1):
                 tensors = boundaries[i].check(values(i), f"micro-batch {i}")
-                links.send_activations(i, boundaries[i], tensors)
-            pending = {i: links.recv_grads(i, boundaries[i]) for i in range(3)}
+                links.send_activations(0, i, boundaries[i], tensors)
+            pending = {i: links.recv_grads(0, i, boundaries[i]) for i in range(3)}
             for i in range(3):
                 grads = pending[i].wait()
                 ok &= all(torch.equal(g, torch.full_like(g, float(i)))
                           for g in grads if g.numel())
         else:
-            pending = {i: links.recv_activations(i, boundaries[i]) for i in range(3)}
+            pending = {i: links.recv_activations(0, i, boundaries[i]) for i in range(3)}
             for i in (1, 0, 2):
                 got = boundaries[i].assemble(pending[i].wait())
                 want = values(i)
@@ -391,7 +391,7 @@ def scenario_p2p(args: dict[str, Any]) -> None:
                     torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want))
                     if isinstance(a, torch.Tensor))
                 metas = boundaries[i].metas(boundaries[i].grad_positions)
-                links.send_grads(i, boundaries[i],
+                links.send_grads(0, i, boundaries[i],
                                  [torch.full(m.shape, float(i), dtype=m.dtype) for m in metas])
         links.finish()
         records["batched" if batched else "eager"] = bool(ok)
@@ -480,6 +480,20 @@ def scenario_errors(args: dict[str, Any]) -> None:
                                                       failure=POLICY))
     attempt("dp", lambda: partition_distributed(build("mlp"), (x,), dp=3, failure=POLICY))
 
+    # Virtual stages: a world of one has no ring to run them on; the schedule needs v >= 2;
+    # balance lists one entry per virtual stage.
+    attempt("virtual_pp1", lambda: partition_distributed(
+        build("mlp"), (x,), schedule="interleaved", virtual_stages=2, failure=POLICY))
+    attempt("virtual_schedule", lambda: partition_distributed(
+        build("mlp"), (x,), schedule="interleaved", failure=POLICY))
+    attempt("virtual_type", lambda: partition_distributed(
+        build("mlp"), (x,), virtual_stages=0, failure=POLICY))
+    attempt("virtual_balance", lambda: partition_distributed(
+        build("mlp"), (x,), schedule="interleaved", virtual_stages=2, balance=[9],
+        failure=POLICY))
+    attempt("virtual_layers", lambda: partition_distributed(
+        build("mlp"), (x,), schedule="interleaved", virtual_stages=12, chunks=1,
+        failure=POLICY))
     # A world of one runs one stage; a plan of two stages cannot fit it.
     attempt("mesh", lambda: partition_distributed(build("mlp"), (x,), pp=2, failure=POLICY))
     other = build("mlp")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from distributed_harness import launch, results
 
+from partitioner.errors import ChunksError, ScheduleError
 from partitioner.runtime.distributed.p2p import (
     Boundary,
     BoundaryMismatchError,
@@ -64,10 +65,16 @@ def test_check_refuses_another_structure_and_returns_the_tensors() -> None:
 
 
 def test_message_tags_are_distinct_and_bounded() -> None:
-    tags = {message_tag(d, i, k) for d in (0, 1) for i in range(50) for k in range(20)}
-    assert len(tags) == 2 * 50 * 20
+    tags = {message_tag(d, i, k, b) for d in (0, 1) for i in range(50) for k in range(20)
+            for b in range(6)}
+    assert len(tags) == 2 * 50 * 20 * 6
+    assert message_tag(1, 8191, 1023, 127) < 2**31    # a C int, as gloo's tags are
     with pytest.raises(BoundaryMismatchError, match="more than 1024 tensors"):
         message_tag(0, 0, 1024)
+    with pytest.raises(ScheduleError, match="at most 128 virtual stages"):
+        message_tag(0, 0, 0, 128)
+    with pytest.raises(ChunksError, match="at most 8192 micro-batches per step; pass fewer"):
+        message_tag(0, 8192, 0)
 
 
 @pytest.mark.slow

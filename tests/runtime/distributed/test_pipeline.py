@@ -26,9 +26,16 @@ import torch.nn.functional as F
 from distributed_harness import launch, results
 from models import LongSkip
 
-from partitioner.errors import ChunksError, CommunicationError, StageExecutionError, StrategyError
+from partitioner.errors import (
+    ChunksError,
+    CommunicationError,
+    ScheduleError,
+    StageExecutionError,
+    StrategyError,
+)
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.pipeline import DistributedPipeline, LossError, StageInterface
+from partitioner.runtime.schedule_registry import Runtime, schedule_kind, schedule_names
 from partitioner.runtime.stage import StageRunner
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -43,6 +50,12 @@ TWO = [
     dict(pp=1, dp=2, schedule="1f1b", checkpoint="except_last", chunks=1, bucket_mb=0.0003),
     dict(pp=2, dp=1, schedule="1f1b", checkpoint="never", chunks=4, fuse=False, clip=0.05),
     dict(pp=2, dp=1, schedule="1f1b", checkpoint="except_last", chunks=4, model="gpt2", batch=4),
+    dict(pp=2, dp=1, schedule="zero_bubble", checkpoint="never", chunks=4),
+    dict(pp=2, dp=1, schedule="zero_bubble", checkpoint="except_last", chunks=3, model="mlp",
+         fuse=False),
+    dict(pp=2, dp=1, schedule="interleaved", checkpoint="never", chunks=4, virtual=2),
+    dict(pp=2, dp=1, schedule="interleaved", checkpoint="always", chunks=2, virtual=3,
+         model="mlp", balance=[2, 1, 2, 1, 2, 1]),
 ]
 FOUR = [
     dict(pp=4, dp=1, schedule="gpipe", checkpoint="except_last", chunks=4),
@@ -52,23 +65,29 @@ FOUR = [
     dict(pp=2, dp=2, schedule="1f1b", checkpoint="always", chunks=4, bucket_mb=0.0003),
     dict(pp=2, dp=2, schedule="gpipe", checkpoint="except_last", chunks=2, model="tied",
          clip=0.05),
+    dict(pp=4, dp=1, schedule="zero_bubble", checkpoint="never", chunks=6),
+    dict(pp=2, dp=2, schedule="zero_bubble", checkpoint="except_last", chunks=4),
+    dict(pp=4, dp=1, schedule="interleaved", checkpoint="never", chunks=4, virtual=2,
+         model="mlp", balance=[1, 1, 1, 1, 1, 1, 1, 2]),
+    dict(pp=2, dp=2, schedule="interleaved", checkpoint="except_last", chunks=2, virtual=2),
 ]
 
 
 def _name(cfg: dict[str, Any]) -> str:
     return (f"{cfg.get('model', 'longskip')}-pp{cfg['pp']}-dp{cfg['dp']}-{cfg['schedule']}-"
             f"{cfg['checkpoint']}-m{cfg['chunks']}{'' if cfg.get('fuse', True) else '-unfused'}"
-            f"{'-clip' if 'clip' in cfg else ''}")
+            f"{'-clip' if 'clip' in cfg else ''}"
+            f"{'-v' + str(cfg['virtual']) if 'virtual' in cfg else ''}")
 
 
 @pytest.fixture(scope="module")
 def world_of_two() -> list[list[dict[str, Any]]]:
-    return results(launch(WORKER, 2, ["train", json.dumps(TWO)], timeout=180))
+    return results(launch(WORKER, 2, ["train", json.dumps(TWO)], timeout=360))
 
 
 @pytest.fixture(scope="module")
 def world_of_four() -> list[list[dict[str, Any]]]:
-    return results(launch(WORKER, 4, ["train", json.dumps(FOUR)], timeout=240))
+    return results(launch(WORKER, 4, ["train", json.dumps(FOUR)], timeout=480))
 
 
 def _check(per_rank: list[list[dict[str, Any]]], index: int) -> None:
@@ -80,9 +99,11 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int) -> None:
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOLERANCE, abs=TOLERANCE)
         if r["replica"] == 0:
             covered |= set(r["keys"])
-        m, p, j = cfg["chunks"], cfg["pp"], r["stage"]
-        expected = m if cfg["schedule"] == "gpipe" else min(p - j, m)
-        assert r["peak_in_flight"] == expected, (r["rank"], r["peak_in_flight"])
+        m, p, j, v = cfg["chunks"], cfg["pp"], r["stage"], cfg.get("virtual", 1)
+        bound = schedule_kind(cfg["schedule"]).in_flight(p, m, j, v)
+        assert r["peak_in_flight"] <= bound, (r["rank"], r["peak_in_flight"], bound)
+        if cfg["schedule"] in ("gpipe", "1f1b", "zero_bubble"):  # the bound is reached
+            assert r["peak_in_flight"] == bound, (r["rank"], r["peak_in_flight"], bound)
     for keys in records[0]["aliases"]:                  # tied: one tensor, several keys
         if covered & set(keys):
             covered |= set(keys)
@@ -157,7 +178,8 @@ def _pipeline(model: torch.nn.Module, chunks: int, **options: Any) -> Distribute
     cpu = torch.device("cpu")
     return DistributedPipeline(StageRunner(0, gm, cpu), n_stages=1,
                                links=PipeLinks(None, None, None, cpu),
-                               interfaces=lambda micro: [StageInterface(None, None)] * len(micro),
+                               interfaces=lambda micro: [{0: StageInterface(None, None)}]
+                               * len(micro),
                                chunks=chunks, **options)
 
 
@@ -242,3 +264,45 @@ def test_a_failed_loss_all_reduce_is_a_communication_error(monkeypatch: pytest.M
     with pytest.raises(CommunicationError, match="the loss all-reduce over every rank "
                                                  "\\(stage 0\\) failed: .*Connection closed"):
         pipe.step([x], x, F.mse_loss, seed=0)
+
+
+def test_every_registered_schedule_runs_on_both_runtimes() -> None:
+    names = schedule_names()
+    assert set(names) == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
+    assert schedule_names([Runtime.MULTI_PROCESS]) == names
+    assert schedule_names([Runtime.ONE_PROCESS]) == names
+
+
+def test_schedule_and_virtual_stage_mistakes_name_the_fix() -> None:
+    with pytest.raises(ScheduleError, match="needs virtual >= 2"):
+        _pipeline(LongSkip(8), 2, schedule="interleaved")
+    gm = fx.symbolic_trace(LongSkip(8))
+    cpu = torch.device("cpu")
+    runners = {0: StageRunner(0, gm, cpu), 2: StageRunner(2, gm, cpu)}
+    with pytest.raises(ScheduleError, match="4 stages do not split into 3 virtual stages"):
+        DistributedPipeline(runners, n_stages=4, links=PipeLinks(None, None, None, cpu),
+                            interfaces=lambda micro: [], schedule="interleaved", virtual=3)
+    with pytest.raises(ScheduleError, match="got 3 micro-batches; use a multiple of 2"):
+        DistributedPipeline(runners, n_stages=4, links=PipeLinks(None, None, None, cpu),
+                            interfaces=lambda micro: [], schedule="interleaved", virtual=2,
+                            chunks=3)
+    with pytest.raises(ScheduleError, match=r"holds virtual stages \[0\].*pass stages \[0, 2\]"):
+        DistributedPipeline({0: runners[0]}, n_stages=4,
+                            links=PipeLinks(None, None, None, cpu),
+                            interfaces=lambda micro: [], schedule="interleaved", virtual=2,
+                            chunks=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "kind", "phrase"), [
+    ("virtual_pp1", "StrategyError", "pass pp >= 2 and tp=1, or virtual_stages=1"),
+    ("virtual_schedule", "ScheduleError", "needs virtual >= 2"),
+    ("virtual_type", "StrategyError", "virtual_stages=0; pass the model chunks per pipeline"),
+    ("virtual_balance", "StrategyError", "balance has 1 entries but pp=1 x virtual_stages=2"),
+    ("virtual_layers", "StrategyError", "virtual_stages=12"),
+])
+def test_virtual_stage_mistakes_raise_partition_errors(mistakes: Any, case: str, kind: str,
+                                                       phrase: str) -> None:
+    record = mistakes[case]
+    assert record["type"] == kind and record["partition_error"], record
+    assert phrase in record["message"]
