@@ -400,6 +400,9 @@ def print_times(result: dict[str, Any], pairs: list[tuple[str, str, float]]) -> 
     for name, values in times.items():
         med, q1, q3 = summary(values)
         print(f"{name:<20} {med:>9.1f} {q1:>7.1f}-{q3:<7.1f}")
+    if not pairs:
+        print("\nno pair of ours and theirs ran: nothing to compare")
+        return
     print(f"\n{'ours':<20} {'theirs':<12} {'ratio':>6} {'goal':>6}")
     for ours, theirs, goal in pairs:
         ratio = summary(times[ours])[0] / summary(times[theirs])[0]
