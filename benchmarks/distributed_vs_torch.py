@@ -3,10 +3,17 @@
 Three parts, each in its own world of processes on this machine (one intra-op thread per
 rank, ``127.0.0.1``):
 
-(a) pipeline, 2 ranks: ``nn.Sequential`` of 16 x (Linear(1024, 1024), ReLU), batch 64 in
-    8 micro-batches, split [16, 16] modules for both tools, an SGD step. Ours
-    (``partition_distributed(..., schedule="gpipe" | "1f1b")``) against torch's
-    ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``. Goal: ours/theirs <= 0.9.
+(a) pipeline, on each of ``--ranks`` (default 2 and 4) ranks: ``nn.Sequential`` of
+    16 x (Linear(1024, 1024), ReLU), batch 64 in 8 micro-batches, the same equal split for
+    both tools, an SGD step, for each schedule: ours
+    (``partition_distributed(..., pp=P, schedule=...)``; ``"interleaved"`` with
+    ``virtual_stages=2``) against torch's ``PipelineStage`` s with the closest schedule class
+    (``benchmarks/torch_pipelines.py``: ``ScheduleGPipe``, ``Schedule1F1B``,
+    ``ScheduleInterleaved1F1B`` with 2 stages per rank, ``ScheduleInterleavedZeroBubble``
+    with 1). Goal: ours/theirs <= 0.9 each. A schedule the installed project refuses (its
+    ``PartitionError``) is skipped with the reason printed. For gpipe and 1f1b ours also
+    runs with unfused weight gradients (``fuse_weight_grads=False``; ``--no-unfused`` drops
+    those).
 (b) pure data parallel, 2 ranks: the same model and batch (64 per rank), ours with
     ``dp=2`` (one micro-batch) against ``DistributedDataParallel``. Goal: ratio <= 1.0.
 (c) memory, 4 ranks: 4 stages, 16 micro-batches, GPipe against 1F1B: per rank, the peak
@@ -23,6 +30,7 @@ and see the same batch, so their first losses must agree; the script checks that
 Run:
     python benchmarks/distributed_vs_torch.py                  # all parts, defaults
     python benchmarks/distributed_vs_torch.py --parts a --steps 40 --warmup 5
+    python benchmarks/distributed_vs_torch.py --parts a --ranks 4 --schedules interleaved
 """
 
 from __future__ import annotations
@@ -49,9 +57,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch_pipelines import THEIR_ZERO_BUBBLE, their_label, torch_pipeline_step
 
 from partitioner.distributed import partition_distributed
+from partitioner.errors import PartitionError
 from partitioner.runtime.distributed.mesh import init_distributed
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,7 +78,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--mem-batch", type=int, default=1024,
                         help="batch of part (c), split into 16 micro-batches")
-    return parser.parse_args()
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+                        help="world sizes (pipeline depths) of part (a)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help="comma-separated schedules of part (a)")
+    parser.add_argument("--virtual", type=int, default=2,
+                        help="virtual stages per rank of the interleaved schedule")
+    parser.add_argument("--their-zero-bubble", choices=THEIR_ZERO_BUBBLE,
+                        default="interleaved1",
+                        help="torch's stand-in for our zero_bubble: "
+                             "ScheduleInterleavedZeroBubble with 1 or --virtual stages per "
+                             "rank, or ScheduleZBVZeroBubble")
+    parser.add_argument("--no-unfused", action="store_true",
+                        help="part (a) without our unfused-weight-gradient contenders")
+    args = parser.parse_args()
+    args.schedules = [name for name in args.schedules.split(",") if name]
+    unknown = [name for name in args.schedules if name not in SCHEDULES]
+    if unknown:
+        parser.error(f"unknown schedules {unknown}; pass a subset of {SCHEDULES}")
+    return args
 
 
 def make_model(width: int, blocks: int) -> nn.Sequential:
@@ -138,47 +168,46 @@ def ours_step(dpm: Any, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]
     return step
 
 
-def torch_pipeline_step(kind: str, base: nn.Sequential, rank: int, chunks: int,
-                        x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    half = len(base) // 2
-    module = copy.deepcopy(base)
-    part = module[:half] if rank == 0 else module[half:]
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-    schedule = cls(stage, n_microbatches=chunks, loss_fn=F.mse_loss)
-    optimizer = sgd(part.parameters())
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=losses)
-        optimizer.step()
-        value = torch.tensor([sum(float(v.detach()) for v in losses) / chunks])
-        dist.broadcast(value, src=1)  # the loss on every rank, as ours returns it
-        return float(value)
-    return step
+def ours_pipeline(base: nn.Sequential, x: torch.Tensor, args: argparse.Namespace,
+                  world: int, kind: str, fused: bool) -> Any:
+    """Our pipeline over ``world`` ranks in schedule ``kind``, or why the installed project
+    refuses it (every rank refuses alike, before any collective, so none hangs)."""
+    virtual = args.virtual if kind == "interleaved" else 1
+    n = world * virtual
+    if len(base) % n:
+        return f"{len(base)} modules do not split into {n} equal stages"
+    extra: dict[str, Any] = {"virtual_stages": virtual} if virtual > 1 else {}
+    try:
+        return partition_distributed(copy.deepcopy(base), example_inputs=(x,), pp=world,
+                                     chunks=args.chunks, schedule=kind, checkpoint="never",
+                                     balance=[len(base) // n] * n, fuse_weight_grads=fused,
+                                     **extra)
+    except (PartitionError, TypeError) as error:  # TypeError: no virtual_stages= yet
+        return f"ours refused: {type(error).__name__}: {error}"
 
 
-def part_a(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+def part_a(rank: int, args: argparse.Namespace, world: int) -> dict[str, Any]:
     base = make_model(args.width, args.blocks)
     x, y = data(args.batch, args.width)
-    half = len(base) // 2
-    steps = {}
-    for kind in ("gpipe", "1f1b"):
-        for fused in (True, False):
-            dpm = partition_distributed(copy.deepcopy(base), example_inputs=(x,), pp=2,
-                                        chunks=args.chunks, schedule=kind, checkpoint="never",
-                                        balance=[half, len(base) - half],
-                                        fuse_weight_grads=fused)
-            steps[f"ours/{kind}" + ("" if fused else "/unfused")] = ours_step(dpm, x, y)
-        steps[f"torch/{kind}"] = torch_pipeline_step(kind, base, rank, args.chunks, x, y)
+    steps: dict[str, Callable[[], float]] = {}
+    skipped: dict[str, str] = {}
+    for kind in args.schedules:
+        variants = (True,) if args.no_unfused or kind not in ("gpipe", "1f1b") else (True, False)
+        for fused in variants:
+            name = f"ours/{kind}" + ("" if fused else "/unfused")
+            dpm = ours_pipeline(base, x, args, world, kind, fused)
+            if isinstance(dpm, str):
+                skipped[name] = dpm
+            else:
+                steps[name] = ours_step(dpm, x, y)
+        try:
+            steps[f"torch/{kind}"] = torch_pipeline_step(
+                kind, base, rank, world, args.chunks, x, y, virtual=args.virtual,
+                zero_bubble=args.their_zero_bubble)
+        except (ValueError, RuntimeError) as error:
+            skipped[f"torch/{kind}"] = f"torch refused: {type(error).__name__}: {error}"
     times, first = interleave(steps, args.warmup, args.steps)
-    return {"times": times, "first": first}
+    return {"times": times, "first": first, "skipped": skipped}
 
 
 class Timers:
@@ -226,8 +255,8 @@ def profile_a(rank: int, args: argparse.Namespace) -> dict[str, Any]:
             for flag in (True, False))
         for name, step in ((f"ours/{kind}", ours_step(fused, x, y)),
                            (f"ours/{kind}/unfused", ours_step(unfused, x, y)),
-                           (f"torch/{kind}", torch_pipeline_step(kind, base, rank, args.chunks,
-                                                                 x, y))):
+                           (f"torch/{kind}", torch_pipeline_step(kind, base, rank, 2,
+                                                                 args.chunks, x, y))):
             for _ in range(args.warmup):
                 step()
             timers = Timers()
@@ -357,6 +386,12 @@ def summary(times: list[float]) -> tuple[float, float, float]:
 
 def print_times(result: dict[str, Any], pairs: list[tuple[str, str, float]]) -> None:
     times, first = result["times"], result["first"]
+    for name, reason in result.get("skipped", {}).items():
+        print(f"skipped {name}: {reason}")
+    pairs = [(ours, theirs, goal) for ours, theirs, goal in pairs
+             if ours in times and theirs in times]
+    if not times:
+        return
     losses = list(first.values())
     if max(losses) - min(losses) > 1e-4 * max(1.0, abs(losses[0])):
         raise SystemExit(f"first-step losses disagree: {first}")
@@ -365,6 +400,9 @@ def print_times(result: dict[str, Any], pairs: list[tuple[str, str, float]]) -> 
     for name, values in times.items():
         med, q1, q3 = summary(values)
         print(f"{name:<20} {med:>9.1f} {q1:>7.1f}-{q3:<7.1f}")
+    if not pairs:
+        print("\nno pair of ours and theirs ran: nothing to compare")
+        return
     print(f"\n{'ours':<20} {'theirs':<12} {'ratio':>6} {'goal':>6}")
     for ours, theirs, goal in pairs:
         ratio = summary(times[ours])[0] / summary(times[theirs])[0]
@@ -402,13 +440,14 @@ def main() -> None:
     print(f"model: {args.blocks} x (Linear({args.width}, {args.width}), ReLU); "
           f"{args.warmup} warm-up + {args.steps} timed steps per contender, interleaved")
     if "a" in args.parts:
-        print(f"\n(a) pipeline, 2 ranks, batch {args.batch}, {args.chunks} micro-batches, "
-              "split [16, 16] modules, checkpoint never")
-        result = spawn(part_a, 2, args)[0]
-        print_times(result, [("ours/gpipe", "torch/gpipe", 0.9),
-                             ("ours/1f1b", "torch/1f1b", 0.9),
-                             ("ours/gpipe/unfused", "torch/gpipe", 0.9),
-                             ("ours/1f1b/unfused", "torch/1f1b", 0.9)])
+        for world in args.ranks:
+            print(f"\n(a) pipeline, {world} ranks, batch {args.batch}, {args.chunks} "
+                  f"micro-batches, equal stages, checkpoint never; theirs: "
+                  + ", ".join(f"{kind} = {their_label(kind, args.their_zero_bubble)}"
+                              for kind in args.schedules))
+            result = spawn(part_a, world, args, world)[0]
+            print_times(result, [(f"ours/{kind}{variant}", f"torch/{kind}", 0.9)
+                                 for variant in ("", "/unfused") for kind in args.schedules])
     if "p" in args.parts:
         print(f"\n(a, profiled) per rank and step, ms: {args.steps} steps after "
               f"{args.warmup} warm-up, contenders one after another")

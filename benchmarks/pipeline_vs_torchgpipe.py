@@ -7,6 +7,12 @@ both tools run under the same thread settings, their steps interleaved (every ro
 contender once, in a rotating order), so drift in the machine hits them alike. The
 unpartitioned model, with and without 8-way gradient accumulation, is the anchor.
 
+Two of our contenders per mode: ``ours`` runs ``pm(x)``, the loss and ``loss.backward()``
+(all forwards, then all backwards: GPipe's order, as torchgpipe runs it); ``ours-1f1b`` runs
+``pm.step(x, y, F.mse_loss)`` on a module partitioned with ``schedule="1f1b"``: the loss is
+computed per micro-batch on the last stage and each micro-batch's backward starts as soon as
+its forward is done, so a stage holds at most ``P - j`` micro-batches' activations.
+
 By default every contender lives in its own process and only the one being timed computes;
 the others block on a pipe. In one process the contenders disturb each other: each thread that
 has run a parallel op keeps an OpenMP team, and once a process has more OpenMP threads than
@@ -20,6 +26,7 @@ Every contender's process handles freed host memory alike: with glibc's defaults
 Run:
     python benchmarks/pipeline_vs_torchgpipe.py                 # defaults: 5 warm-up, 20 timed
     python benchmarks/pipeline_vs_torchgpipe.py --steps 40 --threads 1 --modes never
+    python benchmarks/pipeline_vs_torchgpipe.py --tools ours-1f1b,torchgpipe --modes never
 
 Every contender starts from the same seeded model and batch, so their first losses must
 agree; the script checks that before timing.
@@ -28,6 +35,7 @@ agree; the script checks that before timing.
 from __future__ import annotations
 
 import argparse
+import inspect
 import multiprocessing as mp
 import os
 import platform
@@ -38,8 +46,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 MODES = ("always", "except_last", "never")
+TOOLS = ("ours", "ours-1f1b", "torchgpipe")
+GOALS = {"ours": 0.9, "ours-1f1b": 0.8}  # ours / torchgpipe, median step time
 PLAIN, ACCUMULATED = "unpartitioned", "unpartitioned, accumulation"
 
 
@@ -49,6 +60,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per contender")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated checkpoint modes (always,except_last,never)")
+    parser.add_argument("--tools", default=",".join(TOOLS),
+                        help="comma-separated pipelines to time, each per mode: ours "
+                             "(pm(x) + backward, GPipe order), ours-1f1b (pm.step in 1F1B), "
+                             "torchgpipe")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for every thread of every process "
                              "(default: torch's default, one per core)")
@@ -68,6 +83,11 @@ def parse_args() -> argparse.Namespace:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown checkpoint modes {unknown}; pass a subset of {MODES}")
+    args.tools = [t for t in args.tools.split(",") if t]
+    unknown = [t for t in args.tools if t not in TOOLS]
+    if unknown or "torchgpipe" not in args.tools:
+        parser.error(f"--tools {','.join(args.tools)}: pass a subset of {TOOLS} that "
+                     "includes torchgpipe (the ratios' anchor)")
     return args
 
 
@@ -151,9 +171,36 @@ def accumulated_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
     return step
 
 
+def one_f_one_b_step(pm: nn.Module, x: torch.Tensor, target: torch.Tensor
+                     ) -> Callable[[], float]:
+    """One step through ``pm.step`` (loss per micro-batch on the last stage, 1F1B order)."""
+    optimizer = torch.optim.SGD(pm.parameters(), lr=1e-3)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = pm.step(x, target, F.mse_loss)  # type: ignore[operator]
+        optimizer.step()
+        return float(loss)
+    return step
+
+
+def partition_1f1b(model: nn.Module, x: torch.Tensor, args: argparse.Namespace,
+                   balance: list[int], mode: str) -> nn.Module:
+    """Our pipeline in the 1F1B schedule: through ``partition(schedule=)`` where the installed
+    project has it, else by setting the module's schedule before its pipeline is built (it is
+    built lazily, on first use, with ``schedule=pm.schedule``)."""
+    common: dict[str, Any] = dict(devices=["cpu", "cpu"], example_inputs=(x,),
+                                  chunks=args.chunks, checkpoint=mode, balance=balance)
+    if "schedule" in inspect.signature(partition).parameters:
+        return partition(model, strategy="pipeline", schedule="1f1b", **common)
+    pm = partition(model, strategy="pipeline", **common)
+    pm.schedule = "1f1b"
+    return pm
+
+
 def contender_names(args: argparse.Namespace) -> list[str]:
     return [PLAIN, ACCUMULATED] + [f"{tool}/{mode}" for mode in args.modes
-                                   for tool in ("ours", "torchgpipe")]
+                                   for tool in args.tools]
 
 
 def build_step(name: str, args: argparse.Namespace) -> tuple[Callable[[], float], list[int]]:
@@ -165,6 +212,9 @@ def build_step(name: str, args: argparse.Namespace) -> tuple[Callable[[], float]
     if name == ACCUMULATED:
         return accumulated_step(model, x, target, args.chunks), [torch.get_num_threads()]
     tool, mode = name.split("/")
+    if tool == "ours-1f1b":
+        pm = partition_1f1b(model, x, args, balance, mode)
+        return one_f_one_b_step(pm, x, target), worker_threads(pm)
     if tool == "ours":
         pm = partition(model, devices=["cpu", "cpu"], example_inputs=(x,), chunks=args.chunks,
                        checkpoint=mode, balance=balance)
@@ -179,8 +229,10 @@ def worker_threads(pm: nn.Module) -> list[int]:
     """The intra-op thread counts our stages' actions run with (``partitioner.runtime.local``: the
     caller's threads shared by the stages busy at the action's time in the schedule)."""
     pipe = pm.pipeline(True)  # type: ignore[operator]
-    plan = thread_plan(gpipe_schedule(len(pipe.workers), pipe.chunks),
-                       [d.type == "cpu" for d in pipe.devices], torch.get_num_threads())
+    schedule = (gpipe_schedule(len(pipe.workers), pipe.chunks) if pm.schedule == "gpipe"
+                else pipe.step_schedule(pipe.chunks))
+    plan = thread_plan(schedule, [d.type == "cpu" for d in pipe.devices],
+                       torch.get_num_threads())
     return sorted(set(plan.values()), reverse=True)
 
 
@@ -335,10 +387,11 @@ def print_header(args: argparse.Namespace) -> None:
 
 def print_setup(runners: list[Contender], loss: float) -> None:
     print(f"first-step losses agree across all {len(runners)} contenders ({loss:.6f})")
-    ours = next((c.threads for c in runners if c.name.startswith("ours/")), None)
+    ours = next((c.threads for c in runners if c.name.startswith("ours")), None)
     theirs = next((c.threads for c in runners if c.name.startswith("torchgpipe/")), None)
     print(f"ours: a worker thread per stage, intra-op threads per action {ours} (all of them "
-          f"when a stage runs alone, shared when stages run together); torchgpipe: a "
+          f"when a stage runs alone, shared when stages run together; per the schedule "
+          f"timed); torchgpipe: a "
           f"worker thread per distinct device (both 'cpu' stages share one, {theirs} threads), "
           "backward on autograd's thread")
     for w in sorted({w for c in runners for w in c.warnings}):
@@ -353,14 +406,16 @@ def print_results(args: argparse.Namespace, runners: list[Contender]) -> None:
         med, q1, q3 = summary(c.times)
         label = f"{ACCUMULATED} x{args.chunks}" if c.name == ACCUMULATED else c.name
         print(f"{label:<32} {med:>9.1f} {q1:>7.1f}-{q3:<7.1f} {med / plain:>9.2f}")
-    print(f"\n{'mode':<12} {'ours ms':>8} {'torchgpipe ms':>13} {'ours/torchgpipe':>15} "
-          f"{'goal <= 0.9':>11} {'ours/unpart.':>12}")
-    for mode in args.modes:
-        ours = summary(by_name[f"ours/{mode}"].times)[0]
-        theirs = summary(by_name[f"torchgpipe/{mode}"].times)[0]
-        ratio = ours / theirs
-        print(f"{mode:<12} {ours:>8.1f} {theirs:>13.1f} {ratio:>15.2f} "
-              f"{'met' if ratio <= 0.9 else 'NOT met':>11} {ours / plain:>12.2f}")
+    print(f"\n{'ours':<10} {'mode':<12} {'ours ms':>8} {'torchgpipe ms':>13} "
+          f"{'ours/torchgpipe':>15} {'goal':>6} {'':>7} {'ours/unpart.':>12}")
+    for tool in (t for t in args.tools if t != "torchgpipe"):
+        for mode in args.modes:
+            ours = summary(by_name[f"{tool}/{mode}"].times)[0]
+            theirs = summary(by_name[f"torchgpipe/{mode}"].times)[0]
+            ratio, goal = ours / theirs, GOALS[tool]
+            print(f"{tool:<10} {mode:<12} {ours:>8.1f} {theirs:>13.1f} {ratio:>15.2f} "
+                  f"{'<= ' + str(goal):>6} {'met' if ratio <= goal else 'NOT met':>7} "
+                  f"{ours / plain:>12.2f}")
 
 
 def main() -> None:
