@@ -118,14 +118,24 @@ def _mark_unsplittable(captured: Captured, values: list[Any], workload: Workload
     """The workload, marked unsafe to micro-batch when the capture does not hold for halves
     of the example batch or ``forward`` updates a counter (the planner then keeps chunks=1)."""
     note = None
+    batch = batch_size(values) or 1
     if captured.writes:
         note = f"forward updates buffer {captured.writes[0]}: micro-batches would repeat it"
-    elif captured.rules is not None and (batch_size(values) or 1) > 1:
-        found = [p for micro in scatter(list(values), 2) for p in captured.rules.problems(micro)]
+    elif captured.rules is not None and batch > 1:
+        rules = captured.rules
+        found = [p for micro in scatter(list(values), 2) for p in rules.problems(micro)]
         note = f"the captured graph does not hold for micro-batches: {found[0]}" if found else None
+        # Which splits into micro-batches (times replicas) the graph holds for.
+        splits = tuple(k for k in range(1, min(batch, _MAX_SPLIT) + 1)
+                       if not any(rules.problems(micro) for micro in scatter(list(values), k)))
+        workload = replace(workload, splits=splits)
     if note is None:
         return workload
     return replace(workload, notes=(*workload.notes, note), microbatch_safe=False)
+
+
+_MAX_SPLIT = 256
+"""The most pieces a batch is checked for against the captured graph's guards."""
 
 
 def _propagate_shapes(model: nn.Module, gm: fx.GraphModule, values: list[Any],

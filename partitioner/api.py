@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, overload
 
@@ -23,13 +23,19 @@ from torch import nn
 
 from partitioner.analysis import Analysis, analyze
 from partitioner.apply import resolve_plan
-from partitioner.build import TensorParallelSetup, build_pipeline, build_tensor_parallel
+from partitioner.build import (
+    TensorParallelSetup,
+    build_pipeline,
+    build_replicas,
+    build_tensor_parallel,
+)
 from partitioner.errors import DeviceError, ModelError, StrategyError
 from partitioner.planning.planner import plan_request, record, shardable_degrees
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
 from partitioner.runtime.module import PartitionedModule
+from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
 from partitioner.tensor_parallel import partition_tensor_parallel, plan_tensor_parallel
 
@@ -154,10 +160,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         analysis, made, request = resolve_plan(model, plan, request)
         return build_pipeline(model, analysis, made, request)
     analysis, made = _planned(model, request)
-    routed = route(model, analysis, made, request)
-    if isinstance(routed, TensorParallelSetup):
-        return build_tensor_parallel(model, routed)
-    return build_pipeline(model, analysis, routed, request)
+    return build(model, analysis, route(model, analysis, made, request), request)
 
 
 def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -193,7 +196,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
     if request.cluster is not None and not request.cluster.is_local:
         return made
     routed = route(model, analysis, made, request)
-    return routed.plan if isinstance(routed, TensorParallelSetup) else routed
+    return routed if isinstance(routed, Plan) else routed.plan
 
 
 def _planned(model: nn.Module, request: PlanRequest) -> tuple[Analysis, Plan]:
@@ -211,27 +214,31 @@ def _planned(model: nn.Module, request: PlanRequest) -> tuple[Analysis, Plan]:
                             analysis, request, request.strategy)
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """A plan with ``mesh.dp > 1`` replicas in one process, each running ``pp x tp``."""
+
+    plan: Plan
+    setup: TensorParallelSetup | None = None
+
+
 def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
-          ) -> Plan | TensorParallelSetup:
+          ) -> Plan | TensorParallelSetup | Replicas:
     """Where a plan for this machine goes: the one place that picks the runtime.
 
     A pipeline plan (``dp = tp = 1``) is built as it is. A tensor-parallel choice of
     ``strategy="auto"`` is planned again by the tensor-parallel front (its layers are
     merged so no stage boundary cuts a column/row pair) with the chosen degree,
-    micro-batches, checkpoint mode and schedule, and keeps the search's candidates.
-
-    Raises:
-        StrategyError: a plan with replicas (``dp > 1``) while the replicas runtime is not
-            installed.
+    micro-batches, checkpoint mode and schedule, and keeps the search's candidates. A
+    choice with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
+    replica ``r`` on the ``r``-th group of ``pp x tp`` devices.
     """
     mesh = plan.mesh or Mesh()
-    if mesh.dp > 1:
-        raise StrategyError(f"the plan has dp={mesh.dp} replicas but the one-process replicas "
-                            "runtime (runtime/replicas.py) is not installed; pass "
-                            "strategy='pipeline' or tensor_parallel=")
     if mesh.tp == 1:
-        return plan
-    setup = plan_tensor_parallel(model, list(request.devices), mesh.tp, strategy="auto",
+        return plan if mesh.dp == 1 else Replicas(plan)
+    width = mesh.pp * mesh.tp
+    setup = plan_tensor_parallel(model, list(request.devices)[:width], mesh.tp,
+                                 strategy="auto",
                                  example_inputs=request.example_inputs,
                                  example_kwargs=request.kwargs, chunks=plan.chunks,
                                  checkpoint=plan.checkpoint, schedule=plan.schedule,
@@ -243,7 +250,21 @@ def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
                             *(n for n in plan.notes if n.startswith("chosen:"))),
                      planner=replace(setup.plan.planner or PlannerInputs(),
                                      strategy=request.strategy))
-    return replace(setup, plan=chosen)
+    if mesh.dp == 1:
+        return replace(setup, plan=chosen)
+    chosen = replace(chosen, mesh=Mesh(mesh.dp, chosen.mesh.pp if chosen.mesh else mesh.pp,
+                                       mesh.tp))
+    return Replicas(chosen, replace(setup, plan=chosen))
+
+
+def build(model: nn.Module, analysis: Analysis, routed: Plan | TensorParallelSetup | Replicas,
+          request: PlanRequest) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
+    """The module running a routed plan in this process."""
+    if isinstance(routed, Replicas):
+        return build_replicas(model, analysis, routed.plan, request, routed.setup)
+    if isinstance(routed, TensorParallelSetup):
+        return build_tensor_parallel(model, routed)
+    return build_pipeline(model, analysis, routed, request)
 
 
 def _check_model(model: object) -> None:

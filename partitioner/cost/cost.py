@@ -180,6 +180,9 @@ class Workload:
         name: a label.
         notes: remarks about the model the planner must respect (e.g. batch norm).
         microbatch_safe: whether splitting the batch leaves the maths unchanged.
+        splits: into how many pieces (micro-batches times replicas) the batch may be split,
+            when the captured graph holds only for some sizes (``torch.export`` guards on
+            the batch); ``None``: any.
     """
 
     layers: tuple[LayerCost, ...]
@@ -191,6 +194,7 @@ class Workload:
     name: str = "model"
     notes: tuple[str, ...] = field(default=())
     microbatch_safe: bool = True
+    splits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

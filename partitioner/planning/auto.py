@@ -212,6 +212,8 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
             dp = n // (t * p)
             if p > layers or workload.batch % dp or (pp is not None and p != pp):
                 continue
+            if dp > 1 and not workload.microbatch_safe:
+                continue  # replicas split the batch as micro-batches do
             per_replica = workload.batch // dp
             if chunks is not None:
                 counts = [chunks] if chunks <= per_replica else []
@@ -220,6 +222,11 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
             else:
                 counts = [m for m in _divisors(per_replica) if m <= max_microbatches
                           or per_replica // m <= 8]
+            if workload.splits is not None:
+                # A chunks= the graph does not hold for is the user's: it is refused with
+                # the guard it breaks when the stages are built.
+                counts = [m for m in counts if m * dp in workload.splits
+                          or (dp == 1 and chunks is not None)]
             for m, name, mode in itertools.product(counts, names, modes):
                 if mode == EXCEPT_LAST and m == 1 and mode != checkpoint:
                     continue  # replays nothing: NEVER at no less memory

@@ -303,8 +303,10 @@ def _describe(example_inputs: Sequence[Any] | None) -> tuple[str, ...]:
 
 
 def _labels(cluster: Cluster, config: Config) -> tuple[str, ...]:
-    if cluster.is_local and config.dp == config.tp == 1:
-        return tuple(cluster.local[:config.pp])
+    if cluster.is_local:
+        # One process: replica r runs on devices[r pp tp:(r + 1) pp tp], stage j of replica
+        # 0 (what the plan's stages describe) on its j-th group of tp devices.
+        return tuple(cluster.local[j * config.tp] for j in range(config.pp))
     stride = config.dp * config.tp  # rank = (stage * dp + replica) * tp + shard
     return tuple(f"{cluster.spec(j * stride).name}#{j * stride}" for j in range(config.pp))
 

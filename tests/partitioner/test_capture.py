@@ -51,7 +51,7 @@ def test_a_batch_branch_is_refused_for_micro_batches_it_does_not_hold_for() -> N
     model, x = BatchBranch(), torch.randn(8, 8)
     with pytest.raises(ChunksError, match=r"models.py:\d+ \(if x.shape\[0\] > 4:\)"):
         partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=2)
-    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), chunks=1)
+    pm = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=1)
     bigger = torch.randn(12, 8)
     torch.testing.assert_close(pm(bigger), model(bigger))  # 12 > 4: the traced branch
     with pytest.raises(StageExecutionError, match="input x has 3 rows") as info:
