@@ -7,8 +7,8 @@ sizes on 8 H100-SXM per node (NVLink 4, one 400 Gb/s NIC per GPU), predicted by 
 model and by the event simulation, and the throughput per GPU (Megatron-Core's model-FLOP
 count over the step time) compared with the published figure.
 
-What the README does not publish is fixed here before looking at any prediction, and
-the same for every row: micro-batch 1, interleaved 1F1B with the smallest virtual pipeline
+What the README does not publish is fixed here, the same for every row (the first choices
+run, kept as they were): micro-batch 1, interleaved 1F1B with the smallest virtual pipeline
 size above 1 that divides the layers per stage (the rule of ``test_megatron_reference``),
 plain 1F1B for one stage, no activation recomputation, a fused Adam, the gradient
 all-reduce and the stage-to-stage sends overlapped with compute (the README says so).
