@@ -73,8 +73,11 @@ from partitioner.passes.tensor_parallel.decision import (
 )
 from partitioner.passes.tensor_parallel.layout import R_IN, Layout, R, Shard, normalize_dim
 from partitioner.passes.tensor_parallel.shape_ops import (
+    CAT_FUNCTIONS,
+    STACK_FUNCTIONS,
     VIEW_FUNCTIONS,
     VIEW_METHODS,
+    concatenate,
     expand,
     getitem,
     indexing,
@@ -87,7 +90,7 @@ from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime import rng
 from partitioner.runtime.tensor_parallel import ops as tpops
 
-__all__ = ["decide", "pointwise", "reduction", "norm", "matmul", "attention", "size_query",
+__all__ = ["ATTENTION_PRODUCTS", "decide", "pointwise", "reduction", "norm", "matmul", "attention", "size_query",
            "site_rule", "Decision", "RuleContext"]
 
 aten = torch.ops.aten
@@ -354,6 +357,8 @@ _SPLIT_FUNCTIONS = {torch.split, torch.chunk, aten.split.Tensor, aten.split_with
 _SLICE_FUNCTIONS = {aten.slice.Tensor, aten.select.int, torch.narrow, aten.narrow.default}
 _MATMUL = {torch.matmul, operator.matmul, torch.bmm, aten.matmul.default, aten.bmm.default}
 _ATTENTION = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+#: The products of queries with keys (and of weights with values).
+ATTENTION_PRODUCTS = frozenset(_ATTENTION | _MATMUL)
 
 Rule = Callable[[fx.Node, RuleContext], Decision]
 
@@ -371,6 +376,7 @@ def _rule(node: fx.Node, gm: fx.GraphModule) -> Rule | None:
         for targets, rule in ((VIEW_FUNCTIONS, view_like), (_PERMUTE_FUNCTIONS, permute),
                               (_SPLIT_FUNCTIONS, split), (_SLICE_FUNCTIONS, slicing),
                               (_MATMUL, matmul), (_ATTENTION, attention),
+                              (CAT_FUNCTIONS | STACK_FUNCTIONS, concatenate),
                               (_KEEP_RANK | _REDUCE, reduction), (_NORMS, norm)):
             if target in targets:
                 return rule
