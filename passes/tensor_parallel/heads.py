@@ -14,8 +14,10 @@ attention whole on purpose. Attentions whose query projection a user rule names 
 as the user asked.
 
 Example:
-    >>> heads_fix(6, 2, 4, "model.layers.*.self_attn")
-    "6 query heads and 2 KV heads do not split over tensor_parallel=4; use a degree dividing 6 (1, 2, 3, 6) (KV heads are split when it divides 2, kept whole otherwise), or keep the attention whole with tensor_parallel={'model.layers.*.self_attn.*': 'replicate'}"
+    >>> print(heads_fix(6, 2, 4, "model.layers.*.self_attn"))  # doctest: +NORMALIZE_WHITESPACE
+    6 query heads and 2 KV heads do not split over tensor_parallel=4; use a degree dividing
+    6 (1, 2, 3, 6) (KV heads are split when it divides 2, kept whole otherwise), or keep the
+    attention whole with tensor_parallel={'model.layers.*.self_attn.*': 'replicate'}
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ __all__ = ["AttentionHeads", "find_attention_heads", "heads_problems", "heads_fi
 aten = torch.ops.aten
 
 _SDPA = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
-_MATMUL = {operator.matmul, torch.matmul, torch.Tensor.matmul, aten.matmul.default, aten.bmm.default,
-           torch.bmm}
+_MATMUL = {operator.matmul, torch.matmul, torch.Tensor.matmul, torch.bmm, aten.matmul.default,
+           aten.bmm.default}
 _SOFTMAX = {F.softmax, torch.softmax, aten._softmax.default, aten.softmax.int}
 _SOFTMAX_HOPS = 4
 

@@ -18,6 +18,9 @@ reshapes (``view``, ``flatten``)   the split moves to the dimension holding the 
 ``transpose``, ``permute``         the split follows its dimension
 ``split``, ``chunk``               along another dimension: kept; along the split
                                    dimension: only into the blocks of a fused projection
+``cat``, ``stack``                 along another dimension: kept, whole pieces sliced
+                                   (rotary embeddings' ``rotate_half``); along the split
+                                   dimension: gathered
 reductions, ``softmax``, norms     over other dimensions: kept
 ``matmul``, attention              batch (head) dimensions split alike on both sides: kept
 size queries (``x.shape``)         answer with the whole sizes
@@ -90,8 +93,8 @@ from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime import rng
 from partitioner.runtime.tensor_parallel import ops as tpops
 
-__all__ = ["ATTENTION_PRODUCTS", "decide", "pointwise", "reduction", "norm", "matmul", "attention", "size_query",
-           "site_rule", "Decision", "RuleContext"]
+__all__ = ["ATTENTION_PRODUCTS", "decide", "pointwise", "reduction", "norm", "matmul",
+           "attention", "size_query", "site_rule", "Decision", "RuleContext"]
 
 aten = torch.ops.aten
 

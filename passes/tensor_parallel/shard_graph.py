@@ -47,8 +47,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner.passes.base import PassError, PassResult
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.tensor_parallel.attention import heads_problem
-from partitioner.passes.tensor_parallel.heads import heads_problems
 from partitioner.passes.tensor_parallel.decision import AttentionSite, RowSite, VocabSite
+from partitioner.passes.tensor_parallel.heads import heads_problems
 from partitioner.passes.tensor_parallel.layout import Shard
 from partitioner.passes.tensor_parallel.match import choose, kind_of, site_shardings
 from partitioner.passes.tensor_parallel.propagate import Propagation, propagate

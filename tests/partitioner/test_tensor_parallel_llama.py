@@ -12,6 +12,7 @@ from models import grads_match
 from torch import nn
 
 from partitioner import PartitionError, partition
+from partitioner.cost.transformer_model import LlamaShape
 from partitioner.runtime.tensor_parallel.sharding import ShardSizeError
 
 
@@ -56,6 +57,11 @@ def test_llama_trains_equal_to_the_unsplit_model(heads: int, kv_heads: int, tp: 
         == "colwise"
     assert kinds[layer + "mlp.down_proj.weight"] == "rowwise"
     assert not any("norm" in name for name in kinds)
+    # the analytic model holds what one rank holds (KV projections whole or split)
+    shape = LlamaShape(2, 64, heads, kv_heads, 176, 8, 96, tied)
+    on_rank = sum(pm.local_tensors(key)[0].numel() for key, _ in
+                  reference.named_parameters() if key.startswith(layer))
+    assert on_rank == shape.layer_parameters_on(tp)
     ours = torch.optim.SGD(pm.parameters(), lr=0.5)
     theirs = torch.optim.SGD(reference.parameters(), lr=0.5)
     for step in range(3):
