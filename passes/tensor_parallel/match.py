@@ -187,7 +187,7 @@ def _lone_kind(gm: fx.GraphModule, sites: list[Site], site: Site, tp: int) -> st
         return "replicate"
     result = propagate(gm, site_shardings(site, "colwise", tp), tp, sites=sites,
                        start=site.node)
-    if result.problems or any(c.slices for c in result.conversions):
+    if any(c.slices for c in result.conversions):
         return "replicate"
     return "colwise"
 
