@@ -16,13 +16,15 @@ from partitioner.cost.transformer_model import LlamaShape
 from partitioner.runtime.tensor_parallel.sharding import ShardSizeError
 
 
-def llama(heads: int, kv_heads: int, tied: bool, hidden: int = 64) -> nn.Module:
+def llama(heads: int, kv_heads: int, tied: bool, hidden: int = 64,
+          attention: str = "sdpa") -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=176,
                          num_hidden_layers=2, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=32,
-                         use_cache=False, tie_word_embeddings=tied)
+                         use_cache=False, tie_word_embeddings=tied,
+                         attn_implementation=attention)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).double()
 
@@ -35,15 +37,17 @@ def gathered_grads(pm: nn.Module, model: nn.Module) -> nn.Module:
     return whole
 
 
-@pytest.mark.parametrize("heads, kv_heads, tp, tied, kv_kind", [
-    (4, 2, 2, False, "colwise"),    # GQA, KV heads split
-    (8, 4, 4, True, "colwise"),
-    (8, 2, 4, False, "replicate"),  # GQA, KV projections whole, sliced per rank
-    (4, 1, 2, True, "replicate"),   # MQA
-], ids=["gqa-tp2", "gqa-tp4-tied", "gqa-whole-kv-tp4", "mqa-tp2-tied"])
+@pytest.mark.parametrize("heads, kv_heads, tp, tied, kv_kind, attention", [
+    (4, 2, 2, False, "colwise", "sdpa"),    # GQA, KV heads split
+    (8, 4, 4, True, "colwise", "sdpa"),
+    (8, 2, 4, False, "replicate", "sdpa"),  # GQA, KV projections whole, sliced per rank
+    (4, 1, 2, True, "replicate", "sdpa"),   # MQA
+    (8, 2, 4, False, "replicate", "eager"),  # q @ k.T, softmax, @ v
+], ids=["gqa-tp2", "gqa-tp4-tied", "gqa-whole-kv-tp4", "mqa-tp2-tied", "eager-whole-kv-tp4"])
 def test_llama_trains_equal_to_the_unsplit_model(heads: int, kv_heads: int, tp: int,
-                                                 tied: bool, kv_kind: str) -> None:
-    model = llama(heads, kv_heads, tied)
+                                                 tied: bool, kv_kind: str,
+                                                 attention: str) -> None:
+    model = llama(heads, kv_heads, tied, attention=attention)
     reference = copy.deepcopy(model)
     ids, labels = torch.randint(0, 96, (4, 8)), torch.randint(0, 96, (4, 8))
     pm = partition(model, ["cpu"] * tp, tensor_parallel=tp, example_inputs=(ids,))
