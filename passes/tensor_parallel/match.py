@@ -187,9 +187,7 @@ def _lone_kind(gm: fx.GraphModule, sites: list[Site], site: Site, tp: int) -> st
         return "replicate"
     result = propagate(gm, site_shardings(site, "colwise", tp), tp, sites=sites,
                        start=site.node)
-    if any(c.slices for c in result.conversions):
-        return "replicate"
-    return "colwise"
+    return "replicate" if any(c.slices for c in result.conversions) else "colwise"
 
 
 def _tied_to_chosen(site: Site, sites: list[Site], kinds: dict[str, str]) -> bool:
