@@ -1,4 +1,5 @@
-"""Analytic costs of a GPT-shaped model, from its shape alone (no graph, no weights).
+"""Analytic costs of GPT- and Llama-shaped models, from their shape alone (no graph, no
+weights).
 
 For models too large to capture here, or to check the cost model against published
 measurements, :func:`gpt_workload` lists the operations of Megatron-LM's GPT layer with
@@ -32,6 +33,10 @@ them split by tensor parallelism. The first layer is the embedding (vocabulary-p
 all-reduce), the last the final LayerNorm, the logits (tied to the embedding) and the
 vocabulary-parallel cross-entropy in fp32.
 
+:class:`LlamaShape` and :func:`llama_workload` do the same for transformers' Llama:
+grouped-query attention, SwiGLU, RMSNorm, rotary embeddings, a tied or untied head, and
+key/value projections that tensor parallelism splits only when it divides their heads.
+
 Example:
     >>> shape = GPTShape(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200)
     >>> round(shape.parameters / 1e9, 2)
@@ -47,7 +52,8 @@ from dataclasses import dataclass
 
 from partitioner.cost.cost import CostModelError, LayerCost, Op, Workload
 
-__all__ = ["GPTShape", "gpt_workload", "megatron_flops", "megatron_boundaries"]
+__all__ = ["GPTShape", "gpt_workload", "megatron_flops", "megatron_boundaries", "LlamaShape",
+           "LlamaTPComm", "llama_workload"]
 
 
 @dataclass(frozen=True)
@@ -190,3 +196,241 @@ def megatron_boundaries(shape: GPTShape, stages: int) -> tuple[int, ...]:
                              "stages; Megatron needs layers divisible by the stage count")
     per = shape.layers // stages
     return (0, *(1 + k * per for k in range(1, stages)), shape.layers + 2)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape of a Llama model (transformers' ``LlamaForCausalLM``, no biases).
+
+    Grouped-query attention (``kv_heads`` key/value heads shared by ``heads / kv_heads``
+    query heads each), a SwiGLU MLP (``gate``, ``up``: ``h -> I``, ``down``: ``I -> h``),
+    RMSNorm (one weight vector), rotary position embeddings (no parameters) and an LM head
+    tied to the embedding or not. Per layer of ``s`` tokens, with ``d = h / a`` and the KV
+    width ``g = kv d``:
+
+    ====================  ======================  =========================================
+    op                    FLOPs                   parameters
+    ====================  ======================  =========================================
+    q, o projections      ``2 s h^2`` each        ``h^2`` each
+    k, v projections      ``2 s h g`` each        ``h g`` each
+    scores, probs V       ``2 s^2 h`` each        --
+    gate, up, down        ``2 s h I`` each        ``h I`` each
+    two RMSNorms          --                      ``h`` each
+    ====================  ======================  =========================================
+
+    Tensor parallelism splits q, o, the MLP and the attention by heads; k and v split too
+    when ``tp`` divides ``kv_heads``, else every rank holds them whole and slices the
+    repeated keys and values to its heads (:meth:`kv_split`, :meth:`tp_comm`).
+
+    Attributes:
+        layers: decoder layers ``l``.
+        hidden: hidden size ``h``.
+        heads: query heads ``a`` (dividing ``h``).
+        kv_heads: key/value heads (dividing ``heads``; ``heads`` for multi-head attention,
+            1 for multi-query attention).
+        intermediate: the MLP's intermediate size ``I``.
+        seq: sequence length ``s``.
+        vocab: vocabulary size ``V``.
+        tied: whether the LM head shares the embedding's weight.
+
+    Raises:
+        CostModelError: a size is not a positive int, or the heads do not divide.
+
+    Example:
+        >>> shape = LlamaShape(32, 4096, 32, 8, 14336, 8192, 128256)  # Llama 3 8B
+        >>> round(shape.parameters / 1e9, 2)
+        8.03
+        >>> shape.kv_split(4), shape.kv_split(16)
+        (True, False)
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    seq: int
+    vocab: int
+    tied: bool = False
+
+    def __post_init__(self) -> None:
+        names = ("layers", "hidden", "heads", "kv_heads", "intermediate", "seq", "vocab")
+        problems = [f"{k}={getattr(self, k)!r}" for k in names
+                    if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int)
+                    or getattr(self, k) < 1]
+        if not problems and self.hidden % self.heads:
+            problems.append(f"heads={self.heads} does not divide hidden={self.hidden}")
+        if not problems and self.heads % self.kv_heads:
+            problems.append(f"kv_heads={self.kv_heads} does not divide heads={self.heads}")
+        if problems:
+            raise CostModelError("bad LlamaShape: " + ", ".join(problems) + "; pass positive "
+                                 "ints with heads dividing hidden and kv_heads dividing heads")
+
+    @property
+    def kv_width(self) -> int:
+        """``g = kv_heads * hidden / heads``: the output features of k_proj and v_proj."""
+        return self.kv_heads * (self.hidden // self.heads)
+
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: ``2 h^2 + 2 h g + 3 h I + 2 h``."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_width + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def parameters(self) -> int:
+        """Every parameter, a tied head counted once (``LlamaForCausalLM.num_parameters()``)."""
+        tables = self.vocab * self.hidden * (1 if self.tied else 2)
+        return tables + self.layers * self.layer_parameters + self.hidden
+
+    def forward_flops(self, batch: int = 1) -> float:
+        """Forward FLOPs of ``batch`` sequences (matrix products only, as counted by
+        ``torch.utils.flop_counter`` on the eager attention).
+
+        ``l (4 s h^2 + 4 s h g + 4 s^2 h + 6 s h I) + 2 s h V`` per sequence.
+        """
+        s, h, g, i = self.seq, self.hidden, self.kv_width, self.intermediate
+        layer = 4 * s * h * h + 4 * s * h * g + 4 * s * s * h + 6 * s * h * i
+        return float(batch * (self.layers * layer + 2 * s * h * self.vocab))
+
+    def kv_split(self, tp: int) -> bool:
+        """Whether ``tp`` ranks split the k and v projections (``tp`` divides the KV heads);
+        if not, each rank holds them whole."""
+        return self.kv_heads % tp == 0
+
+    def check_tp(self, tp: int) -> None:
+        """Raise if ``tp`` splits no attention's heads.
+
+        Raises:
+            CostModelError: ``tp`` divides neither the query heads nor the KV heads.
+        """
+        if self.heads % tp:
+            degrees = ", ".join(str(d) for d in range(1, self.heads + 1) if self.heads % d == 0)
+            raise CostModelError(
+                f"tensor_parallel={tp} divides neither heads={self.heads} nor "
+                f"kv_heads={self.kv_heads}; use a degree dividing {self.heads} ({degrees})")
+
+    def layer_parameters_on(self, tp: int) -> float:
+        """Parameters one of ``tp`` ranks holds per decoder layer (norms and unsplit KV
+        projections whole, the rest divided)."""
+        self.check_tp(tp)
+        h = self.hidden
+        kv = 2 * h * self.kv_width
+        split = 2 * h * h + 3 * h * self.intermediate + (kv if self.kv_split(tp) else 0)
+        return split / tp + (self.layer_parameters - split)
+
+    def tp_comm(self, tp: int, element_bytes: int = 2) -> LlamaTPComm:
+        """Bytes per sequence one decoder layer communicates over ``tp`` ranks."""
+        self.check_tp(tp)
+        hidden = float(element_bytes * self.seq * self.hidden)
+        gathers = 0.0 if self.kv_split(tp) or tp == 1 else 2 * hidden
+        return LlamaTPComm(2 * hidden if tp > 1 else 0.0, 2 * hidden if tp > 1 else 0.0,
+                           gathers)
+
+
+@dataclass(frozen=True)
+class LlamaTPComm:
+    """What one decoder layer of a Llama model communicates per sequence under TP.
+
+    Attributes:
+        forward_all_reduce: bytes all-reduced in the forward (after o_proj and down_proj).
+        backward_all_reduce: bytes all-reduced in the backward (the input gradients of the
+            attention and the MLP, Megatron's ``f``).
+        backward_all_gather: bytes all-gathered in the backward when the KV projections are
+            whole: the gradients of the repeated keys and values (each ``s h`` values)
+            that every rank sliced to its heads.
+    """
+
+    forward_all_reduce: float
+    backward_all_reduce: float
+    backward_all_gather: float
+
+
+def _llama_block(shape: LlamaShape, e: int, kv_split: bool) -> LayerCost:
+    s, h, a, g, i = shape.seq, shape.hidden, shape.heads, shape.kv_width, shape.intermediate
+    sh, scores = s * h, a * s * s
+    norm = Op("memory", bytes=2 * e * sh, weight_read=e * h, weight_grad=e * h)
+    add = Op("memory", bytes=3 * e * sh)
+    ops = (
+        norm,
+        Op("matmul", 2 * sh * h, e * 2 * sh, e * h * h, e * h * h, split=True),  # q
+        Op("matmul", 4 * sh * g, e * (sh + 2 * s * g), 2 * e * h * g, 2 * e * h * g,
+           split=kv_split),  # k, v
+        Op("memory", bytes=3 * e * sh, split=True),  # rotary on q
+        Op("memory", bytes=3 * e * s * g, split=kv_split),  # rotary on k
+        Op("memory", bytes=4 * e * sh, split=kv_split),  # repeat k, v to the query heads
+        Op("matmul", 2 * s * sh, e * (2 * sh + scores), split=True),
+        Op("memory", bytes=2 * e * scores, split=True),  # mask and softmax
+        Op("matmul", 2 * s * sh, e * (scores + 2 * sh), split=True),
+        Op("memory", bytes=2 * e * sh, split=True),  # heads back to (s, h)
+        Op("matmul", 2 * sh * h, 2 * e * sh, e * h * h, e * h * h, split=True),  # o
+        add,
+        norm,
+        Op("matmul", 4 * sh * i, e * (sh + 2 * s * i), 2 * e * h * i, 2 * e * h * i,
+           split=True),  # gate, up
+        Op("memory", bytes=4 * e * s * i, split=True),  # silu(gate) * up
+        Op("matmul", 2 * sh * i, e * (s * i + sh), e * h * i, e * h * i, split=True),  # down
+        add,
+    )
+    kv = 2 * h * g
+    split_params = e * (2 * h * h + 3 * h * i + (kv if kv_split else 0))
+    # Kept for the backward: both norms' inputs and outputs whole; q and the repeated k, v
+    # (transformers repeats KV heads before the attention), the probabilities, o's input and
+    # the MLP's four (s, I) tensors split.
+    kept_split = e * (4 * sh + 4 * s * i + scores)
+    return LayerCost("block", ops, e * shape.layer_parameters, 0, 4 * e * sh + kept_split,
+                     split_params, kept_split, e * sh, 2,
+                     f"llama-block-{s}-{h}-{a}-{g}-{i}-{e}-{kv_split}")
+
+
+def llama_workload(shape: LlamaShape, batch: int, tp: int = 1, element_bytes: int = 2,
+                   mixed_precision: bool = True) -> Workload:
+    """The :class:`~partitioner.cost.cost.Workload` of a Llama model: embedding, decoder
+    layers, head (final RMSNorm and LM head).
+
+    Args:
+        shape: the model's shape.
+        batch: sequences per training step.
+        tp: the tensor-parallel degree the workload is for: the k and v projections count
+            as split only when it divides ``shape.kv_heads``.
+        element_bytes: bytes per value (2 for bf16).
+        mixed_precision: whether fp32 master weights and optimizer state are kept.
+
+    Returns:
+        ``layers + 2`` layers; a tied head holds its own copy of the table (a pipeline's
+        last stage does). Each decoder layer all-reduces its output twice per pass; the
+        backward all-gathers of whole KV projections (:meth:`LlamaShape.tp_comm`) are not
+        charged, since a layer's cost has no room for them.
+
+    Raises:
+        CostModelError: if ``tp`` divides neither the heads nor the KV heads.
+
+    Example:
+        >>> shape = LlamaShape(2, 64, 8, 2, 176, 16, 96)
+        >>> w = llama_workload(shape, batch=4, tp=4)
+        >>> sum(layer.forward_flops for layer in w.layers) == shape.forward_flops()
+        True
+        >>> w.layers[1].params_on(4) == 2 * shape.layer_parameters_on(4)
+        True
+    """
+    shape.check_tp(tp)
+    e, s, h, v = element_bytes, shape.seq, shape.hidden, shape.vocab
+    block = _llama_block(shape, e, shape.kv_split(tp))
+    blocks = [LayerCost(f"block.{k}", block.ops, block.param_bytes, 0, block.activation_bytes,
+                        block.split_param_bytes, block.split_activation_bytes,
+                        block.output_bytes, block.tp_all_reduces, block.signature)
+              for k in range(shape.layers)]
+    embedding = LayerCost(
+        "embedding", (Op("memory", bytes=2 * e * s * h, weight_grad=e * v * h, split=True),),
+        e * v * h, 0, 0.0, e * v * h, 0.0, e * s * h, 1, f"llama-embedding-{s}-{h}-{v}-{e}")
+    head_ops = (Op("memory", bytes=2 * e * s * h, weight_read=e * h, weight_grad=e * h),
+                Op("matmul", 2 * s * h * v, e * (s * h + s * v), e * v * h, e * v * h,
+                   split=True),
+                Op("memory", bytes=(e + 8) * s * v, split=True))
+    head = LayerCost("head", head_ops, e * (v * h + h), 0, 2 * e * s * h + 4 * s * v,
+                     e * v * h, 4 * s * v, e * s * h, 1, f"llama-head-{s}-{h}-{v}-{e}")
+    hidden = float(e * s * h)
+    layers = (embedding, *blocks, head)
+    boundaries = (0.0, *([hidden] * (len(layers) - 1)), 0.0)
+    return Workload(layers, boundaries, batch, {2: "bf16", 4: "fp32"}.get(e, "bf16"), e,
+                    mixed_precision, f"Llama l={shape.layers} h={h} kv={shape.kv_heads}")

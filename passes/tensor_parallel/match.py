@@ -12,7 +12,18 @@ need. A split value gathered whole at the input of another Linear makes that Lin
 row-wise partner; a whole value sliced to meet a split one (``k`` meeting a split ``q``)
 makes its producing Linear a column-wise partner; a fused output split into parts gives the
 column weight ``blocks``. It repeats until the region is closed (no gathers, no slices: a
-Megatron pair) or cannot be (the seed stays alone). Then:
+Megatron pair) or cannot be (the seed stays alone).
+
+Grouped-query attention has fewer key/value heads than query heads. When the degree
+divides the KV heads, ``k`` and ``v`` join as column partners (each rank's KV heads repeat
+into exactly its query heads). When it does not (2 KV heads over 4 ranks, one KV head in
+multi-query attention), a column partner would split a head's features, so it is taken
+back: ``k_proj`` and ``v_proj`` stay whole and the repeated keys and values are sliced
+where the attention meets them. Rank ``r`` then takes query heads ``h`` in
+``[r a/tp, (r+1) a/tp)`` against repeated KV head ``h``, which is KV head
+``h // (a / kv)``: the slice is exact, costs nothing forward and one all-gather of the
+gradient backward. Such a slice of keys or values is the one slice a closed region keeps.
+Then:
 
 - a Linear in no pair splits column-wise, its output gathered where it is used whole (the
   LM head: column-parallel with its logits gathered), unless its split output would meet
@@ -43,9 +54,10 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from partitioner.passes.tensor_parallel.decision import tensor_inputs
+from partitioner.passes.tensor_parallel.heads import origin
 from partitioner.passes.tensor_parallel.layout import Replicate, Shard
-from partitioner.passes.tensor_parallel.propagate import propagate
+from partitioner.passes.tensor_parallel.ops import ATTENTION_PRODUCTS
+from partitioner.passes.tensor_parallel.propagate import Conversion, Propagation, propagate
 from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParallelError
 
@@ -145,8 +157,9 @@ def choose(gm: fx.GraphModule, sites: list[Site], tp: int,
         region = _grow(gm, sites, by_node, site, tp, kinds)
         if region is None:
             continue
-        cols, rows, found = region
+        cols, rows, found, whole = region
         kinds.update({c.node: "colwise" for c in cols})
+        kinds.update({w.node: "replicate" for w in whole})
         kinds.update({r.node: "rowwise" for r in rows})
         blocks.update(found)
         pairs.append((tuple(c.name for c in cols), tuple(r.name for r in rows)))
@@ -197,7 +210,9 @@ def _follow_tie(site: Site, sites: list[Site], kinds: dict[str, str]) -> str | N
     return None
 
 
-_Region = tuple[list[Site], list[Site], dict[str, tuple[int, ...]]]
+#: A closed region: column sites, row sites, fused blocks, and the sites it keeps whole
+#: (key and value projections whose heads do not split: their outputs are sliced).
+_Region = tuple[list[Site], list[Site], dict[str, tuple[int, ...]], list[Site]]
 
 
 def _grow(gm: fx.GraphModule, sites: list[Site], by_node: dict[str, Site], seed: Site, tp: int,
@@ -208,6 +223,9 @@ def _grow(gm: fx.GraphModule, sites: list[Site], by_node: dict[str, Site], seed:
     cols: list[Site] = [seed]
     rows: list[Site] = []
     blocks: dict[str, tuple[int, ...]] = {}
+    rejected: list[Site] = []
+    added: tuple[Site, Conversion] | None = None
+    known_problems = 0
     for _ in range(_MAX_ROUNDS):
         shardings: dict[str, Sharding] = {}
         for c in cols:
@@ -217,23 +235,55 @@ def _grow(gm: fx.GraphModule, sites: list[Site], by_node: dict[str, Site], seed:
         start = min((c.node for c in cols), key=order.__getitem__)
         result = propagate(gm, shardings, tp, sites=sites, start=start)
         new_blocks = {k: v for k, v in result.block_requests.items() if blocks.get(k) != v}
+        if added is not None and _misfits(result, added[1], known_problems, new_blocks):
+            # The partner's split does not give the slices the region needs (2 KV heads
+            # over 4 ranks, or one KV head split along its features): keep it whole and
+            # slice its output where the region meets it instead.
+            cols.remove(added[0])
+            rejected.append(added[0])
+            added = None
+            continue
+        known_problems, added = len(result.problems), None
         if new_blocks:
             blocks.update(new_blocks)
             continue
         grown = False
         for conversion in result.conversions:
             partner = _partner(conversion.node, conversion.value, conversion.have,
-                               conversion.need, nodes, by_node, kinds, cols + rows)
+                               conversion.need, nodes, by_node, kinds, cols + rows + rejected)
             if partner is None:
-                if conversion.gathers or conversion.slices:
+                if conversion.gathers or (conversion.slices
+                                          and not _keys_or_values(conversion, nodes)):
                     return None
                 continue
             (cols if partner[1] == "colwise" else rows).append(partner[0])
+            added = (partner[0], conversion) if partner[1] == "colwise" else None
             grown = True
             break
         if not grown:
-            return (cols, rows, blocks) if rows else None
+            return (cols, rows, blocks, rejected) if rows else None
     return None
+
+
+def _misfits(result: Propagation, motive: Conversion, known_problems: int,
+             new_blocks: dict[str, tuple[int, ...]]) -> bool:
+    """Whether a column partner added for ``motive`` (a whole value sliced to meet a split
+    one) failed: sizes stopped dividing, or the value still arrives in the wrong layout."""
+    if len(result.problems) > known_problems:
+        return True
+    return not new_blocks and any((c.node, c.value) == (motive.node, motive.value)
+                                  for c in result.conversions)
+
+
+def _keys_or_values(conversion: Conversion, nodes: dict[str, fx.Node]) -> bool:
+    """Whether a conversion slices the whole keys or values of an attention whose queries
+    are split by heads (grouped-query attention with fewer KV heads than ranks: each rank
+    takes the repeated KV heads of its query heads)."""
+    consumer = nodes.get(conversion.node)
+    if consumer is None or consumer.target not in ATTENTION_PRODUCTS:
+        return False
+    operands = [a for a in consumer.args[1:3] if isinstance(a, fx.Node)]
+    return any(a.name == conversion.value for a in operands)
 
 
 def _partner(consumer: str, value: str, have: object, need: object, nodes: dict[str, fx.Node],
@@ -250,18 +300,8 @@ def _partner(consumer: str, value: str, have: object, need: object, nodes: dict[
         return None
     if not isinstance(have, Shard) and isinstance(need, Shard):
         # A whole value sliced to meet a split one: split its producing Linear instead.
-        origin = _origin(nodes[value], by_node)
-        if origin is None or origin.op != "linear" or origin.node in kinds or origin in taken:
+        source = origin(nodes[value], by_node)
+        if source is None or source.op != "linear" or source.node in kinds or source in taken:
             return None
-        return origin, "colwise"
+        return source, "colwise"
     return None
-
-
-def _origin(node: fx.Node, by_node: dict[str, Site]) -> Site | None:
-    """The site that made ``node`` through single-input operations (views, activations)."""
-    while node.name not in by_node:
-        inputs = tensor_inputs(node)
-        if len(inputs) != 1 or inputs[0].op in ("placeholder", "get_attr"):
-            return None
-        node = inputs[0]
-    return by_node[node.name]

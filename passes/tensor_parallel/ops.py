@@ -18,6 +18,9 @@ reshapes (``view``, ``flatten``)   the split moves to the dimension holding the 
 ``transpose``, ``permute``         the split follows its dimension
 ``split``, ``chunk``               along another dimension: kept; along the split
                                    dimension: only into the blocks of a fused projection
+``cat``, ``stack``                 along another dimension: kept, whole pieces sliced
+                                   (rotary embeddings' ``rotate_half``); along the split
+                                   dimension: gathered
 reductions, ``softmax``, norms     over other dimensions: kept
 ``matmul``, attention              batch (head) dimensions split alike on both sides: kept
 size queries (``x.shape``)         answer with the whole sizes
@@ -73,8 +76,11 @@ from partitioner.passes.tensor_parallel.decision import (
 )
 from partitioner.passes.tensor_parallel.layout import R_IN, Layout, R, Shard, normalize_dim
 from partitioner.passes.tensor_parallel.shape_ops import (
+    CAT_FUNCTIONS,
+    STACK_FUNCTIONS,
     VIEW_FUNCTIONS,
     VIEW_METHODS,
+    concatenate,
     expand,
     getitem,
     indexing,
@@ -87,8 +93,8 @@ from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime import rng
 from partitioner.runtime.tensor_parallel import ops as tpops
 
-__all__ = ["decide", "pointwise", "reduction", "norm", "matmul", "attention", "size_query",
-           "site_rule", "Decision", "RuleContext"]
+__all__ = ["ATTENTION_PRODUCTS", "decide", "pointwise", "reduction", "norm", "matmul",
+           "attention", "size_query", "site_rule", "Decision", "RuleContext"]
 
 aten = torch.ops.aten
 
@@ -354,6 +360,8 @@ _SPLIT_FUNCTIONS = {torch.split, torch.chunk, aten.split.Tensor, aten.split_with
 _SLICE_FUNCTIONS = {aten.slice.Tensor, aten.select.int, torch.narrow, aten.narrow.default}
 _MATMUL = {torch.matmul, operator.matmul, torch.bmm, aten.matmul.default, aten.bmm.default}
 _ATTENTION = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+#: The products of queries with keys (and of weights with values).
+ATTENTION_PRODUCTS = frozenset(_ATTENTION | _MATMUL)
 
 Rule = Callable[[fx.Node, RuleContext], Decision]
 
@@ -371,6 +379,7 @@ def _rule(node: fx.Node, gm: fx.GraphModule) -> Rule | None:
         for targets, rule in ((VIEW_FUNCTIONS, view_like), (_PERMUTE_FUNCTIONS, permute),
                               (_SPLIT_FUNCTIONS, split), (_SLICE_FUNCTIONS, slicing),
                               (_MATMUL, matmul), (_ATTENTION, attention),
+                              (CAT_FUNCTIONS | STACK_FUNCTIONS, concatenate),
                               (_KEEP_RANK | _REDUCE, reduction), (_NORMS, norm)):
             if target in targets:
                 return rule

@@ -44,8 +44,8 @@ from partitioner.passes.tensor_parallel.decision import (
 )
 from partitioner.passes.tensor_parallel.layout import R, Shard, normalize_dim, shard_through_view
 
-__all__ = ["view_like", "expand", "permute", "slicing", "indexing", "split", "getitem",
-           "VIEW_METHODS", "VIEW_FUNCTIONS"]
+__all__ = ["view_like", "expand", "permute", "slicing", "indexing", "split", "concatenate",
+           "getitem", "VIEW_METHODS", "VIEW_FUNCTIONS", "CAT_FUNCTIONS", "STACK_FUNCTIONS"]
 
 aten = torch.ops.aten
 
@@ -55,6 +55,8 @@ VIEW_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.squeeze,
                    aten._unsafe_view.default, aten.flatten.using_ints, aten.unflatten.int,
                    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
                    aten.unsqueeze.default}
+CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, aten.cat.default}
+STACK_FUNCTIONS = {torch.stack, aten.stack.default}
 _SIZED = {"view", "reshape", torch.reshape, aten.view.default, aten.reshape.default,
           aten._unsafe_view.default}
 
@@ -246,6 +248,27 @@ def split(node: fx.Node, ctx: RuleContext) -> Decision:
         else:
             action = Resize(((path, None),))
     return Decision({x.name: layout}, tuple(Shard(dim) for _ in pieces), action)
+
+
+def concatenate(node: fx.Node, ctx: RuleContext) -> Decision:
+    """``cat``/``stack`` along another dimension than the split keep it (whole pieces are
+    sliced to match: rotary embeddings' ``cat((-x2, x1), -1)`` on split heads); along the
+    split dimension the pieces' slices interleave, so they are gathered first."""
+    pieces: Any = arg(node, 0, "tensors")
+    shards = [(n, ctx.layout(n)) for n in pieces
+              if isinstance(n, fx.Node) and isinstance(ctx.layout(n), Shard)]
+    if not shards:
+        return Decision({}, R)
+    first, layout = shards[0]
+    ndim = val(first).dim()
+    if any(not isinstance(n, fx.Node) or val(n).dim() != ndim for n in pieces):
+        return replicated(node)  # legacy empty (0,) pieces, constants: keep it simple
+    stacked = node.target in STACK_FUNCTIONS
+    dim = normalize_dim(int(arg(node, 1, "dim", 0)), ndim + int(stacked))
+    if not stacked and dim == layout.dim:
+        return replicated(node)
+    out_dim = layout.dim + int(stacked and dim <= layout.dim)
+    return Decision({n.name: layout for n in pieces}, Shard(out_dim, layout.blocks))
 
 
 def _request_blocks(x: fx.Node, sizes: tuple[int, ...], ctx: RuleContext) -> None:

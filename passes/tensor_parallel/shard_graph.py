@@ -48,6 +48,7 @@ from partitioner.passes.base import PassError, PassResult
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.tensor_parallel.attention import heads_problem
 from partitioner.passes.tensor_parallel.decision import AttentionSite, RowSite, VocabSite
+from partitioner.passes.tensor_parallel.heads import heads_problems
 from partitioner.passes.tensor_parallel.layout import Shard
 from partitioner.passes.tensor_parallel.match import choose, kind_of, site_shardings
 from partitioner.passes.tensor_parallel.propagate import Propagation, propagate
@@ -130,6 +131,10 @@ def choose_shardings(gm: fx.GraphModule, tp: int, *, root: nn.Module | None = No
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TensorParallelError(f"tp={tp!r}; pass a positive int")
     sites = find_sites(gm, root) if sites is None else sites
+    heads = heads_problems(gm, sites, tp, fixed)
+    if heads:
+        raise ShardSizeError("tensor parallelism cannot split these attentions by heads:\n  "
+                             + "\n  ".join(heads))
     choice = choose(gm, sites, tp, fixed)
     blocks = dict(choice.blocks)
     for _ in range(_MAX_ROUNDS):

@@ -1,14 +1,26 @@
-"""Tests of partitioner/cost/transformer_model.py: GPT costs from the model's shape."""
+"""Tests of partitioner/cost/transformer_model.py: GPT and Llama costs from the model's
+shape."""
 
 from __future__ import annotations
 
 import doctest
+from typing import Any
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import partitioner.cost.transformer_model
+from partitioner import PartitionError
 from partitioner.cost.cost import CostModelError
-from partitioner.cost.transformer_model import GPTShape, gpt_workload, megatron_boundaries
+from partitioner.cost.transformer_model import (
+    GPTShape,
+    LlamaShape,
+    LlamaTPComm,
+    gpt_workload,
+    llama_workload,
+    megatron_boundaries,
+)
 
 
 def test_shape_validation() -> None:
@@ -46,3 +58,65 @@ def test_megatron_split_is_equal_layers_per_stage() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.cost.transformer_model).failed == 0
+
+
+def _llama(shape: LlamaShape, attention: str = "sdpa") -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         max_position_embeddings=shape.seq, use_cache=False,
+                         tie_word_embeddings=shape.tied, attn_implementation=attention)
+    return LlamaForCausalLM(config)
+
+
+LLAMAS = [LlamaShape(2, 64, 4, 2, 176, 16, 96), LlamaShape(2, 64, 8, 1, 176, 16, 96, tied=True),
+          LlamaShape(3, 128, 8, 8, 344, 32, 100), LlamaShape(1, 96, 6, 3, 256, 8, 50, tied=True)]
+
+
+@pytest.mark.parametrize("shape", LLAMAS, ids=str)
+def test_llama_parameters_are_the_models(shape: LlamaShape) -> None:
+    model = _llama(shape)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    layer = model.model.layers[0]
+    assert shape.layer_parameters == sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("shape", LLAMAS[:2], ids=str)
+def test_llama_flops_are_the_models(shape: LlamaShape) -> None:
+    model = _llama(shape, "eager")  # the flop counter sees eager attention's products
+    ids = torch.randint(0, shape.vocab, (2, shape.seq))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids)
+    assert counter.get_total_flops() == shape.forward_flops(batch=2)
+    workload = llama_workload(shape, batch=2)
+    assert sum(layer.forward_flops for layer in workload.layers) == shape.forward_flops()
+
+
+def test_llama_kv_projections_split_only_when_tp_divides_the_kv_heads() -> None:
+    shape = LlamaShape(2, 64, 8, 2, 176, 16, 96)  # d = 8, g = 16
+    h, g, i = 64, 16, 176
+    norms_and_kv = 2 * h + 2 * h * g
+    assert shape.layer_parameters_on(2) == (2 * h * h + 3 * h * i + 2 * h * g) / 2 + 2 * h
+    assert shape.layer_parameters_on(4) == (2 * h * h + 3 * h * i) / 4 + norms_and_kv
+    split, whole = llama_workload(shape, 8, tp=2), llama_workload(shape, 8, tp=4)
+    assert split.layers[1].params_on(2) == 2 * shape.layer_parameters_on(2)
+    assert whole.layers[1].params_on(4) == 2 * shape.layer_parameters_on(4)
+    assert split.layers[1].signature != whole.layers[1].signature
+    hidden = 2 * 16 * 64
+    assert shape.tp_comm(2) == LlamaTPComm(2 * hidden, 2 * hidden, 0.0)
+    assert shape.tp_comm(4) == LlamaTPComm(2 * hidden, 2 * hidden, 2 * hidden)
+    assert shape.tp_comm(1) == LlamaTPComm(0.0, 0.0, 0.0)
+
+
+def test_llama_degree_dividing_no_heads_is_refused() -> None:
+    shape = LlamaShape(2, 96, 6, 2, 176, 16, 96)
+    with pytest.raises(CostModelError, match=r"tensor_parallel=4 divides neither heads=6 nor "
+                       r"kv_heads=2; use a degree dividing 6 \(1, 2, 3, 6\)") as info:
+        llama_workload(shape, 8, tp=4)
+    assert isinstance(info.value, PartitionError) and isinstance(info.value, ValueError)
+    with pytest.raises(CostModelError, match="kv_heads=3 does not divide heads=4"):
+        LlamaShape(2, 64, 4, 3, 176, 16, 96)
+    with pytest.raises(CostModelError, match="intermediate=0"):
+        LlamaShape(2, 64, 4, 2, 0, 16, 96)
