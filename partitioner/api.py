@@ -53,7 +53,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...) -> PartitionedModule | TensorParallelModule:
+              memory_reserve: float | None = ...
+              ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
 
@@ -82,7 +83,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
               memory_reserve: float | None = None
-              ) -> PartitionedModule | TensorParallelModule:
+              ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
     Args:

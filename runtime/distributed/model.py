@@ -261,6 +261,7 @@ class DistributedModel(ModelWrapper):
         return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little")
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             loss_reduction: str | None = None,
              kwargs: dict[str, Any] | None = None) -> float:
         """One training step's forward and backward over the pipeline; returns its loss.
 
@@ -273,6 +274,8 @@ class DistributedModel(ModelWrapper):
             inputs: the model's positional input (a tensor) or a tuple of them.
             targets: what ``loss_fn`` compares with (any pytree split like the inputs).
             loss_fn: ``loss_fn(outputs, targets) -> scalar``, run per micro-batch.
+            loss_reduction: ``None``, or the one given to ``partition_distributed`` (it is
+                fixed there: every rank must weight micro-batch losses alike).
             kwargs: keyword inputs of the model.
 
         Returns:
@@ -282,6 +285,11 @@ class DistributedModel(ModelWrapper):
             ClosedError: after :meth:`close` (the replicas' gradient all-reduce is gone).
         """
         self._ensure_open("train")
+        if loss_reduction is not None and loss_reduction != self.pipeline.loss_reduction:
+            raise StrategyError(f"loss_reduction={loss_reduction!r} but this model was "
+                                f"partitioned with loss_reduction="
+                                f"{self.pipeline.loss_reduction!r}; pass that one (or none), "
+                                "or partition_distributed(..., loss_reduction=...) again")
         with self._watchdog.guard():
             loss = self.pipeline.step(self._values(inputs, kwargs), targets, loss_fn,
                                       seed=self._step_seed())
