@@ -84,7 +84,7 @@ def test_same_seed_same_result_across_runs() -> None:
 
 def test_state_dict_has_original_keys_and_round_trips() -> None:
     model = mlp()
-    pm = partition(model, devices=["cpu"] * 2, example_inputs=(torch.randn(4, 12),))
+    pm = partition(model, devices=["cpu"] * 2, strategy="pipeline", example_inputs=(torch.randn(4, 12),))
     assert list(pm.state_dict()) == list(model.state_dict())
     fresh = mlp()
     fresh.load_state_dict(pm.state_dict())
@@ -182,7 +182,8 @@ def test_timeline_records_busy_time_after_inputs_arrive() -> None:
     # first forward appeared to start at once.
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
     x = torch.randn(16, 64)
-    pm = partition(model, devices=["cpu"] * 2, example_inputs=(x,), chunks=4)
+    pm = partition(model, devices=["cpu"] * 2, strategy="pipeline", example_inputs=(x,),
+                   chunks=4)
     pm(x).sum().backward()
     spans = {str(action): (start, end) for action, start, end in pm.pipeline().timeline}
     assert len(spans) == 2 * 2 * 4
