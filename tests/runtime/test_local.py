@@ -84,7 +84,8 @@ def test_same_seed_same_result_across_runs() -> None:
 
 def test_state_dict_has_original_keys_and_round_trips() -> None:
     model = mlp()
-    pm = partition(model, devices=["cpu"] * 2, strategy="pipeline", example_inputs=(torch.randn(4, 12),))
+    pm = partition(model, devices=["cpu"] * 2, strategy="pipeline",
+                   example_inputs=(torch.randn(4, 12),))
     assert list(pm.state_dict()) == list(model.state_dict())
     fresh = mlp()
     fresh.load_state_dict(pm.state_dict())
