@@ -258,7 +258,7 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
     return TensorParallelModule(plan, stages, analysis.training, stage_factory,
                                 shard_plan.shardings, sources, unused, plan.chunks,
                                 plan.checkpoint, bind=captured.placeholder_values,
-                                restructure=captured.restructure)
+                                restructure=captured.restructure, schedule=plan.schedule)
 
 
 def _merged_like(names: list[list[str]]) -> Any:

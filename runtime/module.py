@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
-from partitioner.runtime.wrapper import ModelWrapper, check_loss_reduction
+from partitioner.runtime.wrapper import ModelWrapper
 
 __all__ = ["PartitionedModule"]
 
@@ -123,12 +123,8 @@ class PartitionedModule(ModelWrapper):
             StrategyError: If ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
             StageExecutionError: If a stage or ``loss_fn`` raised, naming where.
         """
-        check_loss_reduction(loss_reduction)
-        self._ensure_open("train")
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        values = self._bind(args, dict(kwargs or {}))
-        return self.pipeline().step(values, targets, loss_fn, loss_reduction=loss_reduction,
-                                    restructure=self._restructure)
+        return self._pipeline_step(self.pipeline(), self._bind, self._restructure, inputs,
+                                   targets, loss_fn, loss_reduction, kwargs)
 
     def _release(self) -> None:
         """Stop the worker threads (they also stop when the module is collected)."""

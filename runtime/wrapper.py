@@ -219,6 +219,18 @@ class ModelWrapper(nn.Module):
         loss.backward()
         return float(loss.detach().double().item())
 
+    def _pipeline_step(self, pipeline: Any, bind: Callable[..., list[Any]],
+                       restructure: Callable[[Any], Any], inputs: Any, targets: Any,
+                       loss_fn: Callable[[Any, Any], Any], loss_reduction: str,
+                       kwargs: dict[str, Any] | None) -> float:
+        """:meth:`step` through a one-process pipeline's own ``step`` (its schedule)."""
+        check_loss_reduction(loss_reduction)
+        self._ensure_open("train")
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        values = bind(args, dict(kwargs or {}))
+        return float(pipeline.step(values, targets, loss_fn, loss_reduction=loss_reduction,
+                                   restructure=restructure))
+
     def _norm_grads(self) -> list[torch.Tensor]:
         """The gradients that count towards the model's norm, each once."""
         return [p.grad.detach() for p in self.parameters() if p.grad is not None]

@@ -96,12 +96,14 @@ def local_support() -> RuntimeSupport:
 
     Pipelines: the schedules the registry lists for ``Runtime.ONE_PROCESS``. Tensor
     parallelism: ``TensorParallelModule`` runs ``pp`` groups of ``tp`` consecutive devices
-    through the one-process pipeline with its default schedule (GPipe). Data parallelism:
+    through the one-process pipeline, in any schedule without virtual stages (the
+    tensor-parallel front cuts one stage per group). Data parallelism:
     the replicas runtime (``runtime/replicas.py``), each replica a copy of what ``pp x tp``
     runs.
     """
     return RuntimeSupport(Runtime.ONE_PROCESS.label, schedule_names([Runtime.ONE_PROCESS]),
-                          data_parallel=True, tensor_parallel=True, tp_schedules=(GPIPE,))
+                          data_parallel=True, tensor_parallel=True,
+                          tp_schedules=schedule_names([Runtime.ONE_PROCESS], virtual=False))
 
 
 LOCAL_RUNTIME = local_support()

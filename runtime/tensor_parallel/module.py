@@ -115,6 +115,8 @@ class TensorParallelModule(TensorParallelState):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         bind: maps a call's ``(args, kwargs)`` to stage 0's placeholder values.
         restructure: maps the last stage's output to what the model returns.
+        schedule: the plan's schedule, which :meth:`step` runs (one virtual stage per
+            device: the tensor-parallel front cuts no model chunks).
     """
 
     def __init__(self, plan: Any, stages: list[TensorParallelStage], training: bool,
@@ -122,8 +124,10 @@ class TensorParallelModule(TensorParallelState):
                  shardings: dict[str, Sharding], sources: dict[str, Source],
                  unused: dict[str, torch.Tensor], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] | None = None,
-                 restructure: Callable[[Any], Any] = lambda out: out) -> None:
+                 restructure: Callable[[Any], Any] = lambda out: out,
+                 schedule: str = "gpipe") -> None:
         super().__init__(shardings, sources, plan=plan, training=training)
+        self.schedule = schedule
         self.chunks = chunks
         self.checkpoint = checkpoint
         self._factory = stage_factory
@@ -171,11 +175,19 @@ class TensorParallelModule(TensorParallelState):
             for stage in stages:
                 stage.threads = threads
             self._pipelines[mode] = LocalPipeline(graphs, [s.devices[0] for s in stages],
-                                                  self.chunks, self.checkpoint, threads)
+                                                  self.chunks, self.checkpoint, threads,
+                                                  schedule=self.schedule)
         return self._pipelines[mode]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._restructure(self.pipeline().run(self._bind(args, kwargs)))
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], *,
+             loss_reduction: str = "mean", kwargs: dict[str, Any] | None = None) -> float:
+        """One training step in the plan's schedule, as
+        :meth:`partitioner.runtime.module.PartitionedModule.step`; returns the loss."""
+        return self._pipeline_step(self.pipeline(), self._bind, self._restructure, inputs,
+                                   targets, loss_fn, loss_reduction, kwargs)
 
     def local_tensors(self, key: str) -> list[torch.Tensor]:
         """Every rank's slice (or copy) of the original entry ``key``, in rank order."""
