@@ -2,9 +2,10 @@
 
 Builds a plain residual MLP classifier, lets ``partition`` choose from the layers' costs how
 to spread it over the devices (pipeline stages and their schedule, tensor parallelism or
-data-parallel replicas: whatever it predicts fastest here), trains it for a few hundred steps on a synthetic task (labels from a fixed
-random "teacher" network, so there is something to learn), prints the loss as it falls and
-the plan as a table, and writes the plan to ``out/plan.json``.
+data-parallel replicas: whatever it predicts fastest here), trains it for a few hundred
+steps on a synthetic task (labels from a fixed random "teacher" network, so there is
+something to learn) with ``pm.step``, prints the loss as it falls and the plan as a table,
+and writes the plan to ``out/plan.json``.
 
 Run: ``python examples/train_pipeline.py`` (``--help`` for options).
 """
