@@ -291,6 +291,16 @@ class ReplicatedModule(ModelWrapper):
 
         def train(r: int, share_and_target: tuple[Any, Any]) -> float:
             share, target = share_and_target
+            replica = self.replicas[r]
+            if isinstance(replica, ModelWrapper):
+                # A pipeline replica runs its plan's schedule, its loss per micro-batch.
+                def scaled(out: Any, part: Any) -> Any:
+                    return loss_fn(out, part) * weights[r]
+
+                args, kwargs = share
+                with use_generator(self._generators[r]):
+                    return replica.step(tuple(args), target, scaled,
+                                        loss_reduction=loss_reduction, kwargs=kwargs)
             _, out = self._call(r, share, True)
             device = next((t.device for t in pytree.tree_leaves(out)
                            if isinstance(t, torch.Tensor)), self.devices[r])

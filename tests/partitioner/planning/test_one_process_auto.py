@@ -10,6 +10,7 @@ from torch import nn
 
 from partitioner import make_plan, partition
 from partitioner.analysis import analyze
+from partitioner.api import build, route
 from partitioner.cost.devices import Cluster
 from partitioner.cost.machine import local_cluster
 from partitioner.errors import (
@@ -19,9 +20,11 @@ from partitioner.errors import (
     StageCountError,
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, configurations, executable
-from partitioner.planning.planner import shardable_degrees
+from partitioner.planning.planner import plan_from, shardable_degrees
+from partitioner.planning.predict import predict
 from partitioner.plans.explain import format_bytes
 from partitioner.plans.plan import Plan, PlanFormatError, Stage
+from partitioner.request import PlanRequest
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
 
 
@@ -69,7 +72,7 @@ def _small() -> nn.Module:
                          nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_executable_configuration_builds_and_matches_the_model(n: int) -> None:
     model, x = _small(), torch.randn(8, 16)
     analysis = analyze(model, (x,))
@@ -82,19 +85,27 @@ def test_every_executable_configuration_builds_and_matches_the_model(n: int) -> 
     expected = model(x)
     expected.sum().backward()
     reference = _grads(model)
+    assert any(c.dp > 1 for c in configs)
     for c in configs:
-        if c.dp > 1:
-            pytest.skip("replicas: runtime/replicas.py is not merged in this clone")
         model.zero_grad()
-        tp = {"tensor_parallel": c.tp} if c.tp > 1 else {}
-        pm = partition(model, ["cpu"] * (c.tp * c.pp), "pipeline" if c.tp == 1 else "auto",
-                       example_inputs=(x,), chunks=c.chunks, checkpoint=c.checkpoint,
-                       schedule=c.schedule, **tp)
+        if c.dp > 1:  # what auto builds for it: the planner's plan, routed
+            request = PlanRequest.make(["cpu"] * n, "auto", example_inputs=(x,))
+            plan = plan_from(predict(analysis.workload, cluster, c), analysis.layer_names,
+                             cluster, strategy="replicas")
+            pm = build(model, analysis, route(model, analysis, plan, request), request)
+        else:
+            tp = {"tensor_parallel": c.tp} if c.tp > 1 else {}
+            pm = partition(model, ["cpu"] * (c.tp * c.pp),
+                           "pipeline" if c.tp == 1 else "auto", example_inputs=(x,),
+                           chunks=c.chunks, checkpoint=c.checkpoint, schedule=c.schedule,
+                           **tp)
+        assert (pm.plan.mesh.dp, pm.plan.mesh.tp) == (c.dp, c.tp), c.label
         out = pm(x)
         out.sum().backward()
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4, msg=c.label)
+        holder = pm.replicas[0] if c.dp > 1 else pm
         for key, grad in reference.items():
-            got = pm.full_tensor(key, grad=True) if c.tp > 1 else dict(
+            got = holder.full_tensor(key, grad=True) if c.tp > 1 else dict(
                 model.named_parameters())[key].grad
             torch.testing.assert_close(got, grad, atol=1e-5, rtol=1e-4, msg=c.label)
         pm.close()
