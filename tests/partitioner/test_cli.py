@@ -306,7 +306,7 @@ def test_simulate_refuses_an_unknown_cluster(tmp_path: Path,
 def test_viz_writes_dot_without_graphviz_needs(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    main(["plan", "gpt", "--devices", "2", "-o", str(out)])
+    main(["plan", "gpt", "--devices", "2", "--strategy", "pipeline", "-o", str(out)])
     assert main(["viz", str(out), "-o", str(tmp_path / "plan.dot")]) == 0
     assert "cluster_stage1" in (tmp_path / "plan.dot").read_text()
     assert main(["viz", str(out), "--model", "gpt", "-o", str(tmp_path / "g.dot"),

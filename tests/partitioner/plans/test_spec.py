@@ -62,7 +62,8 @@ def test_spec_without_split_is_planned_optimally() -> None:
     spec = {"devices": ["cpu"] * 3, "chunks": 2}
     planned = make_plan(ResidualCNN(), None, example_inputs=(X,), plan=spec)
     direct = make_plan(ResidualCNN(), ["cpu"] * 3, example_inputs=(X,), chunks=2)
-    assert planned.balance == direct.balance and planned.strategy == "pipeline"
+    assert planned.balance == direct.balance and planned.strategy == direct.strategy
+    assert planned.mesh == direct.mesh and planned.schedule == direct.schedule
 
 
 def test_split_points_and_balance_in_a_spec() -> None:
@@ -151,9 +152,9 @@ def test_layer_matching_and_name_summaries() -> None:
 
 
 def test_a_spec_schedule_is_one_some_runtime_executes() -> None:
-    # Taken from the schedule registry: interleaved is registered, but only simulated.
-    assert Spec.from_dict({"schedule": "1f1b"}).schedule == "1f1b"
-    assert Spec.from_dict({"schedule": "gpipe"}).schedule == "gpipe"
-    for name in ("interleaved", "zero_bubble"):
-        with pytest.raises(SpecError, match=f"schedule: '{name}'; use one of gpipe, 1f1b$"):
-            Spec.from_dict({"schedule": name})
+    # Taken from the schedule registry: every registered schedule runs somewhere.
+    for name in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+        assert Spec.from_dict({"schedule": name}).schedule == name
+    with pytest.raises(SpecError, match="schedule: 'zb'; use one of gpipe, 1f1b, "
+                                        "interleaved, zero_bubble$"):
+        Spec.from_dict({"schedule": "zb"})

@@ -36,7 +36,7 @@ def test_nodes_are_grouped_by_stage_and_cross_edges_carry_bytes() -> None:
 
 def test_dot_has_a_cluster_per_stage_coloured_by_device() -> None:
     x = torch.randn(6, 3, 8, 8)
-    pm = partition(ResidualCNN(), ["cpu"] * 3, example_inputs=(x,))
+    pm = partition(ResidualCNN(), ["cpu"] * 3, "pipeline", example_inputs=(x,))
     text = to_dot(diagram(pm.analysis, pm.plan, "layers"))
     for j in range(3):
         assert f"subgraph cluster_stage{j}" in text
@@ -58,7 +58,7 @@ def test_a_bare_plan_is_drawn_layer_by_layer() -> None:
 
 def test_gpt2_xl_collapses_to_a_readable_block_view() -> None:
     model, example = load_model("gpt2-xl")
-    plan = make_plan(model, ["cpu"] * 8, example_inputs=example, chunks=8)
+    plan = make_plan(model, ["cpu"] * 8, "pipeline", example_inputs=example, chunks=8)
     from partitioner.analysis import analyze
     d = diagram(analyze(model, example, need_costs=False), plan)
     assert d.detail == "blocks"
@@ -85,7 +85,7 @@ def test_dot_and_svg_need_no_graphviz(tmp_path: Path, monkeypatch: pytest.Monkey
 @needs_graphviz
 def test_svg_and_png_are_drawn(tmp_path: Path) -> None:
     x = torch.randn(6, 3, 8, 8)
-    pm = partition(ResidualCNN(), ["cpu"] * 2, example_inputs=(x,), chunks=3)
+    pm = partition(ResidualCNN(), ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=3)
     svg = visualize(pm, tmp_path / "g.svg").read_text()
     assert "<svg" in svg and "cluster_stage1" in svg and "KB/micro&#45;batch" in svg
     png = visualize(pm.plan, tmp_path / "g.png").read_bytes()

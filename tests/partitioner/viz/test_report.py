@@ -63,7 +63,8 @@ def test_report_of_a_bare_plan_uses_the_predicted_timeline(tmp_path: Path,
     from models import mlp
 
     from partitioner import make_plan
-    plan = make_plan(mlp(), ["cpu"] * 2, example_inputs=(torch.randn(4, 12),), chunks=2)
+    plan = make_plan(mlp(), ["cpu"] * 2, "pipeline", example_inputs=(torch.randn(4, 12),),
+                     chunks=2)
     text = visualize(plan, tmp_path / "plan.html").read_text()
     assert "predicted timeline" in text
     assert predicted_timeline(plan).bubble > 0

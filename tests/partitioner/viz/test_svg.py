@@ -48,7 +48,8 @@ def test_graph_svg_draws_stages_boxes_and_the_bytes_across() -> None:
 
 
 def test_svg_files_are_drawn_without_graphviz(tmp_path: Path, no_graphviz: None) -> None:
-    plan = make_plan(mlp(), ["cpu"] * 3, example_inputs=(torch.randn(8, 12),), chunks=4)
+    plan = make_plan(mlp(), ["cpu"] * 3, "pipeline", example_inputs=(torch.randn(8, 12),),
+                     chunks=4)
     graph = visualize(plan, tmp_path / "g.svg").read_text()
     assert len(_groups(graph, "cluster")) == 3
     timeline = visualize_timeline(plan, tmp_path / "t.svg").read_text()

@@ -61,7 +61,7 @@ def test_any_action_like_timeline_is_accepted() -> None:
 
 def test_measured_timeline_of_a_run() -> None:
     x = torch.randn(8, 12)
-    pm = partition(mlp(), ["cpu"] * 2, example_inputs=(x,), chunks=4)
+    pm = partition(mlp(), ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=4)
     with pytest.raises(ValueError, match="has not run yet"):
         measured_timeline(pm)
     pm(x).sum().backward()
