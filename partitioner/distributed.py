@@ -69,13 +69,15 @@ from partitioner.runtime.distributed.model import (
     assemble,
     find_ties,
     model_device,
+    sharding_problem,
 )
 from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.tensor_parallel import device_groups, plan_groups, shard_stage, stage_shardings
 
-__all__ = ["partition_distributed", "DistributedModel", "BoundaryPredictor", "find_ties"]
+__all__ = ["partition_distributed", "DistributedModel", "BoundaryPredictor", "find_ties",
+           "check_sharding"]
 
 
 def partition_distributed(
@@ -91,7 +93,8 @@ def partition_distributed(
         backend: str | None = None, strategy: str | None = None,
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
-        virtual_stages: int | None = None) -> DistributedModel:
+        virtual_stages: int | None = None,
+        optimizer_sharding: bool = False) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -143,6 +146,9 @@ def partition_distributed(
         virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``): the model
             is cut into ``pp * v`` stages, rank ``j`` runs stages ``j, j + pp, ...``
             (default: the plan's, else 1).
+        optimizer_sharding: shard the optimizer state over the ``dp`` replicas (ZeRO-1,
+            ``partitioner.runtime.distributed.zero``): build the optimizer with
+            ``dpm.make_optimizer(torch.optim.AdamW, lr=...)``; needs ``dp >= 2``.
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -155,6 +161,7 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
+    check_sharding(optimizer_sharding, None)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
@@ -174,7 +181,7 @@ def partition_distributed(
         loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
         fuse_weight_grads=fuse_weight_grads, strategy=strategy,
         cluster=describe_cluster(cluster), memory_reserve=memory_reserve,
-        virtual_stages=virtual_stages))
+        virtual_stages=virtual_stages, optimizer_sharding=optimizer_sharding))
     chosen: Plan | None = None
     if auto is not None:
         auto.degrees.check(info.world_size)
@@ -188,6 +195,7 @@ def partition_distributed(
         given = chosen if tp == 1 else None
     assert tp is not None
     shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
+    check_sharding(optimizer_sharding, shape.dp)
     chunks, schedule, checkpoint = _run_settings(model, given, chunks, schedule, checkpoint,
                                                  balance, split_points)
     virtual = _virtual_stages(given, virtual_stages, schedule, shape, chunks, balance)
@@ -224,7 +232,8 @@ def partition_distributed(
         made, devices=(str(home),) * len(here), stages=here, virtual_stages=1,
         mesh=PlanMesh(shape.dp, len(here), shape.tp)))
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
-                           int(bucket_mb * 2**20), seed, made.to_dict(), virtual)
+                           int(bucket_mb * 2**20), seed, made.to_dict(), virtual,
+                           optimizer_sharding)
     mesh = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     if virtual > 1:
@@ -242,6 +251,16 @@ def partition_distributed(
                     mesh, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
+
+
+def check_sharding(optimizer_sharding: object, dp: int | None) -> None:
+    """Raises a :class:`StrategyError` unless ``optimizer_sharding`` is a bool that fits
+    ``dp`` replicas (``None``: not known yet)."""
+    if not isinstance(optimizer_sharding, bool):
+        raise StrategyError(f"optimizer_sharding={optimizer_sharding!r}; pass True (shard the "
+                            "optimizer state over the data-parallel replicas) or False")
+    if optimizer_sharding and dp is not None and dp < 2:
+        raise StrategyError(sharding_problem(dp))
 
 
 def _auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: int | None,

@@ -235,6 +235,10 @@ class ModelWrapper(nn.Module):
         """The gradients that count towards the model's norm, each once."""
         return [p.grad.detach() for p in self.parameters() if p.grad is not None]
 
+    def _grads_to_scale(self) -> list[torch.Tensor]:
+        """The gradients clipping scales (a sharded optimizer's slices, where it has one)."""
+        return [p.grad for p in self.parameters() if p.grad is not None]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` by the unpartitioned model's gradient norm.
@@ -263,7 +267,7 @@ class ModelWrapper(nn.Module):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                                f"{float(total)}; pass error_if_nonfinite=False to scale anyway")
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = self._grads_to_scale()
         for g in grads:
             g.detach().mul_(factor.to(g.device, g.dtype))
         return total.to(grads[0].dtype if grads else torch.float32)

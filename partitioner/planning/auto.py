@@ -81,6 +81,7 @@ class RuntimeSupport:
         tensor_parallel: whether it runs ``tp > 1``.
         tp_schedules: the schedules it runs with ``tp > 1`` (``None``: all of ``schedules``).
         dp_missing: why ``dp > 1`` does not run, when ``data_parallel`` is false.
+        optimizer_sharding: whether it shards the optimizer state over replicas (ZeRO-1).
     """
 
     name: str
@@ -89,6 +90,7 @@ class RuntimeSupport:
     tensor_parallel: bool = False
     tp_schedules: tuple[str, ...] | None = None
     dp_missing: str = ""
+    optimizer_sharding: bool = False
 
 
 def local_support() -> RuntimeSupport:
@@ -111,7 +113,7 @@ LOCAL_RUNTIME = local_support()
 
 MULTI_PROCESS_RUNTIME = RuntimeSupport(
     Runtime.MULTI_PROCESS.label, schedule_names([Runtime.MULTI_PROCESS]), data_parallel=True,
-    tensor_parallel=True,
+    tensor_parallel=True, optimizer_sharding=True,
     # Virtual stages hold whole (unsplit) stages: interleaving does not run with tp > 1.
     tp_schedules=tuple(n for n in schedule_names([Runtime.MULTI_PROCESS], virtual=False)))
 """``partition_distributed``: one process per rank, data and tensor parallelism (tensor
@@ -135,6 +137,9 @@ def executable(config: Config, cluster: Cluster,
     if config.dp > 1 and not support.data_parallel:
         return (f"dp={config.dp}: {support.name} has no data parallelism"
                 + (f" ({support.dp_missing})" if support.dp_missing else ""))
+    if config.optimizer_sharding and not support.optimizer_sharding:
+        return (f"optimizer sharding: {support.name} does not shard the optimizer state "
+                "(the one-process replicas step one optimizer; partition_distributed does)")
     if config.tp > 1 and not support.tensor_parallel:
         return f"tp={config.tp}: {support.name} has no tensor parallelism"
     if config.schedule not in support.schedules:
@@ -190,8 +195,13 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
                    overlap_p2p: bool = True, max_microbatches: int = 64,
                    tp: int | None = None, pp: int | None = None,
                    virtual: int | None = None,
-                   tp_degrees: Sequence[int] | None = None) -> Iterator[Config]:
+                   tp_degrees: Sequence[int] | None = None,
+                   optimizer_sharding: bool | None = False) -> Iterator[Config]:
     """Every configuration the search considers, in a fixed order.
+
+    ``optimizer_sharding``: ``None`` tries each ``dp > 1`` configuration both plain and with
+    the optimizer state sharded over its replicas (plain first: sharding only costs time);
+    ``True`` or ``False`` fixes it (``True`` keeps ``dp > 1`` only).
 
     ``chunks``, ``checkpoint``, ``tp``, ``pp`` and ``virtual`` fix those choices when given;
     micro-batches split the batch evenly (``chunks`` divides each replica's batch) and stay
@@ -229,13 +239,15 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
                 # the guard it breaks when the stages are built.
                 counts = [m for m in counts if m * dp in workload.splits
                           or (dp == 1 and chunks is not None)]
-            for m, name, mode in itertools.product(counts, names, modes):
+            shardings = [s for s in (False, True) if optimizer_sharding in (None, s)
+                         and (dp > 1 or not s)]
+            for m, name, mode, s in itertools.product(counts, names, modes, shardings):
                 if mode == EXCEPT_LAST and m == 1 and mode != checkpoint:
                     continue  # replays nothing: NEVER at no less memory
                 for v in _chunk_counts(name, p, m, layers, schedules is not None):
                     if virtual is None or v == virtual:
                         yield Config(dp, t, p, m, name, v, mode, optimizer,
-                                     overlap_grad_reduce, overlap_p2p)
+                                     overlap_grad_reduce, overlap_p2p, s)
 
 
 def workload_tp_degrees(workload: Workload, cluster: Cluster) -> tuple[int, ...]:
@@ -292,7 +304,8 @@ class _Bounds:
         static = sum(device_memory(lay.params_on(c.tp if lay.splittable else 1),
                                    lay.buffer_bytes, 0.0, optimizer=c.optimizer,
                                    element=w.param_bytes_per_element,
-                                   mixed_precision=w.mixed_precision).total
+                                   mixed_precision=w.mixed_precision,
+                                   shards=c.optimizer_shards).total
                      for lay in w.layers)
         acts = sum(lay.activations_on(c.tp if lay.splittable else 1) for lay in w.layers)
         held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)
@@ -309,7 +322,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
            budget: float | None = 5.0, capacity: float | None = None,
            keep: int = 10, tp: int | None = None, pp: int | None = None,
            virtual: int | None = None,
-           tp_degrees: Sequence[int] | None = None) -> SearchResult:
+           tp_degrees: Sequence[int] | None = None,
+           optimizer_sharding: bool | None = False) -> SearchResult:
     """The fastest configuration of ``workload`` on ``cluster`` that fits.
 
     Args:
@@ -332,6 +346,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
         pp: fix the pipeline stages.
         virtual: fix the model chunks per device (interleaved).
         tp_degrees: the tensor-parallel degrees the model's layers divide by.
+        optimizer_sharding: ``None``: try sharding the optimizer state when ``dp > 1``
+            (ZeRO-1, runtimes whose ``support`` has it); ``True``/``False``: fix it.
 
     Returns:
         The :class:`SearchResult`.
@@ -350,7 +366,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
                                   schedules=schedules, optimizer=optimizer,
                                   overlap_grad_reduce=overlap_grad_reduce,
                                   overlap_p2p=overlap_p2p, tp=tp, pp=pp, virtual=virtual,
-                                  tp_degrees=tp_degrees))
+                                  tp_degrees=tp_degrees,
+                                  optimizer_sharding=optimizer_sharding))
     queue, excluded, not_executable = [], [], 0
     for c in configs:
         why = executable(c, cluster, support) if local_only else None
@@ -398,7 +415,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
 
 def _key(c: Config) -> tuple[Any, ...]:
     return (c.dp, c.tp, c.pp, c.chunks, c.schedule, c.virtual,
-            CHECKPOINT_ORDER.index(c.checkpoint))
+            CHECKPOINT_ORDER.index(c.checkpoint), c.optimizer_sharding)
 
 
 def _nothing_fits(workload: Workload, cluster: Cluster, queue: list[Config], capacity: float,

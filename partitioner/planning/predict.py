@@ -86,6 +86,10 @@ class Config:
         overlap_p2p: whether sending activations and gradients between stages overlaps
             compute; when not (Megatron-LM 2021's blocking send/receive), a stage waits for
             its sends.
+        optimizer_sharding: ZeRO-1 (``partition_distributed(optimizer_sharding=True)``):
+            each replica holds and steps ``1 / dp`` of the optimizer state; the gradients
+            are reduce-scattered and the weights all-gathered (the bytes of one ring
+            all-reduce), after the last backward rather than overlapping it.
     """
 
     dp: int = 1
@@ -98,6 +102,7 @@ class Config:
     optimizer: str = "adam"
     overlap_grad_reduce: bool = True
     overlap_p2p: bool = True
+    optimizer_sharding: bool = False
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in ("dp", "tp", "pp", "chunks", "virtual")
@@ -113,6 +118,9 @@ class Config:
             problems.append(unfit)
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer={self.optimizer!r} (use one of {sorted(OPTIMIZERS)})")
+        if self.optimizer_sharding and self.dp < 2:
+            problems.append(f"optimizer_sharding=True with dp={self.dp} (shards the optimizer "
+                            "state over 2 or more replicas; pass dp >= 2 or False)")
         if problems:
             raise ConfigError("bad Config: " + "; ".join(problems))
 
@@ -130,7 +138,12 @@ class Config:
         """A short description: ``"dp=2 tp=1 pp=4 m=8 1f1b ckpt=always"``."""
         schedule = self.schedule + (f"(v={self.virtual})" if self.virtual > 1 else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.chunks} {schedule} "
-                f"ckpt={self.checkpoint}")
+                f"ckpt={self.checkpoint}" + (" zero1" if self.optimizer_sharding else ""))
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Replicas the optimizer state is divided over: ``dp`` when sharded, else 1."""
+        return self.dp if self.optimizer_sharding else 1
 
 
 @dataclass(frozen=True)
@@ -297,7 +310,8 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
         tp = config.tp if layer.splittable else 1
         static = device_memory(layer.params_on(tp), layer.buffer_bytes, 0.0,
                                optimizer=config.optimizer, element=element,
-                               mixed_precision=workload.mixed_precision).total
+                               mixed_precision=workload.mixed_precision,
+                               shards=config.optimizer_shards).total
         act = layer.activations_on(tp) * samples
         memory.append(static + (act * held / config.virtual if config.checkpoint == NEVER
                                 else act))
@@ -521,7 +535,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         params = sum(s.param_bytes for s in mine)
         memory.append(device_memory(params, sum(s.buffer_bytes for s in mine), acts,
                                     optimizer=config.optimizer, element=element,
-                                    mixed_precision=workload.mixed_precision))
+                                    mixed_precision=workload.mixed_precision,
+                                    shards=config.optimizer_shards))
         ranks = [(j * config.dp + r) * config.tp for r in range(config.dp)]
         grads = sum(s.grad_bytes for s in mine)
         if config.dp > 1 and cluster.is_local:
@@ -529,9 +544,11 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         else:
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
                 if config.dp > 1 else 0.0
-        window = mine[0].backward + share * mine[0].replay \
-            if config.overlap_grad_reduce and not cluster.is_local else 0
-        optimizer = params / element * traffic / cluster.spec(j).optimizer_rate \
+        # The sharded optimizer's reduce-scatter starts after the last backward.
+        window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
+            and not cluster.is_local and not config.optimizer_sharding else 0
+        optimizer = params / element / config.optimizer_shards * traffic \
+            / cluster.spec(j).optimizer_rate \
             + _fresh_temporaries(workload, config, mine, cluster.spec(j))
         ends.append(pipeline - drained + max(reduce - window, 0.0)
                     + (0.0 if shared else optimizer))

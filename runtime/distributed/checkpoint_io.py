@@ -46,6 +46,7 @@ from torch import nn
 from partitioner.errors import CheckpointError, CheckpointWriteError
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.failure import undo_on_abort
+from partitioner.runtime.distributed.zero import ShardedOptimizer
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "atomic_save", "remove_stale_temporaries",
@@ -220,8 +221,9 @@ def _to_cpu(value: Any) -> Any:
 
 
 def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contributes: bool,
-                    group: Any, base_state: dict[str, Any], optimizer: torch.optim.Optimizer
-                    | None = None, extra: dict[str, Any] | None = None,
+                    group: Any, base_state: dict[str, Any],
+                    optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None,
+                    extra: dict[str, Any] | None = None,
                     aliases: Sequence[Sequence[str]] = (), shards: ShardState | None = None
                     ) -> None:
     """Gather every stage's state on rank 0 and write one checkpoint (collective, all ranks).
@@ -233,7 +235,8 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
             shard 0); those ranks must form ``group``, which contains rank 0.
         group: the process group of the contributing ranks (ignored on the others).
         base_state: rank 0's full model state; keys no stage holds keep these values.
-        optimizer: this rank's optimizer, if its state is saved too.
+        optimizer: this rank's optimizer, if its state is saved too (a sharded one gathers
+            its replicas' slices: then every rank must call this).
         extra: more picklable values to store (the same on every rank).
         aliases: groups of keys naming one tensor in the model (tied weights); a stage may
             name it by any of them, and every key of the group gets the stage's value.
@@ -242,7 +245,7 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
             state) before its shard 0 contributes them.
     """
     model_state: dict[str, Any] = stage.state_dict()
-    optim_state = named_optimizer_state(optimizer, stage) if optimizer else None
+    optim_state = _named_state(optimizer, stage) if optimizer is not None else None
     if shards is not None:
         model_state = shards.gather(model_state)
         if optim_state is not None:
@@ -292,7 +295,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
-                    optimizer: torch.optim.Optimizer | None = None,
+                    optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None,
                     shards: ShardState | None = None) -> dict[str, Any]:
     """Load this rank's part of a checkpoint into ``stage`` (and ``optimizer``).
 
@@ -324,5 +327,24 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
         named = data["optimizer"]
         if shards is not None:
             named = shards.split_optimizer(named, whole)
-        load_named_optimizer_state(optimizer, stage, named)
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.load_named_state(named, _aliases(stage))
+        else:
+            load_named_optimizer_state(optimizer, stage, named)
     return dict(data.get("extra") or {})
+
+
+def _named_state(optimizer: torch.optim.Optimizer | ShardedOptimizer, stage: nn.Module
+                 ) -> dict[str, Any]:
+    """The optimizer's whole state by parameter name (a sharded one gathers its replicas')."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.named_state()
+    return named_optimizer_state(optimizer, stage)
+
+
+def _aliases(stage: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter of ``stage``, by each of its names (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, p in stage.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {name: group for group in names.values() for name in group}

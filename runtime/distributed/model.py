@@ -46,11 +46,13 @@ from partitioner.runtime.distributed.mesh import Coords, Mesh
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.pipeline import DistributedPipeline
 from partitioner.runtime.distributed.stage_group import merge_stages
+from partitioner.runtime.distributed.zero import ShardedGradients, ShardedOptimizer
 from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.runtime.wrapper import GroupNorms, ModelWrapper
 
-__all__ = ["DistributedModel", "RunSettings", "assemble", "find_ties", "model_device"]
+__all__ = ["DistributedModel", "RunSettings", "assemble", "find_ties", "model_device",
+           "sharding_problem"]
 
 Binder = Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]
 
@@ -68,6 +70,8 @@ class RunSettings:
         seed: base seed of the stages' dropout generators.
         plan_record: the plan as checkpoints store it (``Plan.to_dict()``).
         virtual: virtual stages per rank (``"interleaved"``: 2 or more).
+        optimizer_sharding: shard the optimizer state over the replicas (ZeRO-1,
+            :mod:`~partitioner.runtime.distributed.zero`); needs ``dp >= 2``.
     """
 
     schedule: str
@@ -78,6 +82,7 @@ class RunSettings:
     seed: int = 0
     plan_record: Mapping[str, Any] = field(default_factory=dict)
     virtual: int = 1
+    optimizer_sharding: bool = False
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -111,9 +116,12 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
         batched: batch the point-to-point transfers (NCCL).
 
     Raises:
-        StrategyError: If virtual stages are asked for with ``pp=1`` or tensor parallelism.
+        StrategyError: If virtual stages are asked for with ``pp=1`` or tensor parallelism,
+            or optimizer sharding with ``dp=1``.
     """
     j, shape = mesh.stage, mesh.shape
+    if settings.optimizer_sharding and shape.dp < 2:
+        raise StrategyError(sharding_problem(shape.dp))
     stages = {j: stage} if isinstance(stage, fx.GraphModule) else dict(sorted(stage.items()))
     if settings.virtual > 1 and (shape.pp < 2 or shards is not None):
         raise StrategyError(f"virtual_stages={settings.virtual} with pp={shape.pp}, "
@@ -126,26 +134,43 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
                       device, batched=batched)
     # One module for all virtual stages: parameters, state dict and checkpoints see them all.
     held = stages[j] if len(stages) == 1 else merge_stages(stages)
-    # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
-    reducer = (GradReducer(list(held.parameters()), mesh.group("dp"), settings.bucket_bytes,
-                           predivided=True) if shape.dp > 1 else None)
     ties = find_ties(graphs)
     # A weight tied across ranks is counted by the rank of its first stage only in norms.
     not_first = frozenset(name for tie in ties if tie[0][0] % shape.pp != j
                           for k, name in tie if k in stages)
+    tied = _tie_groups(ties, mesh, stages)
+    # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
+    reducer: GradReducer | ShardedGradients | None = None
+    if settings.optimizer_sharding:
+        split = shards.shardings if shards is not None else {}
+        reducer = ShardedGradients(held.named_parameters(), mesh.group("dp"), tied=tied,
+                                   counts=lambda name: name not in not_first and (
+                                       name in split or mesh.shard == 0))
+        tied = None  # summed by the sharded gradients, before they are cut
+    elif shape.dp > 1:
+        reducer = GradReducer(list(held.parameters()), mesh.group("dp"),
+                              settings.bucket_bytes, predivided=True)
     runners = {k: StageRunner(k, gm, device, shard=mesh.shard if shards is not None else None)
                for k, gm in stages.items()}
     pipeline = DistributedPipeline(
         runners, n_stages=len(graphs), links=links,
         interfaces=BoundaryPredictor(graphs, list(stages), devices),
         schedule=settings.schedule, chunks=settings.chunks, checkpoint=settings.checkpoint,
-        restructure=restructure, reducer=reducer, tied=_tie_groups(ties, mesh, stages),
+        restructure=restructure, reducer=reducer, tied=tied,
         dp_size=shape.dp, loss_rank=len(graphs) - 1 in stages and mesh.shard == 0,
         loss_reduction=settings.loss_reduction, grad_scale=1.0 / shape.dp,
         virtual=settings.virtual)
     return DistributedModel(model, plan, mesh, pipeline, held, bind=bind, seed=settings.seed,
                             watchdog=watchdog, shards=shards, norm_skip=not_first,
-                            plan_record=settings.plan_record)
+                            plan_record=settings.plan_record,
+                            sharded=reducer if isinstance(reducer, ShardedGradients) else None)
+
+
+def sharding_problem(dp: int) -> str:
+    """Why optimizer sharding cannot run on ``dp`` replicas (it needs two or more)."""
+    return (f"optimizer_sharding=True with dp={dp}: the optimizer state is sharded over "
+            "the data-parallel replicas, and one replica holds it whole anyway; pass dp=2 "
+            "or more, or optimizer_sharding=False")
 
 
 def _neighbours(mesh: Mesh, *, ring: bool) -> tuple[int | None, int | None]:
@@ -213,6 +238,7 @@ class DistributedModel(ModelWrapper):
         shards: the stage's split entries when it is split over ``tp`` ranks.
         norm_skip: parameters whose gradients another stage counts (tied weights).
         plan_record: the plan as checkpoints store it.
+        sharded: the stage's gradients cut over the replicas, with optimizer sharding.
 
     Attributes:
         plan: the plan every rank runs.
@@ -227,9 +253,12 @@ class DistributedModel(ModelWrapper):
     def __init__(self, model: nn.Module, plan: Any, mesh: Mesh, pipeline: DistributedPipeline,
                  stage: nn.Module, *, bind: Binder, seed: int, watchdog: Watchdog,
                  shards: ShardState | None = None, norm_skip: frozenset[str] = frozenset(),
-                 plan_record: Mapping[str, Any] | None = None) -> None:
-        # Replicas hold the same averaged gradients: the world's sum counts each dp times.
-        norms = GroupNorms(None, copies=mesh.shape.dp, device=pipeline.runner.device)
+                 plan_record: Mapping[str, Any] | None = None,
+                 sharded: ShardedGradients | None = None) -> None:
+        # Replicas hold the same averaged gradients: the world's sum counts each dp times;
+        # sharded, each replica holds its own slice of them.
+        norms = GroupNorms(None, copies=1 if sharded is not None else mesh.shape.dp,
+                           device=pipeline.runner.device)
         super().__init__(plan, model.training, shards=shards, combine_norms=norms)
         self.stage = stage
         self.mesh = mesh
@@ -241,6 +270,7 @@ class DistributedModel(ModelWrapper):
         self._watchdog = watchdog
         self._norm_skip = norm_skip
         self._plan_record = dict(plan_record or {})
+        self._sharded = sharded
 
     @property
     def stage_index(self) -> int:
@@ -308,7 +338,8 @@ class DistributedModel(ModelWrapper):
         raise TypeError("a DistributedModel runs one pipeline stage; train with "
                         "dpm.step(inputs, targets, loss_fn) and evaluate with dpm.evaluate(...)")
 
-    def save(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save(self, path: str | Path,
+             optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None) -> None:
         """Write one consolidated checkpoint from rank 0 (collective; all ranks call it).
 
         ``torch.load(path)["model"]`` loads into the unpartitioned model; :meth:`load`
@@ -326,16 +357,42 @@ class DistributedModel(ModelWrapper):
                             aliases=[keys for keys in same.values() if len(keys) > 1],
                             shards=self._shards)
 
-    def load(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Resume from a checkpoint written by :meth:`save` (each rank reads its part)."""
+    def load(self, path: str | Path,
+             optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None) -> None:
+        """Resume from a checkpoint written by :meth:`save` (each rank reads its part; a
+        sharded optimizer takes its replica's slice, for any number of replicas)."""
         extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards)
         self.steps = int(extra.get("steps", 0))
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+                       ) -> torch.optim.Optimizer | ShardedOptimizer:
+        """An optimizer over this rank's stage: with ``optimizer_sharding``, a
+        :class:`~partitioner.runtime.distributed.zero.ShardedOptimizer` over this replica's
+        slice of the parameters; otherwise ``optimizer_class(self.parameters(), **kwargs)``.
+
+        Example:
+            >>> optimizer = dpm.make_optimizer(torch.optim.AdamW, lr=1e-3)  # doctest: +SKIP
+        """
+        if self._sharded is not None:
+            return ShardedOptimizer(self._sharded, optimizer_class, **kwargs)
+        return optimizer_class(self.parameters(), **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (and, with optimizer sharding, the replica's slices of them)."""
+        super().zero_grad(set_to_none)
+        if self._sharded is not None:
+            self._sharded.zero_grad()
+
+    def _grads_to_scale(self) -> list[torch.Tensor]:
+        return self._sharded.grads() if self._sharded is not None else super()._grads_to_scale()
 
     def _norm_grads(self) -> list[torch.Tensor]:
         """This rank's share of the model's gradients, each counted once over the world:
         replicas hold the same averaged gradients (:class:`GroupNorms` divides by their
         number), a replicated parameter of a split stage counts on tp rank 0, a split one by
         all its slices, a weight tied across stages on its first stage."""
+        if self._sharded is not None:  # each element of the slices counts on one rank
+            return self._sharded.norm_grads()
         split = self._shards.shardings if self._shards is not None else {}
         return [p.grad.detach() for name, p in self.stage.named_parameters()
                 if p.grad is not None and name not in self._norm_skip

@@ -42,6 +42,7 @@ from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.data_parallel import GradReducer, TiedGradients
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.transport import P2PTransport, StageInterface
+from partitioner.runtime.distributed.zero import ShardedGradients
 from partitioner.runtime.interpreter import Interpreter
 from partitioner.runtime.loss_head import (
     LOSS_REDUCTIONS,
@@ -79,7 +80,8 @@ class DistributedPipeline:
         chunks: micro-batches per step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         restructure: turns the last stage's output into what the model returns.
-        reducer: averages gradients over replicas (None without data parallelism).
+        reducer: averages gradients over replicas (None without data parallelism), or cuts
+            them over the replicas for a sharded optimizer.
         tied: sums the gradients of weights this rank shares with others (None if none).
         dp_size: replicas per stage (the returned loss is averaged over them).
         loss_rank: whether this rank contributes its loss to the returned value (the last
@@ -100,7 +102,8 @@ class DistributedPipeline:
                  links: PipeLinks, interfaces: InterfaceFn, schedule: str = "1f1b",
                  chunks: int = 1, checkpoint: str = "never",
                  restructure: Callable[[Any], Any] = lambda o: o,
-                 reducer: GradReducer | None = None, tied: TiedGradients | None = None,
+                 reducer: GradReducer | ShardedGradients | None = None,
+                 tied: TiedGradients | None = None,
                  dp_size: int = 1, loss_rank: bool | None = None, loss_reduction: str = "mean",
                  grad_scale: float = 1.0, virtual: int = 1) -> None:
         problems = [p for p in (runtime_problem(schedule, Runtime.MULTI_PROCESS),
