@@ -45,15 +45,15 @@ def _local(n: int) -> Cluster:
 def test_executable_names_what_the_runtime_lacks() -> None:
     here = _local(2)
     assert executable(Config(pp=2), here) is None
-    assert "no data parallelism" in str(executable(Config(dp=2), here))
-    # One process runs tensor parallelism (TensorParallelModule), GPipe only.
+    # One process runs replicas (runtime/replicas.py) and tensor parallelism
+    # (TensorParallelModule), the latter in every schedule without virtual stages.
+    assert executable(Config(dp=2), here) is None
+    assert "no data parallelism" in str(executable(Config(dp=2), here, RuntimeSupport("x")))
     assert executable(Config(tp=2), here) is None
-    assert "tensor-parallel pipeline runs ['gpipe']" in str(
-        executable(Config(tp=2, schedule="1f1b"), _local(4), replace(
-            LOCAL_RUNTIME, schedules=("gpipe", "1f1b"))))
+    assert executable(Config(tp=2, pp=2, chunks=2, schedule="zero_bubble"), _local(4)) is None
+    assert "tensor-parallel pipeline runs ['gpipe', '1f1b', 'zero_bubble']" in str(
+        executable(Config(tp=2, pp=2, chunks=2, schedule="interleaved", virtual=2), _local(4)))
     assert "no tensor parallelism" in str(executable(Config(tp=2), here, RuntimeSupport("x")))
-    if "1f1b" not in LOCAL_RUNTIME.schedules:
-        assert "runs ['gpipe']" in str(executable(Config(pp=2, schedule="1f1b"), here))
     assert "not this machine" in str(executable(Config(pp=2), Cluster.preset("A100-80GB")))
     wider = RuntimeSupport("a multi-process runtime", ("gpipe", "1f1b"), data_parallel=True)
     assert executable(Config(dp=2, schedule="gpipe"), here, wider) is None
@@ -160,9 +160,10 @@ def test_partition_auto_chooses_chunks_and_explains(tmp_path: Path) -> None:
     x = torch.randn(16, 32)
     pm = partition(model, ["cpu", "cpu"], example_inputs=(x,))
     mesh = pm.plan.mesh
-    # Whatever runs here and is predicted fastest: a pipeline or tensor parallelism.
+    # Whatever runs here and is predicted fastest: a pipeline, tensor parallelism, replicas.
     assert mesh is not None and mesh.dp * mesh.pp * mesh.tp == 2
-    assert pm.plan.strategy == ("pipeline" if mesh.tp == 1 else "tensor_parallel")
+    assert pm.plan.strategy == ("replicas" if mesh.dp > 1 else "pipeline" if mesh.tp == 1
+                                else "tensor_parallel")
     assert pm.plan.schedule in LOCAL_RUNTIME.schedules
     assert 16 % pm.plan.chunks == 0
     torch.testing.assert_close(pm(x), model(x))
