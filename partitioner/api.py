@@ -36,8 +36,8 @@ from partitioner.plans.spec import Spec
 from partitioner.precision import planned_precision
 from partitioner.request import STRATEGIES, PlanRequest
 from partitioner.runtime.module import PartitionedModule
-from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.precision import check_precision
+from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
 from partitioner.tensor_parallel import partition_tensor_parallel, plan_tensor_parallel
 

@@ -53,6 +53,7 @@ from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.world import Degrees
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
+from partitioner.precision import distributed_precision
 from partitioner.request import PlanRequest
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
@@ -91,7 +92,7 @@ def partition_distributed(
         backend: str | None = None, strategy: str | None = None,
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
-        virtual_stages: int | None = None) -> DistributedModel:
+        virtual_stages: int | None = None, precision: str | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -143,6 +144,12 @@ def partition_distributed(
         virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``): the model
             is cut into ``pp * v`` stages, rank ``j`` runs stages ``j, j + pp, ...``
             (default: the plan's, else 1).
+        precision: ``"fp32"`` or ``"bf16"`` (default: the plan's, else fp32): every stage
+            computes under autocast to bf16, the values crossing ranks are bf16, the
+            parameters, their gradients (reduced over replicas in fp32) and the optimizer
+            state stay fp32, the loss is computed in fp32; the plan records it and the
+            planner costs it (``partitioner.runtime.precision``). ``"fp16"`` (which needs
+            loss scaling) is not run across processes yet.
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -156,6 +163,7 @@ def partition_distributed(
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    precision = distributed_precision(model, given, precision)
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
                          memory_reserve)
@@ -174,9 +182,10 @@ def partition_distributed(
         loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
         fuse_weight_grads=fuse_weight_grads, strategy=strategy,
         cluster=describe_cluster(cluster), memory_reserve=memory_reserve,
-        virtual_stages=virtual_stages))
+        virtual_stages=virtual_stages, precision=precision))
     chosen: Plan | None = None
     if auto is not None:
+        auto = replace(auto, precision=precision)
         auto.degrees.check(info.world_size)
         chosen = choose_plan(model, example_inputs, example_kwargs, auto, info.device)
         assert chosen.mesh is not None, "the search records the mesh it chose"
@@ -196,7 +205,8 @@ def partition_distributed(
     request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
                                example_inputs=example_inputs, example_kwargs=example_kwargs,
                                chunks=chunks, checkpoint=checkpoint, balance=balance,
-                               split_points=split_points, memory_limit=memory_limit)
+                               split_points=split_points, memory_limit=memory_limit,
+                               precision=precision)
     shard_plan: ShardPlan | None = None
     if shape.tp > 1:
         made, analysis, shard_plan = _agree_on_split_plan(model, given, request, shape,
@@ -213,7 +223,7 @@ def partition_distributed(
                 "virtual_stages or pp") from error
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
-    made = _on_mesh(replace(made, schedule=schedule), shape, virtual)
+    made = _on_mesh(replace(made, schedule=schedule, precision=precision), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
     _check_layers(analysis, made)
@@ -224,7 +234,7 @@ def partition_distributed(
         made, devices=(str(home),) * len(here), stages=here, virtual_stages=1,
         mesh=PlanMesh(shape.dp, len(here), shape.tp)))
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
-                           int(bucket_mb * 2**20), seed, made.to_dict(), virtual)
+                           int(bucket_mb * 2**20), seed, made.to_dict(), virtual, precision)
     mesh = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     if virtual > 1:

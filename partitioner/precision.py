@@ -23,7 +23,7 @@ from partitioner.errors import PlanMismatchError, PrecisionError
 from partitioner.plans.plan import Plan
 from partitioner.runtime.precision import check_precision
 
-__all__ = ["planned_precision", "check_master_weights"]
+__all__ = ["planned_precision", "check_master_weights", "distributed_precision"]
 
 
 def planned_precision(plan: Plan, precision: str | None) -> Plan:
@@ -60,3 +60,24 @@ def check_master_weights(model: nn.Module, precision: str) -> None:
                 f"precision={precision!r} keeps the parameters as fp32 master weights, but "
                 f"{name} is {str(p.dtype).removeprefix('torch.')}; build the model in "
                 "float32 (model.float()) or omit precision")
+
+
+def distributed_precision(model: nn.Module, given: Plan | None, precision: str | None) -> str:
+    """The precision ``partition_distributed`` runs: the call's, else the given plan's,
+    else fp32 (checked against the plan and the model).
+
+    Raises:
+        PrecisionError: an unknown precision, fp16 (its loss scaling does not run across
+            processes yet), or a model whose parameters are not fp32.
+        PlanMismatchError: a given plan made for another precision.
+    """
+    chosen = planned_precision(given, precision).precision if given is not None \
+        else check_precision("fp32" if precision is None else precision, scaled=False)
+    if chosen == "fp16":
+        raise PrecisionError("precision='fp16' needs loss scaling, which partition_distributed "
+                             "does not run yet (every rank would have to agree on skipping "
+                             "a step); pass precision='bf16', which needs none, or run fp16 "
+                             "in one process with partition(..., precision='fp16', "
+                             "loss_scale='dynamic')")
+    check_master_weights(model, chosen)
+    return chosen

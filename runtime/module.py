@@ -114,9 +114,9 @@ class PartitionedModule(ModelWrapper):
         backward starts there, in the order the plan's schedule gives (GPipe, 1F1B,
         interleaved, zero-bubble); the gradients accumulate into ``.grad`` as
         ``loss_fn`` over the whole batch would give them. Then call your optimizer's
-        ``step()`` (with fp16: ``pm.scaler.step(optimizer)`` and ``pm.scaler.update()``:
-        the gradients are scaled by ``pm.scaler.scale``). ``pm(x)`` followed by ``loss.backward()`` keeps working too (all
-        forwards, then all backwards).
+        ``step()`` (with fp16: ``pm.scaler.step(optimizer)``, ``pm.scaler.update()``:
+        the gradients are scaled by ``pm.scaler.scale``). ``pm(x)`` followed by
+        ``loss.backward()`` keeps working too (all forwards, then all backwards).
 
         Args:
             inputs: the model's positional input (a tensor) or a tuple of them.

@@ -68,6 +68,7 @@ class RunSettings:
         seed: base seed of the stages' dropout generators.
         plan_record: the plan as checkpoints store it (``Plan.to_dict()``).
         virtual: virtual stages per rank (``"interleaved"``: 2 or more).
+        precision: ``"fp32"`` or ``"bf16"``: the stages' autocast (fp32 parameters).
     """
 
     schedule: str
@@ -78,6 +79,7 @@ class RunSettings:
     seed: int = 0
     plan_record: Mapping[str, Any] = field(default_factory=dict)
     virtual: int = 1
+    precision: str = "fp32"
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -133,11 +135,11 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     # A weight tied across ranks is counted by the rank of its first stage only in norms.
     not_first = frozenset(name for tie in ties if tie[0][0] % shape.pp != j
                           for k, name in tie if k in stages)
-    runners = {k: StageRunner(k, gm, device, shard=mesh.shard if shards is not None else None)
-               for k, gm in stages.items()}
+    runners = {k: StageRunner(k, gm, device, shard=mesh.shard if shards is not None else None,
+                              precision=settings.precision) for k, gm in stages.items()}
     pipeline = DistributedPipeline(
         runners, n_stages=len(graphs), links=links,
-        interfaces=BoundaryPredictor(graphs, list(stages), devices),
+        interfaces=BoundaryPredictor(graphs, list(stages), devices, settings.precision),
         schedule=settings.schedule, chunks=settings.chunks, checkpoint=settings.checkpoint,
         restructure=restructure, reducer=reducer, tied=_tie_groups(ties, mesh, stages),
         dp_size=shape.dp, loss_rank=len(graphs) - 1 in stages and mesh.shard == 0,
