@@ -32,8 +32,8 @@ from partitioner.build import (
 from partitioner.errors import DeviceError, ModelError, PrecisionError, StrategyError
 from partitioner.planning.planner import plan_request, record, shardable_degrees
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
+from partitioner.plans.precision import planned_precision
 from partitioner.plans.spec import Spec
-from partitioner.precision import planned_precision
 from partitioner.request import STRATEGIES, PlanRequest
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.precision import check_precision

@@ -53,7 +53,7 @@ from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.world import Degrees
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
-from partitioner.precision import distributed_precision
+from partitioner.plans.precision import distributed_precision
 from partitioner.request import PlanRequest
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor

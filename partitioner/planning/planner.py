@@ -118,11 +118,12 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     if cuts is None and request.strategy == "auto":
         if request.schedule is not None and cluster.is_local:
             _check_local_schedule(request.schedule)
+        pipeline_only = _precision_limits(request, cluster)
         plan = auto_plan(workload, analysis.layer_names, cluster, chunks=request.chunks,
                          checkpoint=request.checkpoint, capacity=limit, capture=method,
                          schedules=(request.schedule,) if request.schedule else None,
                          virtual=request.virtual_stages, reserve=reserve,
-                         tp_degrees=tp_degrees, **_precision_limits(request, cluster))
+                         tp_degrees=tp_degrees, pp=pipeline_only, tp=1 if pipeline_only else None)
     else:
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
@@ -135,12 +136,13 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     return _check_host_memory(replace(plan, precision=request.precision), cluster)
 
 
-def _precision_limits(request: PlanRequest, cluster: Cluster) -> dict[str, int]:
+def _precision_limits(request: PlanRequest, cluster: Cluster) -> int | None:
     """Mixed precision runs on this machine's pipeline runtime only (not its tensor-parallel
-    or replica runtimes): ``"auto"`` then searches pipelines over every device."""
+    or replica runtimes): ``"auto"`` then searches pipelines over every device (their count,
+    else ``None``)."""
     if request.precision == "fp32" or not cluster.is_local:
-        return {}
-    return {"pp": cluster.size, "tp": 1}
+        return None
+    return cluster.size
 
 
 def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
@@ -236,15 +238,7 @@ def tensor_parallel_plan(analysis: Analysis, request: PlanRequest,
                      capture=analysis.captured.method, schedules=tp_schedules,
                      tp=len(groups[0]), pp=len(groups), reserve=request.memory_reserve,
                      devices=[str(g[0]) for g in groups])
-    return _check_host_memory(replace(plan, precision=request.precision), cluster)
-
-
-def _precision_limits(request: PlanRequest, cluster: Cluster) -> dict[str, int]:
-    """Mixed precision runs on this machine's pipeline runtime only (not its tensor-parallel
-    or replica runtimes): ``"auto"`` then searches pipelines over every device."""
-    if request.precision == "fp32" or not cluster.is_local:
-        return {}
-    return {"pp": cluster.size, "tp": 1}
+    return _check_host_memory(plan, cluster)
 
 
 def _check_local_schedule(schedule: str) -> None:

@@ -1,4 +1,4 @@
-"""``precision=`` at the fronts: which precision a plan given as ``plan=`` runs in.
+"""``precision=`` and plans: which precision a plan given as ``plan=`` runs in.
 
 A saved plan records its precision (``Plan.precision``) and runs in it; a ``precision=``
 that disagrees is refused, as any other setting that contradicts the plan file. A
