@@ -29,12 +29,14 @@ from partitioner.build import (
     build_replicas,
     build_tensor_parallel,
 )
-from partitioner.errors import DeviceError, ModelError, StrategyError
+from partitioner.errors import DeviceError, ModelError, PrecisionError, StrategyError
 from partitioner.planning.planner import plan_request, record, shardable_degrees
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
+from partitioner.plans.precision import planned_precision
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
 from partitioner.runtime.module import PartitionedModule
+from partitioner.runtime.precision import check_precision
 from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
 from partitioner.tensor_parallel import partition_tensor_parallel, plan_tensor_parallel
@@ -53,7 +55,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...
+              memory_reserve: float | None = ..., precision: str | None = ...,
+              loss_scale: float | str | None = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -69,7 +72,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...) -> TensorParallelModule: ...
+              memory_reserve: float | None = ..., precision: str | None = ...,
+              loss_scale: float | str | None = ...) -> TensorParallelModule: ...
 
 
 def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -82,7 +86,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               calibrate: bool = False,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
-              memory_reserve: float | None = None
+              memory_reserve: float | None = None, precision: str | None = None,
+              loss_scale: float | str | None = None
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -125,6 +130,15 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             the most of 4, 3, 2 that leaves every chunk a layer; ``"auto"`` searches them).
         memory_reserve: the share of each device's memory (or of ``memory_limit``) plans
             leave unused, in ``[0, 1)``; default 0.10.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: every stage computes
+            under autocast to it, the parameters (master weights), their gradients and the
+            optimizer state stay fp32, the loss is computed in fp32; the plan records it and
+            is costed at that precision (``partitioner.runtime.precision``). Runs on the
+            pipeline runtime: ``"auto"`` then searches pipelines only, and
+            ``tensor_parallel=`` is refused.
+        loss_scale: fp16 only, and needed there: ``"dynamic"`` or a fixed float.
+            ``pm.step`` scales the gradients by ``pm.scaler.scale``; step the optimizer with
+            ``pm.scaler.step(optimizer)`` then ``pm.scaler.update()``.
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -136,7 +150,14 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         PartitionError: a subclass naming the offending value and a fix.
     """
     _check_model(model)
+    check_precision("fp32" if precision is None else precision, loss_scale,
+                    scaled=plan is None or precision is not None)
     if tensor_parallel is not None:
+        if precision not in (None, "fp32"):
+            raise PrecisionError(f"precision={precision!r} with tensor_parallel=: the "
+                                 "one-process tensor-parallel runtime computes in fp32; "
+                                 "omit tensor_parallel= (pipelines run mixed precision) or "
+                                 "use partition_distributed(..., tp=..., precision=...)")
         if plan is not None or calibrate:
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
                                 "tensor_parallel=, not both (tensor-parallel plans are made "
@@ -156,9 +177,13 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, local=True, schedule=schedule,
-                               virtual_stages=virtual_stages, memory_reserve=memory_reserve)
+                               virtual_stages=virtual_stages, memory_reserve=memory_reserve,
+                               precision=precision, loss_scale=loss_scale)
     if plan is not None:
         analysis, made, request = resolve_plan(model, plan, request)
+        made = planned_precision(made, precision)
+        request = request.with_changes(precision=made.precision, loss_scale=loss_scale)
+        check_precision(made.precision, loss_scale)
         return build_pipeline(model, analysis, made, request)
     analysis, made = _planned(model, request)
     return build(model, analysis, route(model, analysis, made, request), request)
@@ -172,7 +197,8 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
               memory_limit: float | Sequence[float] | None = None,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
               calibrate: bool = False, schedule: str | None = None,
-              virtual_stages: int | None = None, memory_reserve: float | None = None) -> Plan:
+              virtual_stages: int | None = None, memory_reserve: float | None = None,
+              precision: str | None = None) -> Plan:
     """Plan like :func:`partition` without building the runtime (works on meta models).
 
     With ``plan=`` a hand-written spec is compiled (or a saved plan checked) for ``model``.
@@ -180,6 +206,9 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
     (``Cluster.preset("A100-80GB", nodes=4)``): ``"auto"`` then plans any mix of data,
     tensor and pipeline parallelism for it. On this machine's devices the plan is the one
     :func:`partition` would run (a tensor-parallel choice with its shard specs).
+    ``precision="bf16"`` (or ``"fp16"``) costs the model, built in fp32, as mixed precision
+    runs it (bf16 throughput, 2-byte activations, fp32 weights and optimizer state) and
+    records it in the plan.
     """
     _check_model(model)
     if devices is None and plan is None:
@@ -190,9 +219,10 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, schedule=schedule,
-                               virtual_stages=virtual_stages, memory_reserve=memory_reserve)
+                               virtual_stages=virtual_stages, memory_reserve=memory_reserve,
+                               precision=precision)
     if plan is not None:
-        return resolve_plan(model, plan, request)[1]
+        return planned_precision(resolve_plan(model, plan, request)[1], precision)
     analysis, made = _planned(model, request)
     if request.cluster is not None and not request.cluster.is_local:
         return made

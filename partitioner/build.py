@@ -23,13 +23,14 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, build_stage_graphs, recapture
-from partitioner.errors import DeviceError, PartitionError, StrategyError
+from partitioner.errors import DeviceError, PartitionError, PrecisionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
+from partitioner.plans.precision import check_master_weights
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import checkpoint_stop
 from partitioner.runtime.module import PartitionedModule
@@ -46,7 +47,8 @@ __all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorP
 def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
                    request: PlanRequest) -> PartitionedModule:
     """The one-process pipeline module running ``plan`` on ``request.devices``, in the
-    plan's schedule over its virtual stages."""
+    plan's schedule over its virtual stages, in its precision."""
+    check_master_weights(model, plan.precision)
     cache = {analysis.training: _local_stage_graphs(analysis, plan)}
 
     def stage_factory(training: bool) -> list[fx.GraphModule]:
@@ -60,7 +62,8 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
     pm = PartitionedModule(model, plan, stage_factory, list(request.devices), plan.chunks,
                            plan.checkpoint, bind=captured.placeholder_values,
                            restructure=captured.restructure, schedule=plan.schedule,
-                           virtual=getattr(plan, "virtual_stages", 1))
+                           virtual=getattr(plan, "virtual_stages", 1),
+                           precision=plan.precision, loss_scale=request.loss_scale)
     # What partitioner.viz draws: the captured graph, its shapes and layers.
     pm.analysis = analysis  # type: ignore[assignment]
     return pm
@@ -97,6 +100,10 @@ def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: Pl
     """
     mesh = plan.mesh
     assert mesh is not None  # Plan.__post_init__ sets it
+    if plan.precision != "fp32":
+        raise PrecisionError(f"the plan's precision={plan.precision!r} with dp={mesh.dp} "
+                             "replicas: one-process replicas compute in fp32; use a pipeline "
+                             "plan (dp = tp = 1) or partition_distributed for mixed precision")
     width = mesh.pp * mesh.tp
     devices = [torch.device(d) for d in request.devices]
     if len(devices) != mesh.dp * width:

@@ -53,6 +53,7 @@ from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.world import Degrees
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
+from partitioner.plans.precision import distributed_precision
 from partitioner.request import PlanRequest
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
@@ -94,7 +95,7 @@ def partition_distributed(
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
         virtual_stages: int | None = None,
-        optimizer_sharding: bool = False) -> DistributedModel:
+        optimizer_sharding: bool = False, precision: str | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -149,6 +150,12 @@ def partition_distributed(
         optimizer_sharding: shard the optimizer state over the ``dp`` replicas (ZeRO-1,
             ``partitioner.runtime.distributed.zero``): build the optimizer with
             ``dpm.make_optimizer(torch.optim.AdamW, lr=...)``; needs ``dp >= 2``.
+        precision: ``"fp32"`` or ``"bf16"`` (default: the plan's, else fp32): every stage
+            computes under autocast to bf16, the values crossing ranks are bf16, the
+            parameters, their gradients (reduced over replicas in fp32) and the optimizer
+            state stay fp32, the loss is computed in fp32; the plan records it and the
+            planner costs it (``partitioner.runtime.precision``). ``"fp16"`` (which needs
+            loss scaling) is not run across processes yet.
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -163,6 +170,7 @@ def partition_distributed(
     """
     check_sharding(optimizer_sharding, None)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    precision = distributed_precision(model, given, precision)
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
                          memory_reserve)
@@ -181,9 +189,11 @@ def partition_distributed(
         loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
         fuse_weight_grads=fuse_weight_grads, strategy=strategy,
         cluster=describe_cluster(cluster), memory_reserve=memory_reserve,
-        virtual_stages=virtual_stages, optimizer_sharding=optimizer_sharding))
+        virtual_stages=virtual_stages, optimizer_sharding=optimizer_sharding,
+        precision=precision))
     chosen: Plan | None = None
     if auto is not None:
+        auto = replace(auto, precision=precision)
         auto.degrees.check(info.world_size)
         chosen = choose_plan(model, example_inputs, example_kwargs, auto, info.device)
         assert chosen.mesh is not None, "the search records the mesh it chose"
@@ -204,7 +214,8 @@ def partition_distributed(
     request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
                                example_inputs=example_inputs, example_kwargs=example_kwargs,
                                chunks=chunks, checkpoint=checkpoint, balance=balance,
-                               split_points=split_points, memory_limit=memory_limit)
+                               split_points=split_points, memory_limit=memory_limit,
+                               precision=precision)
     shard_plan: ShardPlan | None = None
     if shape.tp > 1:
         made, analysis, shard_plan = _agree_on_split_plan(model, given, request, shape,
@@ -221,7 +232,7 @@ def partition_distributed(
                 "virtual_stages or pp") from error
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
-    made = _on_mesh(replace(made, schedule=schedule), shape, virtual)
+    made = _on_mesh(replace(made, schedule=schedule, precision=precision), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
     _check_layers(analysis, made)
@@ -233,7 +244,7 @@ def partition_distributed(
         mesh=PlanMesh(shape.dp, len(here), shape.tp)))
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
                            int(bucket_mb * 2**20), seed, made.to_dict(), virtual,
-                           optimizer_sharding)
+                           optimizer_sharding, precision)
     mesh = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     if virtual > 1:

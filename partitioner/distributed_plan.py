@@ -27,6 +27,7 @@ from torch import nn
 from partitioner import errors
 from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import Cluster
+from partitioner.cost.precision import precision_workload
 from partitioner.errors import PartitionError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.planner import record
@@ -65,6 +66,7 @@ class AutoOptions:
         memory_limit: bytes per rank.
         memory_reserve: share of each device's memory left unused.
         rules: ``tensor_parallel=`` rules (with a fixed ``tp``).
+        precision: the compute precision the search costs (``partitioner.cost.precision``).
     """
 
     degrees: Degrees
@@ -75,6 +77,7 @@ class AutoOptions:
     memory_limit: float | None = None
     memory_reserve: float | None = None
     rules: Mapping[str, str] | None = None
+    precision: str = "fp32"
 
 
 def describe_cluster(cluster: Cluster | str | None) -> str | None:
@@ -185,7 +188,8 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     limit = min(request.memory_limit) if request.memory_limit else None
     reserve = DEFAULT_RESERVE if options.memory_reserve is None else options.memory_reserve
     capacity = capacity_of(cluster, reserve, limit)
-    result = search_world(analysis.workload, cluster, options.degrees, chunks=request.chunks,
+    result = search_world(precision_workload(analysis.workload, options.precision), cluster,
+                          options.degrees, chunks=request.chunks,
                           checkpoint=request.checkpoint, schedule=options.schedule,
                           capacity=capacity, check=tensor_parallel_check(model, analysis,
                                                                          options.rules))

@@ -55,6 +55,7 @@ __all__ = [
     "TensorParallelExecutionError",
     "ClosedError",
     "ReplicaError",
+    "PrecisionError",
 ]
 
 
@@ -351,3 +352,11 @@ class ReplicaError(PartitionError, ValueError):
     """A call that data-parallel replicas in one process cannot split or join (a batch
     smaller than the replicas, outputs without a batch dimension, an unknown loss
     reduction)."""
+
+
+# Raised by partitioner.runtime.precision and the fronts taking precision=.
+
+
+class PrecisionError(PartitionError, ValueError):
+    """An unknown ``precision=``, fp16 without a loss scaler, a loss scale without fp16, or a
+    precision a runtime or model cannot honour."""

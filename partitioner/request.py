@@ -31,11 +31,13 @@ from partitioner.errors import (
     ExampleInputsError,
     MemoryLimitError,
     PartitionError,
+    PrecisionError,
     ScheduleError,
     StrategyError,
 )
 from partitioner.planning.reserve import MEMORY_RESERVE, reserve_problem
 from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.precision import loss_scale_problem, precision_problem
 from partitioner.runtime.schedule_registry import name_problem, schedule_kind, schedule_names
 
 __all__ = ["PlanRequest", "STRATEGIES"]
@@ -67,6 +69,8 @@ class PlanRequest:
             chosen).
         memory_reserve: the share of each device's memory plans leave unused
             (``partitioner.planning.reserve``).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``partitioner.runtime.precision``).
+        loss_scale: fp16's loss scaling, ``"dynamic"`` or a float (``None`` otherwise).
     """
 
     devices: tuple[torch.device, ...] = ()
@@ -83,6 +87,8 @@ class PlanRequest:
     schedule: str | None = None
     virtual_stages: int | None = None
     memory_reserve: float = MEMORY_RESERVE
+    precision: str = "fp32"
+    loss_scale: float | str | None = None
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -108,6 +114,11 @@ class PlanRequest:
         reserve = reserve_problem(self.memory_reserve)
         if reserve is not None:
             found.append((MemoryLimitError, reserve))
+        precision = precision_problem(self.precision) or (
+            loss_scale_problem(self.precision, self.loss_scale)
+            if self.loss_scale is not None else None)
+        if precision is not None:
+            found.append((PrecisionError, precision))
         if self.balance is not None and self.split_points is not None:
             found.append((BalanceError, "pass balance= or split_points=, not both"))
         n = self.n_devices
@@ -155,7 +166,8 @@ class PlanRequest:
              memory_limit: float | Sequence[float] | None = None, calibrate: bool = False,
              local: bool = False, schedule: str | None = None,
              virtual_stages: int | None = None,
-             memory_reserve: float | None = None) -> PlanRequest:
+             memory_reserve: float | None = None, precision: str | None = None,
+             loss_scale: float | str | None = None) -> PlanRequest:
         """A request from a public function's keywords (see :func:`partitioner.partition`).
 
         Args:
@@ -181,7 +193,8 @@ class PlanRequest:
                    checkpoint, _ints("balance", balance), _names(split_points),
                    _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
                    calibrate, schedule, virtual_stages,
-                   MEMORY_RESERVE if memory_reserve is None else memory_reserve)
+                   MEMORY_RESERVE if memory_reserve is None else memory_reserve,
+                   "fp32" if precision is None else precision, loss_scale)
 
     @property
     def n_devices(self) -> int:

@@ -61,6 +61,7 @@ from partitioner.runtime.loss_head import (
     to_device,
 )
 from partitioner.runtime.microbatch import batch_size, gather, scatter
+from partitioner.runtime.precision import check_precision
 from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks
 from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
 from partitioner.runtime.stage import StageRunner
@@ -96,11 +97,14 @@ class LocalPipeline:
             busy at its time in the schedule's clock ticks (:func:`thread_plan`), so a stage
             alone in the fill or drain uses every thread and stages computing together
             share them instead of oversubscribing the cores.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the stages compute under autocast
+            to it and :meth:`step` computes the loss in fp32
+            (``partitioner.runtime.precision``).
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
                  chunks: int = 1, checkpoint: str = "never", threads: int | None = None,
-                 schedule: str = "gpipe", virtual: int = 1) -> None:
+                 schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32") -> None:
         self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
         self.virtual = virtual
         self.devices = _pipeline_devices(len(stages), list(devices), virtual)
@@ -113,7 +117,9 @@ class LocalPipeline:
         self.chunks = chunks
         self.checkpoint = checkpoint
         p = len(self.devices)
-        self.runners = [StageRunner(k, gm, self.devices[k % p]) for k, gm in enumerate(stages)]
+        self.precision = check_precision(precision, scaled=False)
+        self.runners = [StageRunner(k, gm, self.devices[k % p], precision=precision)
+                        for k, gm in enumerate(stages)]
         self.threads = threads
         self._budget = torch.get_num_threads()
         self._default = thread_default()
@@ -217,7 +223,8 @@ class LocalPipeline:
 
     def step(self, values: list[Any], targets: Any, loss_fn: Callable[[Any, Any], Any], *,
              loss_reduction: str = "mean",
-             restructure: Callable[[Any], Any] = lambda out: out) -> float:
+             restructure: Callable[[Any], Any] = lambda out: out,
+             grad_scale: float = 1.0) -> float:
         """One forward and backward of the mini-batch in the plan's schedule; the loss.
 
         The loss is computed per micro-batch on the last stage (``loss_fn(output_i,
@@ -232,6 +239,7 @@ class LocalPipeline:
             loss_reduction: ``"mean"`` (``loss_fn`` averages over its samples: micro-batch
                 losses are weighted by their share of the batch) or ``"sum"``.
             restructure: turns the last stage's output into what the model returns.
+            grad_scale: a factor on the gradients, not on the loss returned (a loss scale).
 
         Returns:
             The mini-batch's loss, as ``loss_fn`` over the whole batch would give it.
@@ -248,7 +256,8 @@ class LocalPipeline:
         heads_device = self.devices[(self.n_stages - 1) % len(self.devices)]
         head = LossHead(loss_fn, [to_device(t, heads_device)
                                   for t in split_targets(targets, m, batch_size(values))],
-                        loss_weights(micro, values, loss_reduction), restructure)
+                        loss_weights(micro, values, loss_reduction), restructure,
+                        grad_scale=grad_scale, upcast=self.precision != "fp32")
         self._reset(grad=True)
         self._consumed = True  # no pm(x) output may back-propagate into this step's stashes
         self.timeline = []

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import ChunksError, LossError, StageExecutionError
 from partitioner.runtime.microbatch import batch_size, scatter
+from partitioner.runtime.precision import upcast
 from partitioner.runtime.transfer import move_leaves
 
 __all__ = ["LOSS_REDUCTIONS", "LossHead", "loss_weights", "split_targets", "to_device",
@@ -89,7 +90,10 @@ class LossHead:
         weights: one factor per micro-batch (:func:`loss_weights`).
         restructure: turns the last stage's output into what the model returns.
         training: whether to return gradients (else only the loss is summed).
-        grad_scale: a factor on the gradients only, not on :attr:`loss`.
+        grad_scale: a factor on the gradients only, not on :attr:`loss` (``1 / dp``, a
+            loss scale).
+        upcast: compute the loss on fp32 copies of bf16/fp16 outputs (mixed precision);
+            the gradients returned keep the outputs' dtypes.
 
     Attributes:
         loss: the weighted sum of the losses so far, a float.
@@ -97,13 +101,15 @@ class LossHead:
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any], targets: Sequence[Any],
                  weights: Sequence[float], restructure: Callable[[Any], Any] = lambda o: o,
-                 *, training: bool = True, grad_scale: float = 1.0) -> None:
+                 *, training: bool = True, grad_scale: float = 1.0,
+                 upcast: bool = False) -> None:
         self.loss_fn = loss_fn
         self.targets = list(targets)
         self.weights = list(weights)
         self.restructure = restructure
         self.training = training
         self.grad_scale = grad_scale
+        self.upcast = upcast
         self.loss = 0.0
 
     def __call__(self, i: int, out: Any, *, stage: int) -> list[torch.Tensor | None]:
@@ -119,8 +125,9 @@ class LossHead:
                     if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         with torch.enable_grad() if self.training else torch.no_grad():
             try:
-                loss = self.loss_fn(self.restructure(pytree.tree_unflatten(detached, spec)),
-                                    self.targets[i])
+                outputs = pytree.tree_unflatten(detached, spec)
+                loss = self.loss_fn(self.restructure(upcast(outputs) if self.upcast
+                                                     else outputs), self.targets[i])
             except Exception as error:
                 raise StageExecutionError(
                     f"loss_fn raised on stage {stage} (micro-batch {i}): "

@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
+from partitioner.runtime.precision import LossScaler, make_scaler
 from partitioner.runtime.wrapper import ModelWrapper
 
 __all__ = ["PartitionedModule"]
@@ -54,6 +55,11 @@ class PartitionedModule(ModelWrapper):
         restructure: maps the last stage's output to what the model returns.
         schedule: the plan's schedule, which :meth:`step` runs (any registered name).
         virtual: virtual stages per device (``stage_factory`` then returns ``P v`` graphs).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast in every stage, fp32
+            parameters; ``partitioner.runtime.precision``).
+        loss_scale: with fp16, ``"dynamic"`` or a fixed float: :meth:`step` scales the
+            gradients by ``self.scaler.scale``; step the optimizer with
+            ``pm.scaler.step(optimizer)`` then ``pm.scaler.update()``.
     """
 
     inner = "module"
@@ -63,8 +69,12 @@ class PartitionedModule(ModelWrapper):
                  devices: Sequence[torch.device], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] = _bind_positional,
                  restructure: Callable[[Any], Any] = lambda out: out,
-                 schedule: str = "gpipe", virtual: int = 1) -> None:
+                 schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32",
+                 loss_scale: float | str | None = None) -> None:
         super().__init__(plan, module.training)
+        #: The loss scaler of fp16 training (``None`` otherwise).
+        self.scaler: LossScaler | None = make_scaler(precision, loss_scale)
+        self.precision = precision
         self.schedule = schedule
         self.virtual = virtual
         self.module = module
@@ -88,7 +98,8 @@ class PartitionedModule(ModelWrapper):
             stages = self._stage_factory(mode)
             self._pipelines[mode] = LocalPipeline(stages, self.devices, self.chunks,
                                                   self.checkpoint, schedule=self.schedule,
-                                                  virtual=self.virtual)
+                                                  virtual=self.virtual,
+                                                  precision=self.precision)
         return self._pipelines[mode]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -103,8 +114,9 @@ class PartitionedModule(ModelWrapper):
         backward starts there, in the order the plan's schedule gives (GPipe, 1F1B,
         interleaved, zero-bubble); the gradients accumulate into ``.grad`` as
         ``loss_fn`` over the whole batch would give them. Then call your optimizer's
-        ``step()``. ``pm(x)`` followed by ``loss.backward()`` keeps working too (all
-        forwards, then all backwards).
+        ``step()`` (with fp16: ``pm.scaler.step(optimizer)``, ``pm.scaler.update()``:
+        the gradients are scaled by ``pm.scaler.scale``). ``pm(x)`` followed by
+        ``loss.backward()`` keeps working too (all forwards, then all backwards).
 
         Args:
             inputs: the model's positional input (a tensor) or a tuple of them.
@@ -124,7 +136,8 @@ class PartitionedModule(ModelWrapper):
             StageExecutionError: If a stage or ``loss_fn`` raised, naming where.
         """
         return self._pipeline_step(self.pipeline(), self._bind, self._restructure, inputs,
-                                   targets, loss_fn, loss_reduction, kwargs)
+                                   targets, loss_fn, loss_reduction, kwargs,
+                                   grad_scale=self.scaler.scale if self.scaler else 1.0)
 
     def _release(self) -> None:
         """Stop the worker threads (they also stop when the module is collected)."""

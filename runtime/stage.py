@@ -28,6 +28,7 @@ from torch import nn
 
 from partitioner.errors import BackwardError, StageExecutionError
 from partitioner.runtime.fused_linear import WeightGrads, deferring
+from partitioner.runtime.precision import autocast
 from partitioner.runtime.rng import fork, use_generator, use_shard_generator
 
 __all__ = ["StageRunner", "locate_node"]
@@ -66,11 +67,14 @@ class StageRunner:
         shard: this process's tensor-parallel rank when the graph is one rank's slice of a
             split stage: dropout on split values then draws from a generator of the rank's
             own (replicated values keep the stage's generator, seeded alike on every rank).
+        precision: ``"fp32"``, or ``"bf16"``/``"fp16"``: every forward, and the replay of a
+            checkpointed one, runs under the same autocast (``partitioner.runtime.precision``).
     """
 
     def __init__(self, index: int, graph_module: fx.GraphModule, device: torch.device,
-                 shard: int | None = None) -> None:
+                 shard: int | None = None, precision: str = "fp32") -> None:
         self.index = index
+        self.precision = precision
         self.graph_module = graph_module
         self.device = device
         self.shard = shard
@@ -104,7 +108,8 @@ class StageRunner:
 
     def _call(self, i: int, inputs: list[Any]) -> Any:
         try:
-            return type(self.graph_module).forward(self.graph_module, *inputs)
+            with autocast(self.precision, self.device.type):
+                return type(self.graph_module).forward(self.graph_module, *inputs)
         except Exception as error:
             node = locate_node(self.graph_module, error)
             where = f", node {node}" if node else ""

@@ -222,14 +222,15 @@ class ModelWrapper(nn.Module):
     def _pipeline_step(self, pipeline: Any, bind: Callable[..., list[Any]],
                        restructure: Callable[[Any], Any], inputs: Any, targets: Any,
                        loss_fn: Callable[[Any, Any], Any], loss_reduction: str,
-                       kwargs: dict[str, Any] | None) -> float:
-        """:meth:`step` through a one-process pipeline's own ``step`` (its schedule)."""
+                       kwargs: dict[str, Any] | None, *, grad_scale: float = 1.0) -> float:
+        """:meth:`step` through a one-process pipeline's own ``step`` (its schedule);
+        ``grad_scale`` multiplies the gradients only (fp16 loss scaling)."""
         check_loss_reduction(loss_reduction)
         self._ensure_open("train")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         values = bind(args, dict(kwargs or {}))
         return float(pipeline.step(values, targets, loss_fn, loss_reduction=loss_reduction,
-                                   restructure=restructure))
+                                   restructure=restructure, grad_scale=grad_scale))
 
     def _norm_grads(self) -> list[torch.Tensor]:
         """The gradients that count towards the model's norm, each once."""

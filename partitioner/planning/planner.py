@@ -32,6 +32,7 @@ from partitioner.analysis import Analysis
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.machine import local_cluster
+from partitioner.cost.precision import precision_workload
 from partitioner.errors import (
     BalanceError,
     ChunksError,
@@ -104,8 +105,8 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                  cuts: tuple[int, ...] | None, tp_degrees: Sequence[int] | None) -> Plan:
     from partitioner.cost.measure import calibrate_layers
     cluster = request.cluster or local_cluster(list(request.devices))
-    workload = analysis.workload
-    assert workload is not None
+    assert analysis.workload is not None
+    workload = precision_workload(analysis.workload, request.precision)
     if request.calibrate:
         layers = calibrate_layers(analysis.captured.graph_module, analysis.layers,
                                   workload.layers, analysis.inputs or [], cluster.spec(0),
@@ -117,11 +118,12 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     if cuts is None and request.strategy == "auto":
         if request.schedule is not None and cluster.is_local:
             _check_local_schedule(request.schedule)
+        pipeline_only = _precision_limits(request, cluster)
         plan = auto_plan(workload, analysis.layer_names, cluster, chunks=request.chunks,
                          checkpoint=request.checkpoint, capacity=limit, capture=method,
                          schedules=(request.schedule,) if request.schedule else None,
                          virtual=request.virtual_stages, reserve=reserve,
-                         tp_degrees=tp_degrees)
+                         tp_degrees=tp_degrees, pp=pipeline_only, tp=1 if pipeline_only else None)
     else:
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
@@ -131,7 +133,16 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                              chunks=chunks, checkpoint=request.checkpoint or EXCEPT_LAST,
                              boundaries=cuts, capacity=limit, capture=method,
                              schedule=schedule, virtual=virtual, reserve=reserve)
-    return _check_host_memory(plan, cluster)
+    return _check_host_memory(replace(plan, precision=request.precision), cluster)
+
+
+def _precision_limits(request: PlanRequest, cluster: Cluster) -> int | None:
+    """Mixed precision runs on this machine's pipeline runtime only (not its tensor-parallel
+    or replica runtimes): ``"auto"`` then searches pipelines over every device (their count,
+    else ``None``)."""
+    if request.precision == "fp32" or not cluster.is_local:
+        return None
+    return cluster.size
 
 
 def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
@@ -269,7 +280,8 @@ def _uncosted_plan(analysis: Analysis, request: PlanRequest, strategy: str,
               for j, device in enumerate(request.devices)]
     return Plan(strategy, tuple(str(d) for d in request.devices), tuple(stages),
                 request.chunks or 1, request.checkpoint or EXCEPT_LAST,
-                request.schedule or GPIPE, analysis.captured.method)
+                request.schedule or GPIPE, analysis.captured.method,
+                precision=request.precision)
 
 
 def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanRequest,

@@ -31,6 +31,7 @@ from partitioner.plans.fingerprint import Fingerprint
 from partitioner.plans.plan_check import document_problems
 from partitioner.plans.signature import InputSignature
 from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.precision import precision_problem
 
 __all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
            "VERSION", "SHARD_KINDS"]
@@ -161,6 +162,8 @@ class Plan:
             first with its stage costs (``partitioner.planning.auto``; read by :meth:`explain` and
             ``partitioner.planning.simulate``).
         virtual_stages: model chunks per device ``v`` (the interleaved schedule's; else 1).
+        precision: ``"fp32"``, or ``"bf16"``/``"fp16"``: stages compute under autocast to
+            it, parameters and optimizer state stay fp32 (``partitioner.runtime.precision``).
     """
 
     strategy: str
@@ -179,6 +182,7 @@ class Plan:
     fingerprint: Fingerprint | None = None
     candidates: tuple[dict[str, Any], ...] = field(default=())
     virtual_stages: int = 1
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         v = self.virtual_stages
@@ -195,6 +199,9 @@ class Plan:
         if self.chunks < 1:
             problems.append(f"chunks={self.chunks}; it must be >= 1")
         unknown = checkpoint_problem(self.checkpoint)
+        if unknown is not None:
+            problems.append(unknown)
+        unknown = precision_problem(self.precision)
         if unknown is not None:
             problems.append(unknown)
         names = [name for s in self.stages for name in s.layers]
@@ -220,7 +227,7 @@ class Plan:
 
     def __hash__(self) -> int:
         return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint,
-                     self.schedule, self.virtual_stages))
+                     self.schedule, self.virtual_stages, self.precision))
 
     def explain(self) -> str:
         """The planner's ranked candidates and why this one won (``partitioner.planning.auto``)."""
@@ -252,6 +259,8 @@ class Plan:
         if self.virtual_stages > 1:
             summary += (f" ({self.virtual_stages} virtual stages on each of "
                         f"{len(self.devices)} devices)")
+        if self.precision != "fp32":
+            summary += f", precision={self.precision}"
         if self.mesh is not None and (self.mesh.dp, self.mesh.tp) != (1, 1):
             summary += f", mesh dp={self.mesh.dp} pp={self.mesh.pp} tp={self.mesh.tp}"
         if self.shard_specs:

@@ -29,12 +29,14 @@ from typing import Any
 from partitioner.plans.documents import unknown_keys
 from partitioner.plans.signature import entry_problems
 from partitioner.runtime.checkpointing import CHECKPOINT_MODES
+from partitioner.runtime.precision import PRECISIONS
 
 __all__ = ["document_problems", "TOP_KEYS", "STAGE_KEYS", "CAPTURES", "CHECKPOINTS"]
 
 TOP_KEYS = ("format", "version", "strategy", "devices", "stages", "chunks", "checkpoint",
             "schedule", "capture", "predicted_step_time", "predicted_bubble", "notes",
-            "candidates", "mesh", "shard_specs", "planner", "fingerprint", "virtual_stages")
+            "candidates", "mesh", "shard_specs", "planner", "fingerprint", "virtual_stages",
+            "precision")
 STAGE_KEYS = ("index", "device", "layers", "predicted_time", "predicted_memory",
               "param_bytes", "send_bytes")
 CAPTURES = ("fx", "export")
@@ -206,6 +208,7 @@ _FIELDS: dict[str, Check] = {
     "stages": _array(1, _STAGE, "stages"),
     "chunks": _integer(1),
     "virtual_stages": _integer(1),
+    "precision": _choice(PRECISIONS),
     "checkpoint": _choice(CHECKPOINTS),
     "schedule": _string("gpipe"),
     "capture": _choice(CAPTURES),

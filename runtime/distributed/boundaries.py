@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner.runtime.distributed.p2p import Boundary, BoundaryMismatchError
 from partitioner.runtime.distributed.transport import StageInterface
+from partitioner.runtime.precision import autocast
 
 __all__ = ["BoundaryPredictor"]
 
@@ -45,11 +46,13 @@ class BoundaryPredictor:
             shapes).
         stages: this rank's stage, or its virtual stages ``j, j + P, ...``.
         devices: where each stage's parameters live on this rank.
+        precision: the stages' autocast precision (it sets the dtypes that cross).
     """
 
     def __init__(self, graphs: Sequence[fx.GraphModule], stages: int | Sequence[int],
-                 devices: Sequence[torch.device]) -> None:
+                 devices: Sequence[torch.device], precision: str = "fp32") -> None:
         self.graphs = list(graphs)
+        self.precision = precision
         self.stages = [stages] if isinstance(stages, int) else list(stages)
         self.devices = list(devices)
         self._cache: dict[Any, dict[int, StageInterface]] = {}
@@ -77,7 +80,8 @@ class BoundaryPredictor:
                     lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor) else v, current)
                 gm = self.graphs[k]
                 try:
-                    out = type(gm).forward(gm, *current)
+                    with autocast(self.precision, device.type):
+                        out = type(gm).forward(gm, *current)
                 except Exception as error:
                     raise BoundaryMismatchError(
                         f"cannot predict what stage {k} sends on ({type(error).__name__}: "

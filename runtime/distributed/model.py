@@ -72,6 +72,7 @@ class RunSettings:
         virtual: virtual stages per rank (``"interleaved"``: 2 or more).
         optimizer_sharding: shard the optimizer state over the replicas (ZeRO-1,
             :mod:`~partitioner.runtime.distributed.zero`); needs ``dp >= 2``.
+        precision: ``"fp32"`` or ``"bf16"``: the stages' autocast (fp32 parameters).
     """
 
     schedule: str
@@ -83,6 +84,7 @@ class RunSettings:
     plan_record: Mapping[str, Any] = field(default_factory=dict)
     virtual: int = 1
     optimizer_sharding: bool = False
+    precision: str = "fp32"
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -150,11 +152,11 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     elif shape.dp > 1:
         reducer = GradReducer(list(held.parameters()), mesh.group("dp"),
                               settings.bucket_bytes, predivided=True)
-    runners = {k: StageRunner(k, gm, device, shard=mesh.shard if shards is not None else None)
-               for k, gm in stages.items()}
+    runners = {k: StageRunner(k, gm, device, shard=mesh.shard if shards is not None else None,
+                              precision=settings.precision) for k, gm in stages.items()}
     pipeline = DistributedPipeline(
         runners, n_stages=len(graphs), links=links,
-        interfaces=BoundaryPredictor(graphs, list(stages), devices),
+        interfaces=BoundaryPredictor(graphs, list(stages), devices, settings.precision),
         schedule=settings.schedule, chunks=settings.chunks, checkpoint=settings.checkpoint,
         restructure=restructure, reducer=reducer, tied=tied,
         dp_size=shape.dp, loss_rank=len(graphs) - 1 in stages and mesh.shard == 0,

@@ -195,7 +195,8 @@ class DistributedPipeline:
             head = LossHead(loss_fn, [to_device(t, self.device) for t in
                                       split_targets(targets, m, batch_size(values))],
                             loss_weights(micro, values, self.loss_reduction), self.restructure,
-                            training=training, grad_scale=self.grad_scale)
+                            training=training, grad_scale=self.grad_scale,
+                            upcast=self.runner.precision != "fp32")
         transport = P2PTransport(self.links, self.interfaces(micro), micro,
                                  n_stages=self.n_stages, device=self.device, training=training)
         for k, runner in self.runners.items():
