@@ -29,7 +29,7 @@ from partitioner.build import (
     build_replicas,
     build_tensor_parallel,
 )
-from partitioner.errors import DeviceError, ModelError, StrategyError
+from partitioner.errors import DeviceError, MeshError, ModelError, StrategyError
 from partitioner.planning.planner import plan_request, record, shardable_degrees
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.spec import Spec
@@ -53,7 +53,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...
+              memory_reserve: float | None = ..., mesh: Mesh | None = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -69,7 +69,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...) -> TensorParallelModule: ...
+              memory_reserve: float | None = ..., mesh: None = ...) -> TensorParallelModule: ...
 
 
 def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -82,7 +82,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               calibrate: bool = False,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
-              memory_reserve: float | None = None
+              memory_reserve: float | None = None, mesh: Mesh | None = None
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -125,6 +125,9 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             the most of 4, 3, 2 that leaves every chunk a layer; ``"auto"`` searches them).
         memory_reserve: the share of each device's memory (or of ``memory_limit``) plans
             leave unused, in ``[0, 1)``; default 0.10.
+        mesh: run exactly this :class:`~partitioner.plans.plan.Mesh` (``dp x pp x tp`` =
+            the devices; with ``strategy="auto"`` the rest is still searched); see
+            :func:`make_plan`.
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -136,6 +139,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         PartitionError: a subclass naming the offending value and a fix.
     """
     _check_model(model)
+    _check_mesh_alone(mesh, plan=plan, tensor_parallel=tensor_parallel)
     if tensor_parallel is not None:
         if plan is not None or calibrate:
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
@@ -156,7 +160,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, local=True, schedule=schedule,
-                               virtual_stages=virtual_stages, memory_reserve=memory_reserve)
+                               virtual_stages=virtual_stages, memory_reserve=memory_reserve,
+                               mesh=mesh)
     if plan is not None:
         analysis, made, request = resolve_plan(model, plan, request)
         return build_pipeline(model, analysis, made, request)
@@ -172,7 +177,8 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
               memory_limit: float | Sequence[float] | None = None,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
               calibrate: bool = False, schedule: str | None = None,
-              virtual_stages: int | None = None, memory_reserve: float | None = None) -> Plan:
+              virtual_stages: int | None = None, memory_reserve: float | None = None,
+              mesh: Mesh | None = None) -> Plan:
     """Plan like :func:`partition` without building the runtime (works on meta models).
 
     With ``plan=`` a hand-written spec is compiled (or a saved plan checked) for ``model``.
@@ -180,8 +186,24 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
     (``Cluster.preset("A100-80GB", nodes=4)``): ``"auto"`` then plans any mix of data,
     tensor and pipeline parallelism for it. On this machine's devices the plan is the one
     :func:`partition` would run (a tensor-parallel choice with its shard specs).
+
+    ``mesh=Mesh(dp=, pp=, tp=)`` costs that configuration: the plan has exactly that mesh
+    (the split, and the micro-batches, schedule and checkpoint mode unless given, still
+    optimised; ``example_inputs`` is the whole step's batch, split over the replicas), and
+    ``plan.explain()`` compares it with auto's best (``partitioner.planning.given_mesh``).
+
+    Example:
+        >>> import torch
+        >>> from partitioner import Cluster, Mesh
+        >>> model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        >>> x = torch.randn(64, 64)
+        >>> plan = make_plan(model, Cluster.preset("H100-SXM"), example_inputs=(x,),
+        ...                  mesh=Mesh(dp=2, pp=4, tp=1))
+        >>> plan.mesh, plan.planner.mesh == plan.mesh
+        (Mesh(dp=2, pp=4, tp=1), True)
     """
     _check_model(model)
+    _check_mesh_alone(mesh, plan=plan)
     if devices is None and plan is None:
         raise DeviceError("devices=None; pass the devices (or a Cluster) to plan for, e.g. "
                           "devices=['cpu', 'cpu'], or plan= a spec that names them")
@@ -190,7 +212,8 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                checkpoint=checkpoint, balance=balance,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, schedule=schedule,
-                               virtual_stages=virtual_stages, memory_reserve=memory_reserve)
+                               virtual_stages=virtual_stages, memory_reserve=memory_reserve,
+                               mesh=mesh)
     if plan is not None:
         return resolve_plan(model, plan, request)[1]
     analysis, made = _planned(model, request)
@@ -250,7 +273,7 @@ def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
                      notes=(*(n for n in setup.plan.notes if not n.startswith("chosen:")),
                             *(n for n in plan.notes if n.startswith("chosen:"))),
                      planner=replace(setup.plan.planner or PlannerInputs(),
-                                     strategy=request.strategy))
+                                     strategy=request.strategy, mesh=request.mesh))
     if mesh.dp == 1:
         return replace(setup, plan=chosen)
     chosen = replace(chosen, mesh=Mesh(mesh.dp, chosen.mesh.pp if chosen.mesh else mesh.pp,
@@ -266,6 +289,20 @@ def build(model: nn.Module, analysis: Analysis, routed: Plan | TensorParallelSet
     if isinstance(routed, TensorParallelSetup):
         return build_tensor_parallel(model, routed)
     return build_pipeline(model, analysis, routed, request)
+
+
+def _check_mesh_alone(mesh: Mesh | None, *, plan: object = None,
+                      tensor_parallel: object = None) -> None:
+    """Refuse ``mesh=`` beside an option that decides the mesh itself."""
+    if mesh is None:
+        return
+    if plan is not None:
+        raise MeshError(f"mesh={mesh} and plan= given: the plan names its own mesh; pass "
+                        "one of them")
+    if tensor_parallel is not None:
+        raise MeshError(f"mesh={mesh} and tensor_parallel={tensor_parallel!r} given; pass "
+                        f"mesh=Mesh(dp=..., pp=..., tp=n) to fix the degree, or "
+                        "tensor_parallel= alone (its rules need it)")
 
 
 def _check_model(model: object) -> None:

@@ -30,11 +30,14 @@ from partitioner.errors import (
     DeviceError,
     ExampleInputsError,
     MemoryLimitError,
+    MeshError,
     PartitionError,
     ScheduleError,
     StrategyError,
 )
+from partitioner.planning.given_mesh import mesh_problems
 from partitioner.planning.reserve import MEMORY_RESERVE, reserve_problem
+from partitioner.plans.plan import Mesh
 from partitioner.runtime.checkpointing import checkpoint_problem
 from partitioner.runtime.schedule_registry import name_problem, schedule_kind, schedule_names
 
@@ -67,6 +70,8 @@ class PlanRequest:
             chosen).
         memory_reserve: the share of each device's memory plans leave unused
             (``partitioner.planning.reserve``).
+        mesh: the data x pipeline x tensor mesh to plan exactly (``None``: chosen);
+            ``partitioner.planning.given_mesh``.
     """
 
     devices: tuple[torch.device, ...] = ()
@@ -83,6 +88,7 @@ class PlanRequest:
     schedule: str | None = None
     virtual_stages: int | None = None
     memory_reserve: float = MEMORY_RESERVE
+    mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -104,7 +110,7 @@ class PlanRequest:
             found.append((StrategyError, unknown))
         if not isinstance(self.calibrate, bool):
             found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
-        found += self._schedule_problems()
+        found += self._schedule_problems() + self._mesh_problems()
         reserve = reserve_problem(self.memory_reserve)
         if reserve is not None:
             found.append((MemoryLimitError, reserve))
@@ -118,6 +124,23 @@ class PlanRequest:
         if self.memory_limit is not None and n and len(self.memory_limit) != n:
             found.append((MemoryLimitError, f"memory_limit has {len(self.memory_limit)} entries "
                                             f"for {n} devices; pass one number or {n} of them"))
+        return found
+
+    def _mesh_problems(self) -> list[tuple[type[PartitionError], str]]:
+        """``mesh=`` a Mesh over all the devices, ``tp`` inside a node; a fixed split or
+        ``strategy="pipeline"`` (every device a stage) only with ``dp = tp = 1``."""
+        if self.mesh is None:
+            return []
+        per_node = self.cluster.devices_per_node if self.cluster is not None else None
+        found = [(MeshError, m) for m in mesh_problems(self.mesh, self.n_devices, per_node)]
+        if not found and isinstance(self.mesh, Mesh) and (self.mesh.dp, self.mesh.tp) != (1, 1) \
+                and (self.strategy != "auto" or self.fixes_split):
+            given = "balance=/split_points=" if self.fixes_split else \
+                f"strategy={self.strategy!r}"
+            found.append((MeshError, f"mesh={self.mesh} with {given}: that makes every device "
+                                     "a pipeline stage (dp = tp = 1); use strategy='auto' "
+                                     "without a fixed split to plan this mesh, or pass "
+                                     f"mesh=Mesh(pp={self.n_devices})"))
         return found
 
     def _schedule_problems(self) -> list[tuple[type[PartitionError], str]]:
@@ -155,7 +178,7 @@ class PlanRequest:
              memory_limit: float | Sequence[float] | None = None, calibrate: bool = False,
              local: bool = False, schedule: str | None = None,
              virtual_stages: int | None = None,
-             memory_reserve: float | None = None) -> PlanRequest:
+             memory_reserve: float | None = None, mesh: Mesh | None = None) -> PlanRequest:
         """A request from a public function's keywords (see :func:`partitioner.partition`).
 
         Args:
@@ -181,7 +204,7 @@ class PlanRequest:
                    checkpoint, _ints("balance", balance), _names(split_points),
                    _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
                    calibrate, schedule, virtual_stages,
-                   MEMORY_RESERVE if memory_reserve is None else memory_reserve)
+                   MEMORY_RESERVE if memory_reserve is None else memory_reserve, mesh)
 
     @property
     def n_devices(self) -> int:

@@ -36,11 +36,14 @@ from partitioner.errors import (
     BalanceError,
     ChunksError,
     MemoryLimitError,
+    MeshError,
+    PartitionError,
     ScheduleError,
     StageCountError,
     TensorParallelError,
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, records, search
+from partitioner.planning.given_mesh import FIXED_BY_CALLER, compared, mesh_refusal
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
@@ -56,7 +59,7 @@ from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import GPIPE, schedule_kind
 
-__all__ = ["pipeline_plan", "auto_plan", "plan_from", "plan_request", "record",
+__all__ = ["pipeline_plan", "auto_plan", "given_mesh_plan", "plan_from", "plan_request", "record",
            "default_virtual", "VIRTUAL_CHOICES", "tensor_parallel_plan", "shardable_degrees"]
 
 VIRTUAL_CHOICES = (4, 3, 2)
@@ -117,11 +120,13 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
     if cuts is None and request.strategy == "auto":
         if request.schedule is not None and cluster.is_local:
             _check_local_schedule(request.schedule)
-        plan = auto_plan(workload, analysis.layer_names, cluster, chunks=request.chunks,
-                         checkpoint=request.checkpoint, capacity=limit, capture=method,
-                         schedules=(request.schedule,) if request.schedule else None,
-                         virtual=request.virtual_stages, reserve=reserve,
-                         tp_degrees=tp_degrees)
+        options: dict[str, Any] = dict(
+            chunks=request.chunks, checkpoint=request.checkpoint, capacity=limit,
+            capture=method, schedules=(request.schedule,) if request.schedule else None,
+            virtual=request.virtual_stages, reserve=reserve, tp_degrees=tp_degrees)
+        plan = auto_plan(workload, analysis.layer_names, cluster, **options) \
+            if request.mesh is None else \
+            given_mesh_plan(workload, analysis.layer_names, cluster, request.mesh, **options)
     else:
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
@@ -132,6 +137,30 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                              boundaries=cuts, capacity=limit, capture=method,
                              schedule=schedule, virtual=virtual, reserve=reserve)
     return _check_host_memory(plan, cluster)
+
+
+def given_mesh_plan(workload: Workload, names: Sequence[str], cluster: Cluster, mesh: Mesh,
+                    **options: Any) -> Plan:
+    """The plan of exactly ``mesh`` (the rest still searched), with auto's best recorded
+    beside it (``partitioner.planning.given_mesh``).
+
+    Args:
+        options: :func:`auto_plan`'s keywords; ``chunks``, ``checkpoint``, ``schedules``
+            and ``virtual`` fix those choices for the mesh only (auto's best searches them).
+
+    Raises:
+        MeshError: no configuration of the mesh exists for the model (or runs here).
+    """
+    why = mesh_refusal(workload, cluster, mesh, **options)
+    if why is not None:
+        raise MeshError(why)
+    given = auto_plan(workload, names, cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, **options)
+    free = {k: v for k, v in options.items() if k not in FIXED_BY_CALLER}
+    try:
+        best: Plan | None = auto_plan(workload, names, cluster, **free)
+    except PartitionError:
+        best = None  # not reachable while the mesh fits; the comparison then says so
+    return compared(given, best, mesh)
 
 
 def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
@@ -290,7 +319,7 @@ def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanReques
                            request.memory_limit, _describe(request.example_inputs),
                            spec.source if spec is not None else None,
                            describe(request.example_inputs, request.example_kwargs),
-                           request.memory_reserve)
+                           request.memory_reserve, request.mesh)
     return replace(plan, stages=stages, planner=inputs, fingerprint=fingerprint(model))
 
 
@@ -395,7 +424,7 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
               schedules: Sequence[str] | None = None, virtual: int | None = None,
               tp: int | None = None, pp: int | None = None, reserve: float = MEMORY_RESERVE,
               devices: Sequence[str] | None = None,
-              tp_degrees: Sequence[int] | None = None) -> Plan:
+              tp_degrees: Sequence[int] | None = None, dp: int | None = None) -> Plan:
     """The fastest fitting configuration :func:`partitioner.planning.auto.search` finds, as a plan.
 
     On this machine's devices only configurations the runtimes can execute are chosen.
@@ -406,7 +435,7 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     Args:
         capacity: bytes of each device (default: its memory); plans use ``1 - reserve``
             of it (``partitioner.planning.reserve``).
-        schedules, virtual, tp, pp: fix those choices (see ``search``).
+        schedules, virtual, dp, tp, pp: fix those choices (see ``search``).
         tp_degrees: the tensor-parallel degrees the model's layers divide by.
         devices: the pipeline devices' names in the plan (default: the cluster's).
     """
@@ -414,7 +443,7 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
                     optimizer=optimizer, budget=budget,
                     capacity=usable_memory(memory, reserve), schedules=schedules,
-                    virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees)
+                    virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees, dp=dp)
     made = records(result, cluster)
     why = next(line for line in explain(made).splitlines() if line.startswith("chosen:"))
     notes = (*workload.notes, describe_reserve(memory, reserve), why)
