@@ -31,10 +31,11 @@ from partitioner.planning.auto import (
     executable,
     workload_tp_degrees,
 )
-from partitioner.plans.explain import given_mesh_line
+from partitioner.plans.explain import format_seconds, given_mesh_line
 from partitioner.plans.plan import Mesh, Plan
 
-__all__ = ["mesh_problems", "mesh_refusal", "compared", "FIXED_BY_CALLER"]
+__all__ = ["mesh_problems", "mesh_refusal", "compared", "unfit_mesh_message",
+           "FIXED_BY_CALLER"]
 
 FIXED_BY_CALLER = ("chunks", "checkpoint", "schedules", "virtual")
 """The search options a caller may fix beside the mesh; auto's best searches them too."""
@@ -143,6 +144,19 @@ def compared(given: Plan, best: Plan | None, mesh: Mesh) -> Plan:
     line = given_mesh_line(first)
     notes = (*given.notes, line) if line else given.notes
     return replace(given, candidates=(first, *given.candidates[1:]), notes=notes)
+
+
+def unfit_mesh_message(mesh: Mesh, reason: str, best: Plan | None) -> str:
+    """Why ``mesh`` does not fit memory (the search's ``reason``), and what auto found that
+    does (``best``), as the fix."""
+    text = f"mesh={mesh} does not fit memory: {reason}"
+    record = best.candidates[0] if best is not None and best.candidates else None
+    if record is None:
+        return text + "; no other mesh fits either: use more or larger devices"
+    return (text + f"; auto's best that fits is {record['label']}, predicted "
+            f"{format_seconds(record['step_time'])} per step: pass "
+            f"mesh=Mesh(dp={record['config']['dp']}, pp={record['config']['pp']}, "
+            f"tp={record['config']['tp']}), or a smaller memory_reserve=")
 
 
 def _summary(best: Plan) -> dict[str, Any] | None:

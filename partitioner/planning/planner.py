@@ -43,7 +43,12 @@ from partitioner.errors import (
     TensorParallelError,
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, records, search
-from partitioner.planning.given_mesh import FIXED_BY_CALLER, compared, mesh_refusal
+from partitioner.planning.given_mesh import (
+    FIXED_BY_CALLER,
+    compared,
+    mesh_refusal,
+    unfit_mesh_message,
+)
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
@@ -154,13 +159,24 @@ def given_mesh_plan(workload: Workload, names: Sequence[str], cluster: Cluster, 
     why = mesh_refusal(workload, cluster, mesh, **options)
     if why is not None:
         raise MeshError(why)
-    given = auto_plan(workload, names, cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, **options)
     free = {k: v for k, v in options.items() if k not in FIXED_BY_CALLER}
     try:
-        best: Plan | None = auto_plan(workload, names, cluster, **free)
+        given = auto_plan(workload, names, cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
+                          **options)
+    except MemoryLimitError as error:
+        raise MemoryLimitError(unfit_mesh_message(mesh, str(error),
+                                                  _best_or_none(workload, names, cluster,
+                                                                free))) from error
+    return compared(given, _best_or_none(workload, names, cluster, free), mesh)
+
+
+def _best_or_none(workload: Workload, names: Sequence[str], cluster: Cluster,
+                  options: dict[str, Any]) -> Plan | None:
+    """Auto's best plan, or ``None`` when nothing fits (the comparison then says so)."""
+    try:
+        return auto_plan(workload, names, cluster, **options)
     except PartitionError:
-        best = None  # not reachable while the mesh fits; the comparison then says so
-    return compared(given, best, mesh)
+        return None
 
 
 def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
