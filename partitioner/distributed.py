@@ -48,6 +48,7 @@ from partitioner.errors import ScheduleError, StageCountError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
+from partitioner.planning.given_mesh import mesh_degrees
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.world import Degrees
@@ -91,7 +92,7 @@ def partition_distributed(
         backend: str | None = None, strategy: str | None = None,
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
-        virtual_stages: int | None = None) -> DistributedModel:
+        virtual_stages: int | None = None, mesh: PlanMesh | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -143,6 +144,8 @@ def partition_distributed(
         virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``): the model
             is cut into ``pp * v`` stages, rank ``j`` runs stages ``j, j + pp, ...``
             (default: the plan's, else 1).
+        mesh: ``Mesh(dp=, pp=, tp=)``, the same as passing ``dp=``, ``pp=`` and ``tp=``
+            (refused beside ones that disagree).
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -155,6 +158,7 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
+    pp, dp, tp = mesh_degrees(mesh, pp=pp, dp=dp, tp=tp)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
@@ -225,21 +229,21 @@ def partition_distributed(
         mesh=PlanMesh(shape.dp, len(here), shape.tp)))
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
                            int(bucket_mb * 2**20), seed, made.to_dict(), virtual)
-    mesh = Mesh(shape)
+    ranks = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     if virtual > 1:
-        stages = {k: _rank_stage(graphs[k], model, None, mesh, info.device)[0]
-                  for k in range(mesh.stage, len(graphs), shape.pp)}
+        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device)[0]
+                  for k in range(ranks.stage, len(graphs), shape.pp)}
         shards = None
     else:
-        stage, shards = _rank_stage(graphs[mesh.stage], model, shard_plan, mesh, info.device)
-        stages = {mesh.stage: stage}
+        stage, shards = _rank_stage(graphs[ranks.stage], model, shard_plan, ranks, info.device)
+        stages = {ranks.stage: stage}
     if fuse_weight_grads:
         for graph in stages.values():
             fuse_linear_grads(graph)
     captured = analysis.captured
-    return assemble(model, made, graphs, stages if virtual > 1 else stages[mesh.stage],
-                    mesh, info.device, settings,
+    return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
+                    ranks, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
 

@@ -132,7 +132,8 @@ class PlanRequest:
         if self.mesh is None:
             return []
         per_node = self.cluster.devices_per_node if self.cluster is not None else None
-        found = [(MeshError, m) for m in mesh_problems(self.mesh, self.n_devices, per_node)]
+        found: list[tuple[type[PartitionError], str]] = [
+            (MeshError, m) for m in mesh_problems(self.mesh, self.n_devices, per_node)]
         if not found and isinstance(self.mesh, Mesh) and (self.mesh.dp, self.mesh.tp) != (1, 1) \
                 and (self.strategy != "auto" or self.fixes_split):
             given = "balance=/split_points=" if self.fixes_split else \

@@ -25,6 +25,7 @@ from typing import Any
 
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
+from partitioner.errors import MeshError
 from partitioner.planning.auto import (
     LOCAL_RUNTIME,
     configurations,
@@ -34,7 +35,7 @@ from partitioner.planning.auto import (
 from partitioner.plans.explain import format_seconds, given_mesh_line
 from partitioner.plans.plan import Mesh, Plan
 
-__all__ = ["mesh_problems", "mesh_refusal", "compared", "unfit_mesh_message",
+__all__ = ["mesh_problems", "mesh_refusal", "compared", "unfit_mesh_message", "mesh_degrees",
            "FIXED_BY_CALLER"]
 
 FIXED_BY_CALLER = ("chunks", "checkpoint", "schedules", "virtual")
@@ -65,6 +66,28 @@ def mesh_problems(mesh: object, n_devices: int, devices_per_node: int | None) ->
                      "devices: tensor parallelism stays inside a node; pass tp dividing "
                      f"{devices_per_node}")
     return found
+
+
+def mesh_degrees(mesh: Mesh | None, **degrees: int | None) -> tuple[int | None, ...]:
+    """``(pp, dp, tp)`` from ``mesh=`` and ``pp=``/``dp=``/``tp=`` given beside it
+    (``partition_distributed``'s sugar): the mesh's, when the others agree or are absent.
+
+    Example:
+        >>> mesh_degrees(Mesh(dp=2, pp=4), pp=4, dp=None, tp=None)
+        (4, 2, 1)
+
+    Raises:
+        MeshError: ``mesh`` is not a Mesh, or a degree given beside it disagrees.
+    """
+    if mesh is None:
+        return tuple(degrees.get(k) for k in ("pp", "dp", "tp"))
+    if not isinstance(mesh, Mesh):
+        raise MeshError(mesh_problems(mesh, 0, None)[0])
+    clash = [f"{k}={v}" for k, v in degrees.items() if v is not None and v != getattr(mesh, k)]
+    if clash:
+        raise MeshError(f"mesh={mesh} but {', '.join(clash)} given; pass the degrees once, "
+                        "in mesh= or as pp=/dp=/tp=")
+    return mesh.pp, mesh.dp, mesh.tp
 
 
 def mesh_refusal(workload: Workload, cluster: Cluster, mesh: Mesh, *,

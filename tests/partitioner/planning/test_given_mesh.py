@@ -217,3 +217,15 @@ def test_llama3_405b_shape_on_1024_h100_nodes_with_the_papers_mesh() -> None:
 
 def test_errors_are_partition_errors() -> None:
     assert issubclass(MeshError, PartitionError) and issubclass(MeshError, ValueError)
+
+
+def test_partition_distributed_mesh_is_its_degrees() -> None:
+    from partitioner import partition_distributed
+    from partitioner.planning.given_mesh import mesh_degrees
+
+    assert mesh_degrees(Mesh(dp=2, pp=4), pp=4, dp=None, tp=None) == (4, 2, 1)
+    assert mesh_degrees(None, pp=3, dp=None, tp=2) == (3, None, 2)
+    # Refused before torch.distributed starts: no process group is needed to see it.
+    with pytest.raises(MeshError, match=r"mesh=Mesh\(dp=2, pp=4, tp=1\) but pp=2 given; pass "
+                                        "the degrees once"):
+        partition_distributed(_deep(), (torch.randn(8, 64),), mesh=Mesh(dp=2, pp=4), pp=2)
