@@ -10,6 +10,7 @@ import pytest
 import torch
 from models import grads_match, mlp
 from torch import nn
+from tp_models import mlp_pair
 
 from partitioner import Cluster, Mesh, make_plan, partition
 from partitioner.cost.transformer_model import GPTShape, LlamaShape, gpt_workload, llama_workload
@@ -171,6 +172,37 @@ def test_partition_runs_the_mesh_and_equals_the_model() -> None:
     finally:
         pm.close()
     grads_match(model, reference)
+
+
+def test_partition_runs_a_tensor_parallel_mesh_with_replicas_and_trains_alike() -> None:
+    model = nn.Sequential(mlp_pair(), nn.Tanh(), mlp_pair()).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    y = torch.randn(8, 16, dtype=torch.float64)
+    pm = partition(model, ["cpu"] * 4, example_inputs=(x,), mesh=Mesh(dp=2, tp=2))
+    try:
+        assert isinstance(pm, ReplicatedModule) and pm.plan.mesh == Mesh(dp=2, pp=1, tp=2)
+        assert pm.plan.shard_specs and pm.plan.planner is not None
+        assert pm.plan.planner.mesh == Mesh(dp=2, tp=2)
+        assert "given mesh dp=2 pp=1 tp=2" in pm.plan.explain()
+        losses = [_sgd_step(pm, x, y) for _ in range(2)]
+        state = pm.state_dict()
+    finally:
+        pm.close()
+    assert losses == pytest.approx([_sgd_step(reference, x, y) for _ in range(2)], abs=1e-10)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value)
+
+
+def _sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    for p in model.parameters():
+        p.grad = None
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    return loss.item()
 
 
 def test_llama_on_the_meta_device_plans_the_mesh() -> None:
