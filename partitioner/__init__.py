@@ -27,14 +27,14 @@ if TYPE_CHECKING:
     from partitioner.errors import PartitionError
     from partitioner.passes.flatten_sequential import flatten_sequential
     from partitioner.planning.simulate import simulate
-    from partitioner.plans.plan import Plan, Stage
+    from partitioner.plans.plan import Mesh, Plan, Stage
     from partitioner.plans.spec import Spec
     from partitioner.tensor_parallel import parallelize
     from partitioner.viz import visualize
 
 __all__ = ["partition", "make_plan", "Plan", "Stage", "PartitionError", "TraceError",
            "flatten_sequential", "visualize", "load_plan", "Spec", "partition_distributed",
-           "DistributedModel", "parallelize", "simulate", "Cluster", "DeviceSpec"]
+           "DistributedModel", "parallelize", "simulate", "Cluster", "DeviceSpec", "Mesh"]
 
 _WHERE = {
     "partition": "partitioner.api",
@@ -53,6 +53,7 @@ _WHERE = {
     "simulate": "partitioner.planning.simulate",
     "Cluster": "partitioner.cost.devices",
     "DeviceSpec": "partitioner.cost.devices",
+    "Mesh": "partitioner.plans.plan",
 }
 
 

@@ -29,7 +29,7 @@ from partitioner.build import (
     build_replicas,
     build_tensor_parallel,
 )
-from partitioner.errors import DeviceError, ModelError, PrecisionError, StrategyError
+from partitioner.errors import DeviceError, MeshError, ModelError, PrecisionError, StrategyError
 from partitioner.planning.planner import plan_request, record, shardable_degrees
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.precision import planned_precision
@@ -56,7 +56,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
-              loss_scale: float | str | None = ...
+              loss_scale: float | str | None = ..., mesh: Mesh | None = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -73,7 +73,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
-              loss_scale: float | str | None = ...) -> TensorParallelModule: ...
+              loss_scale: float | str | None = ..., mesh: None = ...
+              ) -> TensorParallelModule: ...
 
 
 def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -87,7 +88,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
               memory_reserve: float | None = None, precision: str | None = None,
-              loss_scale: float | str | None = None
+              loss_scale: float | str | None = None, mesh: Mesh | None = None
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -139,6 +140,9 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         loss_scale: fp16 only, and needed there: ``"dynamic"`` or a fixed float.
             ``pm.step`` scales the gradients by ``pm.scaler.scale``; step the optimizer with
             ``pm.scaler.step(optimizer)`` then ``pm.scaler.update()``.
+        mesh: run exactly this :class:`~partitioner.plans.plan.Mesh` (``dp x pp x tp`` =
+            the devices; with ``strategy="auto"`` the rest is still searched); see
+            :func:`make_plan`.
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -152,6 +156,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
     _check_model(model)
     check_precision("fp32" if precision is None else precision, loss_scale,
                     scaled=plan is None or precision is not None)
+    _check_mesh_alone(mesh, plan=plan, tensor_parallel=tensor_parallel)
     if tensor_parallel is not None:
         if precision not in (None, "fp32"):
             raise PrecisionError(f"precision={precision!r} with tensor_parallel=: the "
@@ -178,7 +183,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, local=True, schedule=schedule,
                                virtual_stages=virtual_stages, memory_reserve=memory_reserve,
-                               precision=precision, loss_scale=loss_scale)
+                               precision=precision, loss_scale=loss_scale, mesh=mesh)
     if plan is not None:
         analysis, made, request = resolve_plan(model, plan, request)
         made = planned_precision(made, precision)
@@ -198,7 +203,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
               calibrate: bool = False, schedule: str | None = None,
               virtual_stages: int | None = None, memory_reserve: float | None = None,
-              precision: str | None = None) -> Plan:
+              precision: str | None = None, mesh: Mesh | None = None) -> Plan:
     """Plan like :func:`partition` without building the runtime (works on meta models).
 
     With ``plan=`` a hand-written spec is compiled (or a saved plan checked) for ``model``.
@@ -209,8 +214,24 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
     ``precision="bf16"`` (or ``"fp16"``) costs the model, built in fp32, as mixed precision
     runs it (bf16 throughput, 2-byte activations, fp32 weights and optimizer state) and
     records it in the plan.
+
+    ``mesh=Mesh(dp=, pp=, tp=)`` costs that configuration: the plan has exactly that mesh
+    (the split, and the micro-batches, schedule and checkpoint mode unless given, still
+    optimised; ``example_inputs`` is the whole step's batch, split over the replicas), and
+    ``plan.explain()`` compares it with auto's best (``partitioner.planning.given_mesh``).
+
+    Example:
+        >>> import torch
+        >>> from partitioner import Cluster, Mesh
+        >>> model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        >>> x = torch.randn(64, 64)
+        >>> plan = make_plan(model, Cluster.preset("H100-SXM"), example_inputs=(x,),
+        ...                  mesh=Mesh(dp=2, pp=4, tp=1))
+        >>> plan.mesh, plan.planner.mesh == plan.mesh
+        (Mesh(dp=2, pp=4, tp=1), True)
     """
     _check_model(model)
+    _check_mesh_alone(mesh, plan=plan)
     if devices is None and plan is None:
         raise DeviceError("devices=None; pass the devices (or a Cluster) to plan for, e.g. "
                           "devices=['cpu', 'cpu'], or plan= a spec that names them")
@@ -220,7 +241,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, schedule=schedule,
                                virtual_stages=virtual_stages, memory_reserve=memory_reserve,
-                               precision=precision)
+                               precision=precision, mesh=mesh)
     if plan is not None:
         return planned_precision(resolve_plan(model, plan, request)[1], precision)
     analysis, made = _planned(model, request)
@@ -280,7 +301,7 @@ def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
                      notes=(*(n for n in setup.plan.notes if not n.startswith("chosen:")),
                             *(n for n in plan.notes if n.startswith("chosen:"))),
                      planner=replace(setup.plan.planner or PlannerInputs(),
-                                     strategy=request.strategy))
+                                     strategy=request.strategy, mesh=request.mesh))
     if mesh.dp == 1:
         return replace(setup, plan=chosen)
     chosen = replace(chosen, mesh=Mesh(mesh.dp, chosen.mesh.pp if chosen.mesh else mesh.pp,
@@ -296,6 +317,20 @@ def build(model: nn.Module, analysis: Analysis, routed: Plan | TensorParallelSet
     if isinstance(routed, TensorParallelSetup):
         return build_tensor_parallel(model, routed)
     return build_pipeline(model, analysis, routed, request)
+
+
+def _check_mesh_alone(mesh: Mesh | None, *, plan: object = None,
+                      tensor_parallel: object = None) -> None:
+    """Refuse ``mesh=`` beside an option that decides the mesh itself."""
+    if mesh is None:
+        return
+    if plan is not None:
+        raise MeshError(f"mesh={mesh} and plan= given: the plan names its own mesh; pass "
+                        "one of them")
+    if tensor_parallel is not None:
+        raise MeshError(f"mesh={mesh} and tensor_parallel={tensor_parallel!r} given; pass "
+                        f"mesh=Mesh(dp=..., pp=..., tp=n) to fix the degree, or "
+                        "tensor_parallel= alone (its rules need it)")
 
 
 def _check_model(model: object) -> None:

@@ -48,6 +48,7 @@ from partitioner.errors import ScheduleError, StageCountError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
+from partitioner.planning.given_mesh import mesh_degrees
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.world import Degrees
@@ -95,7 +96,8 @@ def partition_distributed(
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
         virtual_stages: int | None = None,
-        optimizer_sharding: bool = False, precision: str | None = None) -> DistributedModel:
+        optimizer_sharding: bool = False, precision: str | None = None,
+        mesh: PlanMesh | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -156,6 +158,8 @@ def partition_distributed(
             state stay fp32, the loss is computed in fp32; the plan records it and the
             planner costs it (``partitioner.runtime.precision``). ``"fp16"`` (which needs
             loss scaling) is not run across processes yet.
+        mesh: ``Mesh(dp=, pp=, tp=)``, the same as passing ``dp=``, ``pp=`` and ``tp=``
+            (refused beside ones that disagree).
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -169,6 +173,7 @@ def partition_distributed(
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
     check_sharding(optimizer_sharding, None)
+    pp, dp, tp = mesh_degrees(mesh, pp=pp, dp=dp, tp=tp)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     precision = distributed_precision(model, given, precision)
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
@@ -245,21 +250,21 @@ def partition_distributed(
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
                            int(bucket_mb * 2**20), seed, made.to_dict(), virtual,
                            optimizer_sharding, precision)
-    mesh = Mesh(shape)
+    ranks = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     if virtual > 1:
-        stages = {k: _rank_stage(graphs[k], model, None, mesh, info.device)[0]
-                  for k in range(mesh.stage, len(graphs), shape.pp)}
+        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device)[0]
+                  for k in range(ranks.stage, len(graphs), shape.pp)}
         shards = None
     else:
-        stage, shards = _rank_stage(graphs[mesh.stage], model, shard_plan, mesh, info.device)
-        stages = {mesh.stage: stage}
+        stage, shards = _rank_stage(graphs[ranks.stage], model, shard_plan, ranks, info.device)
+        stages = {ranks.stage: stage}
     if fuse_weight_grads:
         for graph in stages.values():
             fuse_linear_grads(graph)
     captured = analysis.captured
-    return assemble(model, made, graphs, stages if virtual > 1 else stages[mesh.stage],
-                    mesh, info.device, settings,
+    return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
+                    ranks, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
 

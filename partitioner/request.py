@@ -30,12 +30,15 @@ from partitioner.errors import (
     DeviceError,
     ExampleInputsError,
     MemoryLimitError,
+    MeshError,
     PartitionError,
     PrecisionError,
     ScheduleError,
     StrategyError,
 )
+from partitioner.planning.given_mesh import mesh_problems
 from partitioner.planning.reserve import MEMORY_RESERVE, reserve_problem
+from partitioner.plans.plan import Mesh
 from partitioner.runtime.checkpointing import checkpoint_problem
 from partitioner.runtime.precision import loss_scale_problem, precision_problem
 from partitioner.runtime.schedule_registry import name_problem, schedule_kind, schedule_names
@@ -71,6 +74,8 @@ class PlanRequest:
             (``partitioner.planning.reserve``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``partitioner.runtime.precision``).
         loss_scale: fp16's loss scaling, ``"dynamic"`` or a float (``None`` otherwise).
+        mesh: the data x pipeline x tensor mesh to plan exactly (``None``: chosen);
+            ``partitioner.planning.given_mesh``.
     """
 
     devices: tuple[torch.device, ...] = ()
@@ -89,6 +94,7 @@ class PlanRequest:
     memory_reserve: float = MEMORY_RESERVE
     precision: str = "fp32"
     loss_scale: float | str | None = None
+    mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -110,7 +116,7 @@ class PlanRequest:
             found.append((StrategyError, unknown))
         if not isinstance(self.calibrate, bool):
             found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
-        found += self._schedule_problems()
+        found += self._schedule_problems() + self._mesh_problems()
         reserve = reserve_problem(self.memory_reserve)
         if reserve is not None:
             found.append((MemoryLimitError, reserve))
@@ -129,6 +135,24 @@ class PlanRequest:
         if self.memory_limit is not None and n and len(self.memory_limit) != n:
             found.append((MemoryLimitError, f"memory_limit has {len(self.memory_limit)} entries "
                                             f"for {n} devices; pass one number or {n} of them"))
+        return found
+
+    def _mesh_problems(self) -> list[tuple[type[PartitionError], str]]:
+        """``mesh=`` a Mesh over all the devices, ``tp`` inside a node; a fixed split or
+        ``strategy="pipeline"`` (every device a stage) only with ``dp = tp = 1``."""
+        if self.mesh is None:
+            return []
+        per_node = self.cluster.devices_per_node if self.cluster is not None else None
+        found: list[tuple[type[PartitionError], str]] = [
+            (MeshError, m) for m in mesh_problems(self.mesh, self.n_devices, per_node)]
+        if not found and isinstance(self.mesh, Mesh) and (self.mesh.dp, self.mesh.tp) != (1, 1) \
+                and (self.strategy != "auto" or self.fixes_split):
+            given = "balance=/split_points=" if self.fixes_split else \
+                f"strategy={self.strategy!r}"
+            found.append((MeshError, f"mesh={self.mesh} with {given}: that makes every device "
+                                     "a pipeline stage (dp = tp = 1); use strategy='auto' "
+                                     "without a fixed split to plan this mesh, or pass "
+                                     f"mesh=Mesh(pp={self.n_devices})"))
         return found
 
     def _schedule_problems(self) -> list[tuple[type[PartitionError], str]]:
@@ -167,7 +191,8 @@ class PlanRequest:
              local: bool = False, schedule: str | None = None,
              virtual_stages: int | None = None,
              memory_reserve: float | None = None, precision: str | None = None,
-             loss_scale: float | str | None = None) -> PlanRequest:
+             loss_scale: float | str | None = None, mesh: Mesh | None = None
+             ) -> PlanRequest:
         """A request from a public function's keywords (see :func:`partitioner.partition`).
 
         Args:
@@ -194,7 +219,7 @@ class PlanRequest:
                    _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
                    calibrate, schedule, virtual_stages,
                    MEMORY_RESERVE if memory_reserve is None else memory_reserve,
-                   "fp32" if precision is None else precision, loss_scale)
+                   "fp32" if precision is None else precision, loss_scale, mesh)
 
     @property
     def n_devices(self) -> int:

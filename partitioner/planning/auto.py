@@ -196,14 +196,16 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
                    tp: int | None = None, pp: int | None = None,
                    virtual: int | None = None,
                    tp_degrees: Sequence[int] | None = None,
-                   optimizer_sharding: bool | None = False) -> Iterator[Config]:
+                   optimizer_sharding: bool | None = False,
+                   dp: int | None = None) -> Iterator[Config]:
     """Every configuration the search considers, in a fixed order.
 
     ``optimizer_sharding``: ``None`` tries each ``dp > 1`` configuration both plain and with
     the optimizer state sharded over its replicas (plain first: sharding only costs time);
     ``True`` or ``False`` fixes it (``True`` keeps ``dp > 1`` only).
 
-    ``chunks``, ``checkpoint``, ``tp``, ``pp`` and ``virtual`` fix those choices when given;
+    ``chunks``, ``checkpoint``, ``dp``, ``tp``, ``pp`` and ``virtual`` fix those choices when
+    given;
     micro-batches split the batch evenly (``chunks`` divides each replica's batch) and stay
     at 1 when the workload is not micro-batch safe (batch norm) unless ``chunks`` is given.
     ``tp_degrees`` lists the degrees > 1 the model's split dimensions divide by (default:
@@ -219,10 +221,12 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
         tps = [tp] if n % tp == 0 else []
     names = tuple(schedules) if schedules is not None else tuple(SCHEDULES)
     modes = (checkpoint,) if checkpoint is not None else CHECKPOINT_ORDER
+    replicas = dp  # the loop's dp is each configuration's
     for t in tps:
         for p in _divisors(n // t):
             dp = n // (t * p)
-            if p > layers or workload.batch % dp or (pp is not None and p != pp):
+            if p > layers or workload.batch % dp or (pp is not None and p != pp) \
+                    or (replicas is not None and dp != replicas):
                 continue
             if dp > 1 and not workload.microbatch_safe:
                 continue  # replicas split the batch as micro-batches do
@@ -323,7 +327,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
            keep: int = 10, tp: int | None = None, pp: int | None = None,
            virtual: int | None = None,
            tp_degrees: Sequence[int] | None = None,
-           optimizer_sharding: bool | None = False) -> SearchResult:
+           optimizer_sharding: bool | None = False,
+           dp: int | None = None) -> SearchResult:
     """The fastest configuration of ``workload`` on ``cluster`` that fits.
 
     Args:
@@ -348,6 +353,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
         tp_degrees: the tensor-parallel degrees the model's layers divide by.
         optimizer_sharding: ``None``: try sharding the optimizer state when ``dp > 1``
             (ZeRO-1, runtimes whose ``support`` has it); ``True``/``False``: fix it.
+        dp: fix the data-parallel replicas.
 
     Returns:
         The :class:`SearchResult`.
@@ -367,7 +373,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
                                   overlap_grad_reduce=overlap_grad_reduce,
                                   overlap_p2p=overlap_p2p, tp=tp, pp=pp, virtual=virtual,
                                   tp_degrees=tp_degrees,
-                                  optimizer_sharding=optimizer_sharding))
+                                  optimizer_sharding=optimizer_sharding, dp=dp))
     queue, excluded, not_executable = [], [], 0
     for c in configs:
         why = executable(c, cluster, support) if local_only else None

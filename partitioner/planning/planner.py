@@ -37,11 +37,20 @@ from partitioner.errors import (
     BalanceError,
     ChunksError,
     MemoryLimitError,
+    MeshError,
+    PartitionError,
+    PrecisionError,
     ScheduleError,
     StageCountError,
     TensorParallelError,
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, records, search
+from partitioner.planning.given_mesh import (
+    FIXED_BY_CALLER,
+    compared,
+    mesh_refusal,
+    unfit_mesh_message,
+)
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
@@ -57,7 +66,7 @@ from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import GPIPE, schedule_kind
 
-__all__ = ["pipeline_plan", "auto_plan", "plan_from", "plan_request", "record",
+__all__ = ["pipeline_plan", "auto_plan", "given_mesh_plan", "plan_from", "plan_request", "record",
            "default_virtual", "VIRTUAL_CHOICES", "tensor_parallel_plan", "shardable_degrees"]
 
 VIRTUAL_CHOICES = (4, 3, 2)
@@ -119,11 +128,22 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
         if request.schedule is not None and cluster.is_local:
             _check_local_schedule(request.schedule)
         pipeline_only = _precision_limits(request, cluster)
-        plan = auto_plan(workload, analysis.layer_names, cluster, chunks=request.chunks,
-                         checkpoint=request.checkpoint, capacity=limit, capture=method,
-                         schedules=(request.schedule,) if request.schedule else None,
-                         virtual=request.virtual_stages, reserve=reserve,
-                         tp_degrees=tp_degrees, pp=pipeline_only, tp=1 if pipeline_only else None)
+        options: dict[str, Any] = dict(
+            chunks=request.chunks, checkpoint=request.checkpoint, capacity=limit,
+            capture=method, schedules=(request.schedule,) if request.schedule else None,
+            virtual=request.virtual_stages, reserve=reserve, tp_degrees=tp_degrees)
+        if request.mesh is None:
+            if pipeline_only:
+                options.update(pp=pipeline_only, tp=1)
+            plan = auto_plan(workload, analysis.layer_names, cluster, **options)
+        else:
+            if pipeline_only and (request.mesh.dp, request.mesh.tp) != (1, 1):
+                raise PrecisionError(
+                    f"precision={request.precision!r} with mesh={request.mesh}: mixed "
+                    "precision runs on this machine's pipeline runtime only; pass a mesh "
+                    "with dp=1 and tp=1, or precision='fp32'")
+            plan = given_mesh_plan(workload, analysis.layer_names, cluster, request.mesh,
+                                   **options)
     else:
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
@@ -143,6 +163,41 @@ def _precision_limits(request: PlanRequest, cluster: Cluster) -> int | None:
     if request.precision == "fp32" or not cluster.is_local:
         return None
     return cluster.size
+
+
+def given_mesh_plan(workload: Workload, names: Sequence[str], cluster: Cluster, mesh: Mesh,
+                    **options: Any) -> Plan:
+    """The plan of exactly ``mesh`` (the rest still searched), with auto's best recorded
+    beside it (``partitioner.planning.given_mesh``).
+
+    Args:
+        options: :func:`auto_plan`'s keywords; ``chunks``, ``checkpoint``, ``schedules``
+            and ``virtual`` fix those choices for the mesh only (auto's best searches them).
+
+    Raises:
+        MeshError: no configuration of the mesh exists for the model (or runs here).
+    """
+    why = mesh_refusal(workload, cluster, mesh, **options)
+    if why is not None:
+        raise MeshError(why)
+    free = {k: v for k, v in options.items() if k not in FIXED_BY_CALLER}
+    try:
+        given = auto_plan(workload, names, cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
+                          **options)
+    except MemoryLimitError as error:
+        raise MemoryLimitError(unfit_mesh_message(mesh, str(error),
+                                                  _best_or_none(workload, names, cluster,
+                                                                free))) from error
+    return compared(given, _best_or_none(workload, names, cluster, free), mesh)
+
+
+def _best_or_none(workload: Workload, names: Sequence[str], cluster: Cluster,
+                  options: dict[str, Any]) -> Plan | None:
+    """Auto's best plan, or ``None`` when nothing fits (the comparison then says so)."""
+    try:
+        return auto_plan(workload, names, cluster, **options)
+    except PartitionError:
+        return None
 
 
 def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
@@ -302,7 +357,7 @@ def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanReques
                            request.memory_limit, _describe(request.example_inputs),
                            spec.source if spec is not None else None,
                            describe(request.example_inputs, request.example_kwargs),
-                           request.memory_reserve)
+                           request.memory_reserve, request.mesh)
     return replace(plan, stages=stages, planner=inputs, fingerprint=fingerprint(model))
 
 
@@ -407,7 +462,7 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
               schedules: Sequence[str] | None = None, virtual: int | None = None,
               tp: int | None = None, pp: int | None = None, reserve: float = MEMORY_RESERVE,
               devices: Sequence[str] | None = None,
-              tp_degrees: Sequence[int] | None = None) -> Plan:
+              tp_degrees: Sequence[int] | None = None, dp: int | None = None) -> Plan:
     """The fastest fitting configuration :func:`partitioner.planning.auto.search` finds, as a plan.
 
     On this machine's devices only configurations the runtimes can execute are chosen.
@@ -418,7 +473,7 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     Args:
         capacity: bytes of each device (default: its memory); plans use ``1 - reserve``
             of it (``partitioner.planning.reserve``).
-        schedules, virtual, tp, pp: fix those choices (see ``search``).
+        schedules, virtual, dp, tp, pp: fix those choices (see ``search``).
         tp_degrees: the tensor-parallel degrees the model's layers divide by.
         devices: the pipeline devices' names in the plan (default: the cluster's).
     """
@@ -426,7 +481,7 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
                     optimizer=optimizer, budget=budget,
                     capacity=usable_memory(memory, reserve), schedules=schedules,
-                    virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees)
+                    virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees, dp=dp)
     made = records(result, cluster)
     why = next(line for line in explain(made).splitlines() if line.startswith("chosen:"))
     notes = (*workload.notes, describe_reserve(memory, reserve), why)

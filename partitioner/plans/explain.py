@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["explain", "format_bytes", "format_seconds"]
+__all__ = ["explain", "format_bytes", "format_seconds", "given_mesh_line"]
 
 
 def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = None) -> str:
@@ -44,7 +44,31 @@ def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = 
     if memory:
         lines.append(memory)
     lines.append(_why(ranked, info))
+    given = given_mesh_line(records[0])
+    if given:
+        lines.append(given)
     return "\n".join(lines)
+
+
+def given_mesh_line(record: dict[str, Any]) -> str:
+    """For a plan of a given mesh (``make_plan(mesh=...)``): its prediction against auto's
+    best (``partitioner.planning.given_mesh``); empty for other plans."""
+    mesh = record.get("given_mesh")
+    if not mesh:
+        return ""
+    text = (f"given mesh dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}: {record['label']}, "
+            f"predicted {format_seconds(record['step_time'])} per step; ")
+    best = record.get("auto_best")
+    if not best:
+        return text + "auto's best: not found (no configuration fits without the mesh)."
+    if best["label"] == record["label"]:
+        return text + "auto's best is this configuration."
+    ratio = record["step_time"] / best["step_time"] - 1
+    text += (f"auto's best: {best['label']}, predicted {format_seconds(best['step_time'])} "
+             f"({abs(ratio):.1%} {'faster' if ratio >= 0 else 'slower'})")
+    if best.get("timed_out"):
+        text += f"; the search's budget ran out {best['gap']:.1%} from its lower bound"
+    return text + "."
 
 
 def _memory(record: dict[str, Any]) -> str:

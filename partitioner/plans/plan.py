@@ -125,6 +125,8 @@ class PlannerInputs:
             with when no example inputs are given (``partitioner.plans.signature``).
         memory_reserve: the share of each device's memory the plan leaves unused
             (``partitioner.planning.reserve``), if recorded.
+        mesh: the mesh the caller gave (``make_plan(mesh=...)``): the plan is that
+            configuration, not auto's choice of mesh; ``None`` when the planner chose.
     """
 
     strategy: str = "auto"
@@ -135,6 +137,7 @@ class PlannerInputs:
     spec: dict[str, Any] | None = field(default=None, compare=False)
     signature: InputSignature | None = None
     memory_reserve: float | None = None
+    mesh: Mesh | None = None
 
 
 @dataclass(frozen=True)
@@ -359,6 +362,7 @@ def _planner_to_dict(planner: PlannerInputs | None) -> dict[str, Any] | None:
         return None
     body = {f.name: getattr(planner, f.name) for f in fields(planner)}
     body["signature"] = planner.signature.to_dict() if planner.signature else None
+    body["mesh"] = asdict(planner.mesh) if planner.mesh is not None else None
     return body
 
 
@@ -372,6 +376,8 @@ def _planner_from_dict(data: dict[str, Any] | None) -> PlannerInputs | None:
         body["balance"] = tuple(int(b) for b in body["balance"])
     signature = body.get("signature")
     body["signature"] = InputSignature.from_dict(signature) if signature is not None else None
+    mesh = body.get("mesh")
+    body["mesh"] = Mesh(**{k: int(v) for k, v in mesh.items()}) if mesh is not None else None
     return PlannerInputs(**body)
 
 

@@ -200,6 +200,9 @@ _STAGE = _object({"index": _integer(0), "device": _string("cpu"),
                   "send_bytes": _integer(0, nullable=True)},
                  ("index", "device", "layers"), "a stage object with index, device and layers")
 
+_MESH = _object({axis: _integer(1) for axis in ("dp", "pp", "tp")}, (),
+               'an object such as {"dp": 1, "pp": 2, "tp": 1}', nullable=True)
+
 _FIELDS: dict[str, Check] = {
     "format": _const("partitioner.plan"),
     "version": _const(1),
@@ -216,8 +219,7 @@ _FIELDS: dict[str, Check] = {
     "predicted_bubble": _number(1),
     "notes": _strings(0),
     "candidates": _array(0, _any_object(nullable=False), "objects"),
-    "mesh": _object({axis: _integer(1) for axis in ("dp", "pp", "tp")}, (),
-                    'an object such as {"dp": 1, "pp": 2, "tp": 1}', nullable=True),
+    "mesh": _MESH,
     "shard_specs": _mapping(_object({"dim": _integer(0), "kind": _choice(_KINDS)},
                                     ("dim", "kind"), 'an object such as '
                                     '{"dim": 0, "kind": "colwise"}'),
@@ -229,7 +231,7 @@ _FIELDS: dict[str, Check] = {
                         "example_inputs": _strings(0, "input descriptions"),
                         "spec": _any_object(nullable=True),
                         "signature": _signature,
-                        "memory_reserve": _reserve},
+                        "memory_reserve": _reserve, "mesh": _MESH},
                        (), "an object of what the planner was asked", nullable=True),
     "fingerprint": _object({"digest": _digest, "model": _string("GPT2LMHeadModel"),
                             "modules": _strings(0, "module names"), "parameters": _TENSORS,
