@@ -119,7 +119,8 @@ def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: Pl
         replicas = _tensor_parallel_replicas(model, setup, plan, groups, mesh.tp)
     else:
         replicas = _graph_replicas(model, analysis, plan, request, groups)
-    module = ReplicatedModule(plan, replicas, [group[0] for group in groups])
+    module = ReplicatedModule(plan, replicas, [group[0] for group in groups],
+                              check_call=analysis.captured.placeholder_values)
     module.analysis = analysis  # type: ignore[assignment]
     return module
 

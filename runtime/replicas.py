@@ -128,12 +128,16 @@ class ReplicatedModule(ModelWrapper):
             tensors are the model's) and the others are copies. Each takes the model's call
             arguments and returns its outputs.
         devices: per replica, the device its share of the inputs goes to (its first).
+        check_call: checks a call's ``(args, kwargs)`` against the model's ``forward``
+            (raising its error) before the batch is split.
     """
 
     inner = "module"
 
     def __init__(self, plan: Any, replicas: Sequence[nn.Module],
-                 devices: Sequence[torch.device]) -> None:
+                 devices: Sequence[torch.device],
+                 check_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+                 ) -> None:
         if not replicas or len(replicas) != len(devices):
             raise ValueError(f"{len(replicas)} replicas for {len(devices)} devices; pass one "
                              "device per replica (and at least one replica)")
@@ -150,6 +154,9 @@ class ReplicatedModule(ModelWrapper):
         # The modes some call ran in: a replica builds what a mode needs on its first call
         # (graphs captured again, pipelines), and capturing patches torch globally.
         self._built: set[bool] = set()
+        # Checks a call's arguments against the model's forward before the batch is split
+        # (a missing or extra argument is named as such, not as a batch problem).
+        self._check_call = check_call
 
     def train(self, mode: bool = True) -> ReplicatedModule:
         """Set train/eval mode on every replica (the copies are not children)."""
@@ -235,6 +242,8 @@ class ReplicatedModule(ModelWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._ensure_open("run the replicas")
+        if self._check_call is not None:
+            self._check_call(args, kwargs)
         values = [args, kwargs]
         shares, split = self._shares(values)
         self._prepare()

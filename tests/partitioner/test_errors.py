@@ -81,7 +81,8 @@ def test_chunks_below_one(chunks: object) -> None:
 
 
 def test_chunks_above_batch_at_run_time() -> None:
-    pm = partition(mlp(), devices=["cpu"] * 2, example_inputs=(_x(),), chunks=4)
+    pm = partition(mlp(), devices=["cpu"] * 2, strategy="pipeline", example_inputs=(_x(),),
+                   chunks=4)
     with pytest.raises(ChunksError, match="chunks=4 is larger than the batch size 2"):
         pm(torch.randn(2, 12))
 
