@@ -96,7 +96,7 @@ def partition_distributed(
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
         virtual_stages: int | None = None,
-        optimizer_sharding: bool = False, precision: str | None = None,
+        optimizer_sharding: bool | None = None, precision: str | None = None,
         mesh: PlanMesh | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
@@ -172,7 +172,8 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
-    check_sharding(optimizer_sharding, None)
+    if optimizer_sharding is not None:
+        check_sharding(optimizer_sharding, None)
     pp, dp, tp = mesh_degrees(mesh, pp=pp, dp=dp, tp=tp)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     precision = distributed_precision(model, given, precision)
@@ -198,18 +199,20 @@ def partition_distributed(
         precision=precision))
     chosen: Plan | None = None
     if auto is not None:
-        auto = replace(auto, precision=precision)
+        auto = replace(auto, precision=precision, optimizer_sharding=optimizer_sharding)
         auto.degrees.check(info.world_size)
         chosen = choose_plan(model, example_inputs, example_kwargs, auto, info.device)
         assert chosen.mesh is not None, "the search records the mesh it chose"
         pp, dp, tp = chosen.mesh.pp, chosen.mesh.dp, chosen.mesh.tp
         chunks, schedule, checkpoint = chosen.chunks, chosen.schedule, chosen.checkpoint
         virtual_stages = chosen.virtual_stages
+        optimizer_sharding = chosen.optimizer_sharding
         example_inputs, example_kwargs = local_batch(example_inputs, example_kwargs, dp)
         # A tensor-parallel mesh plans its own split (layers merged around the splits).
         given = chosen if tp == 1 else None
     assert tp is not None
     shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
+    optimizer_sharding = bool(optimizer_sharding)
     check_sharding(optimizer_sharding, shape.dp)
     chunks, schedule, checkpoint = _run_settings(model, given, chunks, schedule, checkpoint,
                                                  balance, split_points)

@@ -67,6 +67,7 @@ class AutoOptions:
         memory_reserve: share of each device's memory left unused.
         rules: ``tensor_parallel=`` rules (with a fixed ``tp``).
         precision: the compute precision the search costs (``partitioner.cost.precision``).
+        optimizer_sharding: ZeRO-1 fixed on or off; ``None``: searched.
     """
 
     degrees: Degrees
@@ -78,6 +79,7 @@ class AutoOptions:
     memory_reserve: float | None = None
     rules: Mapping[str, str] | None = None
     precision: str = "fp32"
+    optimizer_sharding: bool | None = None
 
 
 def describe_cluster(cluster: Cluster | str | None) -> str | None:
@@ -192,7 +194,8 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
                           options.degrees, chunks=request.chunks,
                           checkpoint=request.checkpoint, schedule=options.schedule,
                           capacity=capacity, check=tensor_parallel_check(model, analysis,
-                                                                         options.rules))
+                                                                         options.rules),
+                          optimizer_sharding=options.optimizer_sharding)
     plan = world_plan(result, analysis.layer_names, cluster,
                       capture=analysis.captured.method, notes=analysis.workload.notes)
     plan = record(plan, model, analysis, request, "auto")

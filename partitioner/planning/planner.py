@@ -413,7 +413,8 @@ def plan_from(prediction: Prediction, names: Sequence[str], cluster: Cluster, *,
         own = ({**own[0], "memory_reserve": reserve}, *own[1:])
     return Plan(strategy, labels, tuple(stages), c.chunks, c.checkpoint, c.schedule, capture,
                 prediction.step_time, prediction.bubble, notes, Mesh(c.dp, c.pp, c.tp),
-                candidates=own, virtual_stages=c.virtual)
+                candidates=own, virtual_stages=c.virtual,
+                optimizer_sharding=c.optimizer_sharding)
 
 
 def _share(prediction: Prediction, k: int) -> float:

@@ -229,7 +229,8 @@ supports: e.g. whether tensor parallelism splits this model ``tp`` ways."""
 def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degrees(), *,
                  chunks: int | None = None, checkpoint: str | None = None,
                  schedule: str | None = None, capacity: float | None = None,
-                 budget: float | None = 5.0, check: Check | None = None) -> SearchResult:
+                 budget: float | None = 5.0, check: Check | None = None,
+                 optimizer_sharding: bool | None = None) -> SearchResult:
     """The fastest configuration of ``workload`` that the multi-process runtime runs on
     ``cluster``, with the ``degrees`` given.
 
@@ -257,10 +258,10 @@ def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degree
     if degrees.given:
         return _fixed_search(workload, cluster, degrees, chunks=chunks, checkpoint=checkpoint,
                              schedules=schedules, capacity=capacity, budget=budget,
-                             check=check)
+                             check=check, optimizer_sharding=optimizer_sharding)
     result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
                     schedules=schedules, executable_only=cluster.is_local, support=support,
-                    budget=budget, capacity=capacity)
+                    budget=budget, capacity=capacity, optimizer_sharding=optimizer_sharding)
     if check is None:
         return result
     refused = [(p.config.label(), why, p.step_time) for p in result.ranked
@@ -269,7 +270,8 @@ def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degree
     if not kept:
         return _fixed_search(workload, cluster, Degrees(tp=1), chunks=chunks,
                              checkpoint=checkpoint, schedules=schedules, capacity=capacity,
-                             budget=budget, check=check, refused=refused)
+                             budget=budget, check=check, refused=refused,
+                             optimizer_sharding=optimizer_sharding)
     # The refused were predicted faster than the new best: they lead the explanation.
     return replace(result, best=kept[0], ranked=kept,
                    not_executable=result.not_executable + len(refused),
@@ -293,10 +295,11 @@ def _fixed_search(workload: Workload, cluster: Cluster, degrees: Degrees, *,
                   chunks: int | None, checkpoint: str | None,
                   schedules: Sequence[str] | None, capacity: float | None,
                   budget: float | None, check: Check | None = None,
-                  refused: Sequence[tuple[str, str, float]] = ()) -> SearchResult:
+                  refused: Sequence[tuple[str, str, float]] = (),
+                  optimizer_sharding: bool | None = None) -> SearchResult:
     start = time.perf_counter()
     every = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                                schedules=schedules))
+                                schedules=schedules, optimizer_sharding=optimizer_sharding))
     wanted = [c for c in every if degrees.matches(c)]
     excluded: list[tuple[str, str, float]] = list(refused)
     runnable = []

@@ -167,6 +167,8 @@ class Plan:
         virtual_stages: model chunks per device ``v`` (the interleaved schedule's; else 1).
         precision: ``"fp32"``, or ``"bf16"``/``"fp16"``: stages compute under autocast to
             it, parameters and optimizer state stay fp32 (``partitioner.runtime.precision``).
+        optimizer_sharding: the optimizer state is sharded over the ``mesh.dp`` replicas
+            (ZeRO-1, ``partitioner.runtime.distributed.zero``).
     """
 
     strategy: str
@@ -186,6 +188,7 @@ class Plan:
     candidates: tuple[dict[str, Any], ...] = field(default=())
     virtual_stages: int = 1
     precision: str = "fp32"
+    optimizer_sharding: bool = False
 
     def __post_init__(self) -> None:
         v = self.virtual_stages
@@ -207,6 +210,9 @@ class Plan:
         unknown = precision_problem(self.precision)
         if unknown is not None:
             problems.append(unknown)
+        if self.optimizer_sharding and (self.mesh is None or self.mesh.dp < 2):
+            problems.append("optimizer_sharding is true but the mesh has dp=1; sharding "
+                            "needs 2 or more data-parallel replicas")
         names = [name for s in self.stages for name in s.layers]
         if len(set(names)) != len(names):
             problems.append("a layer appears in two stages")
@@ -230,7 +236,8 @@ class Plan:
 
     def __hash__(self) -> int:
         return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint,
-                     self.schedule, self.virtual_stages, self.precision))
+                     self.schedule, self.virtual_stages, self.precision,
+                     self.optimizer_sharding))
 
     def explain(self) -> str:
         """The planner's ranked candidates and why this one won (``partitioner.planning.auto``)."""

@@ -36,7 +36,7 @@ __all__ = ["document_problems", "TOP_KEYS", "STAGE_KEYS", "CAPTURES", "CHECKPOIN
 TOP_KEYS = ("format", "version", "strategy", "devices", "stages", "chunks", "checkpoint",
             "schedule", "capture", "predicted_step_time", "predicted_bubble", "notes",
             "candidates", "mesh", "shard_specs", "planner", "fingerprint", "virtual_stages",
-            "precision")
+            "precision", "optimizer_sharding")
 STAGE_KEYS = ("index", "device", "layers", "predicted_time", "predicted_memory",
               "param_bytes", "send_bytes")
 CAPTURES = ("fx", "export")
@@ -105,6 +105,12 @@ def _number(top: float | None = None) -> Check:
             return []
         bound = f"between 0 and {top}" if top is not None else ">= 0"
         return [f"{where}: {value!r}; give a number {bound}, or null"]
+    return check
+
+
+def _boolean() -> Check:
+    def check(value: Any, where: str) -> list[str]:
+        return [] if isinstance(value, bool) else [f"{where}: {value!r}; give true or false"]
     return check
 
 
@@ -212,6 +218,7 @@ _FIELDS: dict[str, Check] = {
     "chunks": _integer(1),
     "virtual_stages": _integer(1),
     "precision": _choice(PRECISIONS),
+    "optimizer_sharding": _boolean(),
     "checkpoint": _choice(CHECKPOINTS),
     "schedule": _string("gpipe"),
     "capture": _choice(CAPTURES),

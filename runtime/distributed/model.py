@@ -317,6 +317,14 @@ class DistributedModel(ModelWrapper):
             ClosedError: after :meth:`close` (the replicas' gradient all-reduce is gone).
         """
         self._ensure_open("train")
+        if self._sharded is not None and not getattr(self, "_sharded_optimizer", False):
+            # A plain optimizer over parameters() would see no gradients: they are cut.
+            raise StrategyError(
+                f"this model shards the optimizer state over its dp={self.mesh.shape.dp} "
+                "replicas (optimizer_sharding=True, or chosen by strategy='auto'), so the "
+                "parameters keep no whole gradients; build the optimizer with "
+                "dpm.make_optimizer(torch.optim.AdamW, lr=...) before training, or pass "
+                "optimizer_sharding=False")
         if loss_reduction is not None and loss_reduction != self.pipeline.loss_reduction:
             raise StrategyError(f"loss_reduction={loss_reduction!r} but this model was "
                                 f"partitioned with loss_reduction="
@@ -376,6 +384,7 @@ class DistributedModel(ModelWrapper):
             >>> optimizer = dpm.make_optimizer(torch.optim.AdamW, lr=1e-3)  # doctest: +SKIP
         """
         if self._sharded is not None:
+            self._sharded_optimizer = True
             return ShardedOptimizer(self._sharded, optimizer_class, **kwargs)
         return optimizer_class(self.parameters(), **kwargs)
 

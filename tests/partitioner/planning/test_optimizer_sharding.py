@@ -16,6 +16,8 @@ from partitioner.planning.auto import (
     search,
 )
 from partitioner.planning.predict import Config, predict
+from partitioner.planning.world import Degrees, search_world, world_plan
+from partitioner.plans.plan import Plan
 
 # Megatron-LM's 1T model (SC'21, Table 1's last row) on tp 8 x pp 16 x dp 8 A100-80GB.
 SHAPE = GPTShape(128, 25600, 160, 2048, 51200)
@@ -87,3 +89,19 @@ def test_only_the_multi_process_runtime_runs_sharding() -> None:
 def test_sharding_one_replica_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"optimizer_sharding=True with dp=1.*dp >= 2"):
         Config(dp=1, optimizer_sharding=True)
+
+
+def test_a_plan_carries_the_sharding_the_search_chose() -> None:
+    workload = gpt_workload(SHAPE, BATCH)
+    config = _config(True)
+    prediction = predict(workload, CLUSTER, config, megatron_boundaries(SHAPE, config.stages))
+    capacity = max(m.total for m in prediction.memory) * 1.01  # fits sharded, not plain
+    result = search_world(workload, CLUSTER, Degrees(dp=8, tp=8, pp=16), chunks=BATCH // 8,
+                          checkpoint="always", schedule="1f1b", capacity=capacity,
+                          budget=None)
+    assert result.best.config.optimizer_sharding
+    plan = world_plan(result, [lay.name for lay in workload.layers], CLUSTER)
+    assert plan.optimizer_sharding
+    assert Plan.from_dict(plan.to_dict()).optimizer_sharding
+    with pytest.raises(ValueError, match="optimizer_sharding is true but the mesh has dp=1"):
+        Plan.from_dict({**plan.to_dict(), "mesh": {"dp": 1, "pp": 16, "tp": 8}})
