@@ -22,7 +22,7 @@ from typing import Any, overload
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
-from partitioner.apply import resolve_plan
+from partitioner.apply import check_runnable_spec, resolve_plan
 from partitioner.build import (
     TensorParallelSetup,
     build_pipeline,
@@ -158,8 +158,11 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                calibrate=calibrate, local=True, schedule=schedule,
                                virtual_stages=virtual_stages, memory_reserve=memory_reserve)
     if plan is not None:
-        analysis, made, request = resolve_plan(model, plan, request)
-        return build_pipeline(model, analysis, made, request)
+        resolved = resolve_plan(model, plan, request)
+        check_runnable_spec(resolved)
+        routed = route(model, resolved.analysis, resolved.plan, resolved.request,
+                       resolved.setup)
+        return build(model, resolved.analysis, routed, resolved.request)
     analysis, made = _planned(model, request)
     return build(model, analysis, route(model, analysis, made, request), request)
 
@@ -223,20 +226,23 @@ class Replicas:
     setup: TensorParallelSetup | None = None
 
 
-def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
-          ) -> Plan | TensorParallelSetup | Replicas:
+def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+          setup: TensorParallelSetup | None = None) -> Plan | TensorParallelSetup | Replicas:
     """Where a plan for this machine goes: the one place that picks the runtime.
 
     A pipeline plan (``dp = tp = 1``) is built as it is. A tensor-parallel choice of
     ``strategy="auto"`` is planned again by the tensor-parallel front (its layers are
     merged so no stage boundary cuts a column/row pair) with the chosen degree,
-    micro-batches, checkpoint mode and schedule, and keeps the search's candidates. A
-    choice with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
+    micro-batches, checkpoint mode and schedule, and keeps the search's candidates; a saved
+    tensor-parallel plan comes with its ``setup`` already (``partitioner.apply_mesh``). A
+    plan with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
     replica ``r`` on the ``r``-th group of ``pp x tp`` devices.
     """
     mesh = plan.mesh or Mesh()
     if mesh.tp == 1:
         return plan if mesh.dp == 1 else Replicas(plan)
+    if setup is not None:
+        return setup if mesh.dp == 1 else Replicas(setup.plan, setup)
     width = mesh.pp * mesh.tp
     setup = plan_tensor_parallel(model, list(request.devices)[:width], mesh.tp,
                                  strategy="auto",

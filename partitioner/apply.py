@@ -28,12 +28,14 @@ import itertools
 import reprlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
+from partitioner.apply_mesh import mesh_device_problem, mesh_devices, replan_tensor_parallel
+from partitioner.build import TensorParallelSetup
 from partitioner.cost.devices import parse_devices
 from partitioner.errors import ExampleInputsError, PlanFormatError, PlanMismatchError
 from partitioner.planning.planner import plan_request, record
@@ -44,9 +46,44 @@ from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
 
-__all__ = ["PlanMismatchError", "load_plan", "resolve_plan"]
+__all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "Resolved", "check_runnable_spec"]
 
 PlanSource = str | Path | Plan | Spec | dict[str, Any]
+
+
+class Resolved(NamedTuple):
+    """What ``partition`` builds from ``plan=``.
+
+    Attributes:
+        analysis: the captured model (for a tensor-parallel plan, with its layers merged as
+            the plan's stages list them).
+        plan: the plan to run (a saved plan as it was saved).
+        request: the settled request: every device the plan runs on (``dp x pp x tp``),
+            the example inputs to capture again with.
+        setup: for a saved plan with ``mesh.tp > 1``, its tensor-parallel setup (re-planned
+            and checked to equal the plan, ``partitioner.apply_mesh``).
+    """
+
+    analysis: Analysis
+    plan: Plan
+    request: PlanRequest
+    setup: TensorParallelSetup | None = None
+    compiled: bool = False
+
+
+def check_runnable_spec(resolved: Resolved) -> None:
+    """Refuse to run a plan compiled from a spec with ``mesh`` dp or tp > 1 in one process:
+    the spec's stages are planned as one pipeline and its mesh only recorded (make_plan).
+
+    Raises:
+        SpecError: the compiled plan has ``dp`` or ``tp > 1``.
+    """
+    mesh = resolved.plan.mesh or Mesh()
+    if resolved.compiled and (mesh.dp, mesh.tp) != (1, 1):
+        raise SpecError(f"the spec's mesh dp={mesh.dp}, tp={mesh.tp} is recorded in the plan "
+                        "but partition runs specs as pipelines (dp = tp = 1); drop 'mesh' "
+                        "from the spec, pass tensor_parallel= to partition, or save the plan "
+                        "strategy='auto' makes and apply that")
 
 
 def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
@@ -67,9 +104,13 @@ def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
     return Spec.from_dict(data)
 
 
-def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest
-                 ) -> tuple[Analysis, Plan, PlanRequest]:
+def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest) -> Resolved:
     """The analysis, plan and settled request ``partition`` builds from ``plan=``.
+
+    A saved plan with replicas or tensor-parallel shards (``mesh.dp`` or ``mesh.tp > 1``)
+    runs on ``dp x pp x tp`` devices (``devices=None``: all ``"cpu"`` when the plan's are);
+    a tensor-parallel one is planned again with its settings and must come out the same
+    (``partitioner.apply_mesh``).
 
     Args:
         model: the model to partition.
@@ -85,12 +126,11 @@ def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest
     _check_source(source)
     given = source if isinstance(source, (Plan, Spec)) else load_plan(source)
     if isinstance(given, Spec):
-        return _compile(model, given, request)
+        return Resolved(*_compile(model, given, request), compiled=True)
     return _apply(model, given, request)
 
 
-def _apply(model: nn.Module, plan: Plan, request: PlanRequest
-           ) -> tuple[Analysis, Plan, PlanRequest]:
+def _apply(model: nn.Module, plan: Plan, request: PlanRequest) -> Resolved:
     problems = _call_conflicts(plan, request)
     if plan.fingerprint is not None:
         found = differences(plan.fingerprint, fingerprint(model))
@@ -103,7 +143,20 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest
     if problems:
         raise PlanMismatchError("the call disagrees with the plan it applies:\n"
                                 + "\n".join(f"  - {p}" for p in problems))
+    _check_executable(plan)
     inputs, kwargs = _capture_inputs(model, plan, request)
+    mesh = plan.mesh or Mesh()
+    if (mesh.dp, mesh.tp) == (1, 1):
+        devices = list(plan.devices)
+        balance: tuple[int, ...] | None = plan.balance
+    else:
+        devices, balance = mesh_devices(plan, request.devices), None
+    settled = PlanRequest.make(devices, "auto", chunks=plan.chunks, checkpoint=plan.checkpoint,
+                               balance=balance, example_inputs=inputs, example_kwargs=kwargs)
+    if mesh.tp > 1:
+        setup = replan_tensor_parallel(model, plan, devices[:mesh.pp * mesh.tp], inputs,
+                                       kwargs)
+        return Resolved(setup.analysis, plan, settled, setup)
     analysis = analyze(model, inputs, kwargs, need_costs=False)
     names = analysis.layer_names
     if names != list(plan.layers):
@@ -113,11 +166,7 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest
             f"the plan's layers are not this model's: missing here {missing[:8]}, not in the "
             f"plan {extra[:8]}{'' if missing or extra else ' (same names, other order)'}; "
             "re-plan the model")
-    _check_executable(plan)
-    settled = PlanRequest.make(list(plan.devices), "auto", chunks=plan.chunks,
-                               checkpoint=plan.checkpoint, balance=plan.balance,
-                               example_inputs=inputs, example_kwargs=kwargs)
-    return analysis, plan, settled
+    return Resolved(analysis, plan, settled)
 
 
 def _check_source(source: Any) -> None:
@@ -136,14 +185,18 @@ def _check_source(source: Any) -> None:
 def _capture_inputs(model: nn.Module, plan: Plan, request: PlanRequest
                     ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
     """The inputs to capture the model with: the caller's, or for a plan of a model that
-    only ``torch.export`` captures, inputs made from the plan's input signature."""
+    only ``torch.export`` captures (or a tensor-parallel plan, whose splits the shapes
+    decide), inputs made from the plan's input signature."""
     given = request.example_inputs, dict(request.example_kwargs or {}) or None
-    if plan.capture != "export" or given != (None, None):
+    tp = (plan.mesh or Mesh()).tp
+    if (plan.capture != "export" and tp == 1) or given != (None, None):
         return given
     signature = plan.planner.signature if plan.planner is not None else None
     if signature is None:
+        why = ("captured with torch.export, which runs the model" if plan.capture == "export"
+               else f"split over tp={tp} ranks, which the inputs' shapes decide")
         raise ExampleInputsError(
-            "the plan's model is captured with torch.export, which runs the model, and the "
+            f"the plan's model is {why}, and the "
             "plan records no input signature (it predates them, or was written by hand); "
             "pass example_inputs=(x,) with one batch, or save the plan again")
     if signature.opaque:
@@ -164,7 +217,12 @@ def _home(model: nn.Module) -> torch.device:
 def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
     problems = []
     asked = request.asked()
-    if request.devices and list(request.devices) != parse_devices(list(plan.devices)):
+    mesh = plan.mesh or Mesh()
+    if (mesh.dp, mesh.tp) != (1, 1):
+        problem = mesh_device_problem(plan, request.devices)
+        if problem is not None:
+            problems.append(problem)
+    elif request.devices and list(request.devices) != parse_devices(list(plan.devices)):
         problems.append(f"devices={[str(d) for d in request.devices]} but the plan runs on "
                         f"{list(plan.devices)}; pass devices=None (or the plan's) to apply it "
                         "as saved")
@@ -181,11 +239,6 @@ def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
 
 
 def _check_executable(plan: Plan) -> None:
-    mesh = plan.mesh or Mesh()
-    if (mesh.dp, mesh.tp) != (1, 1):
-        raise PlanMismatchError(f"the plan's mesh has dp={mesh.dp}, tp={mesh.tp}; this "
-                                "partitioner runs pipeline plans (dp = tp = 1) in one process; "
-                                "use make_plan to inspect it, or set dp and tp to 1")
     problem = runtime_problem(plan.schedule, Runtime.ONE_PROCESS)
     if problem is not None:
         raise PlanMismatchError(f"the plan's {problem}; set its schedule to one of those")

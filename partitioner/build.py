@@ -193,7 +193,8 @@ def _replica(module: nn.Module, graphs: GraphFactory, analysis: Analysis, plan: 
         return GraphReplica(module, lambda training: graphs(training)[0],
                             captured.placeholder_values, captured.restructure)
     return PartitionedModule(module, plan, graphs, group, plan.chunks, plan.checkpoint,
-                             bind=captured.placeholder_values, restructure=captured.restructure)
+                             bind=captured.placeholder_values, restructure=captured.restructure,
+                             schedule=plan.schedule, virtual=plan.virtual_stages)
 
 
 def _local_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
