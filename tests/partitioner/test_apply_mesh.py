@@ -214,3 +214,18 @@ def test_a_spec_with_a_mesh_is_not_run_as_a_pipeline() -> None:
     assert make_plan(model, None, plan=spec).mesh.tp == 2  # type: ignore[union-attr]
     with pytest.raises(SpecError, match="mesh dp=1, tp=2.*drop 'mesh'"):
         partition(model, None, plan=spec)
+
+
+def test_a_fresh_tensor_parallel_choice_of_auto_round_trips(tmp_path: Path) -> None:
+    """The wide MLP on four CPUs: auto picks tp=4 (test_one_process_auto.py); its saved plan
+    applies again without inputs, to a tensor-parallel module computing the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 8192), nn.ReLU(), nn.Linear(8192, 2048))
+    x = torch.randn(8, 2048)
+    with partition(model, ["cpu"] * 4, example_inputs=(x,)) as first:
+        assert isinstance(first, TensorParallelModule) and first.plan.strategy != "pipeline"
+        first.plan.save(tmp_path / "auto.json")
+    with partition(model, None, plan=tmp_path / "auto.json") as again:
+        assert isinstance(again, TensorParallelModule) and again.plan == first.plan
+        with torch.no_grad():
+            torch.testing.assert_close(again(x), model(x), atol=1e-5, rtol=1e-4)
