@@ -62,24 +62,27 @@ class Resolved(NamedTuple):
             the example inputs to capture again with.
         setup: for a saved plan with ``mesh.tp > 1``, its tensor-parallel setup (re-planned
             and checked to equal the plan, ``partitioner.apply_mesh``).
+        spec: the spec the plan was compiled from, if it was.
     """
 
     analysis: Analysis
     plan: Plan
     request: PlanRequest
     setup: TensorParallelSetup | None = None
-    compiled: bool = False
+    spec: Spec | None = None
 
 
 def check_runnable_spec(resolved: Resolved) -> None:
-    """Refuse to run a plan compiled from a spec with ``mesh`` dp or tp > 1 in one process:
-    the spec's stages are planned as one pipeline and its mesh only recorded (make_plan).
+    """Refuse to run a plan compiled from a spec that gives ``mesh`` dp or tp > 1: the
+    spec's stages are planned as one pipeline and its mesh only recorded (make_plan). The
+    replicas ``strategy="auto"`` chooses for a spec without a mesh run as a fresh plan's.
 
     Raises:
-        SpecError: the compiled plan has ``dp`` or ``tp > 1``.
+        SpecError: the spec asks for ``dp`` or ``tp > 1``.
     """
+    asked = resolved.spec.mesh if resolved.spec is not None else {}
     mesh = resolved.plan.mesh or Mesh()
-    if resolved.compiled and (mesh.dp, mesh.tp) != (1, 1):
+    if (asked.get("dp", 1), asked.get("tp", 1)) != (1, 1):
         raise SpecError(f"the spec's mesh dp={mesh.dp}, tp={mesh.tp} is recorded in the plan "
                         "but partition runs specs as pipelines (dp = tp = 1); drop 'mesh' "
                         "from the spec, pass tensor_parallel= to partition, or save the plan "
@@ -126,7 +129,7 @@ def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest) -> 
     _check_source(source)
     given = source if isinstance(source, (Plan, Spec)) else load_plan(source)
     if isinstance(given, Spec):
-        return Resolved(*_compile(model, given, request), compiled=True)
+        return Resolved(*_compile(model, given, request), spec=given)
     return _apply(model, given, request)
 
 
@@ -274,8 +277,11 @@ def _compile(model: nn.Module, spec: Spec, request: PlanRequest
                                calibrate=request.calibrate, schedule=schedule,
                                virtual_stages=request.virtual_stages,
                                memory_reserve=request.memory_reserve)
-    made = plan_request(analysis, settled)
-    mesh = Mesh(spec.mesh.get("dp", 1), len(made.stages), spec.mesh.get("tp", 1))
+    # A spec's tensor-parallel rules are recorded, not searched over: auto keeps tp = 1
+    # (and may still choose data-parallel replicas, run like a fresh plan's).
+    made = plan_request(analysis, settled, tp_degrees=())
+    chosen_mesh = made.mesh or Mesh(1, len(made.devices), 1)
+    mesh = Mesh(spec.mesh.get("dp", chosen_mesh.dp), chosen_mesh.pp, spec.mesh.get("tp", 1))
     made = replace(made, strategy="spec" if spec.fixes_split else made.strategy,
                    schedule=spec.schedule or made.schedule, notes=(*made.notes, *notes),
                    mesh=mesh, shard_specs=shards)

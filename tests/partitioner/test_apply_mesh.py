@@ -229,3 +229,16 @@ def test_a_fresh_tensor_parallel_choice_of_auto_round_trips(tmp_path: Path) -> N
         assert isinstance(again, TensorParallelModule) and again.plan == first.plan
         with torch.no_grad():
             torch.testing.assert_close(again(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_spec_that_auto_plans_as_replicas_runs_as_replicas() -> None:
+    """Regression: a spec compiled to auto's replicas choice kept dp=1 in its mesh, and
+    partition ran one replica's pipeline on the first device alone."""
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), torch.randn(6, 8)
+    direct = make_plan(model, ["cpu"] * 2, example_inputs=(x,))
+    assert direct.mesh is not None and direct.mesh.dp == 2
+    spec = {"devices": ["cpu", "cpu"]}
+    assert make_plan(model, None, plan=spec, example_inputs=(x,)).mesh == direct.mesh
+    with partition(model, None, plan=spec, example_inputs=(x,)) as pm:
+        assert isinstance(pm, ReplicatedModule) and pm.dp == 2
+        _transparent(pm, model, x)

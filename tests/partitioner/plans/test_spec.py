@@ -62,7 +62,9 @@ def test_spec_without_split_is_planned_optimally() -> None:
     spec = {"devices": ["cpu"] * 3, "chunks": 2}
     planned = make_plan(ResidualCNN(), None, example_inputs=(X,), plan=spec)
     direct = make_plan(ResidualCNN(), ["cpu"] * 3, example_inputs=(X,), chunks=2)
-    assert planned.balance == direct.balance and planned.strategy == "pipeline"
+    assert planned.balance == direct.balance and planned.strategy == direct.strategy
+    # Regression: auto's choice of replicas was recorded with the spec's mesh (dp=1).
+    assert planned.mesh == direct.mesh
 
 
 def test_split_points_and_balance_in_a_spec() -> None:
