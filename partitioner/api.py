@@ -234,7 +234,7 @@ def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
     ``strategy="auto"`` is planned again by the tensor-parallel front (its layers are
     merged so no stage boundary cuts a column/row pair) with the chosen degree,
     micro-batches, checkpoint mode and schedule, and keeps the search's candidates; a saved
-    tensor-parallel plan comes with its ``setup`` already (``partitioner.apply_mesh``). A
+    tensor-parallel plan comes with its ``setup`` already (``partitioner.apply``). A
     plan with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
     replica ``r`` on the ``r``-th group of ``pp x tp`` devices.
     """

@@ -12,6 +12,17 @@ inputs (with the example batch's input signature) and the bytes each stage sends
 micro-batch. A plan of a model that only ``torch.export`` captures is applied without
 example inputs by making inputs of that signature for the capture alone.
 
+A plan with data-parallel replicas or tensor-parallel shards (``mesh.dp`` or ``mesh.tp > 1``,
+what ``strategy="auto"`` may choose) runs on ``dp x pp x tp`` devices
+(``partitioner.plans.placement``). A tensor-parallel plan's stages list *merged* layers
+(the tensor-parallel front merges each column/row pair, ``('3', '4')``, so that no stage
+boundary cuts one; a merged layer takes its first member's name). Rather than trusting the
+file's shard specs, the model is planned again by that front with the plan's fixed settings
+(degree, split, chunks, checkpoint mode, schedule) and the result must equal the plan; a
+difference (another torch, other sizes, a hand edit) is refused naming the first one. The
+shapes decide the splits, so such a plan too is captured from its input signature when no
+example inputs are given.
+
 Example:
     >>> import torch
     >>> from partitioner import partition
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import reprlib
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,17 +46,23 @@ import torch
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
-from partitioner.apply_mesh import mesh_device_problem, mesh_devices, replan_tensor_parallel
 from partitioner.build import TensorParallelSetup
 from partitioner.cost.devices import parse_devices
-from partitioner.errors import ExampleInputsError, PlanFormatError, PlanMismatchError
+from partitioner.errors import (
+    ExampleInputsError,
+    PartitionError,
+    PlanFormatError,
+    PlanMismatchError,
+)
 from partitioner.planning.planner import plan_request, record
 from partitioner.plans.fingerprint import differences, fingerprint
+from partitioner.plans.placement import mesh_device_problem, mesh_devices
 from partitioner.plans.plan import FORMAT, Mesh, Plan
 from partitioner.plans.spec import Spec, SpecError, read_document, resolve_spec
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
+from partitioner.tensor_parallel import plan_tensor_parallel
 
 __all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "Resolved", "check_runnable_spec"]
 
@@ -61,7 +79,7 @@ class Resolved(NamedTuple):
         request: the settled request: every device the plan runs on (``dp x pp x tp``),
             the example inputs to capture again with.
         setup: for a saved plan with ``mesh.tp > 1``, its tensor-parallel setup (re-planned
-            and checked to equal the plan, ``partitioner.apply_mesh``).
+            and checked to equal the plan).
         spec: the spec the plan was compiled from, if it was.
     """
 
@@ -113,7 +131,7 @@ def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest) -> 
     A saved plan with replicas or tensor-parallel shards (``mesh.dp`` or ``mesh.tp > 1``)
     runs on ``dp x pp x tp`` devices (``devices=None``: all ``"cpu"`` when the plan's are);
     a tensor-parallel one is planned again with its settings and must come out the same
-    (``partitioner.apply_mesh``).
+    (below).
 
     Args:
         model: the model to partition.
@@ -157,7 +175,7 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest) -> Resolved:
     settled = PlanRequest.make(devices, "auto", chunks=plan.chunks, checkpoint=plan.checkpoint,
                                balance=balance, example_inputs=inputs, example_kwargs=kwargs)
     if mesh.tp > 1:
-        setup = replan_tensor_parallel(model, plan, devices[:mesh.pp * mesh.tp], inputs,
+        setup = _replan_tensor_parallel(model, plan, devices[:mesh.pp * mesh.tp], inputs,
                                        kwargs)
         return Resolved(setup.analysis, plan, settled, setup)
     analysis = analyze(model, inputs, kwargs, need_costs=False)
@@ -170,6 +188,65 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest) -> Resolved:
             f"plan {extra[:8]}{'' if missing or extra else ' (same names, other order)'}; "
             "re-plan the model")
     return Resolved(analysis, plan, settled)
+
+
+def _replan_tensor_parallel(model: nn.Module, plan: Plan, devices: Sequence[str],
+                           example_inputs: tuple[Any, ...] | None,
+                           example_kwargs: dict[str, Any] | None) -> TensorParallelSetup:
+    """The tensor-parallel setup running the saved ``plan`` (``mesh.tp > 1``) on replica 0's
+    ``devices`` (``pp x tp`` of them): planned again with the plan's fixed settings and
+    checked to equal it.
+
+    Raises:
+        ExampleInputsError: no inputs (the shapes decide what splits).
+        PlanMismatchError: the model planned with the plan's settings gives another plan,
+            or cannot be planned with them.
+    """
+    mesh = plan.mesh or Mesh()
+    if plan.virtual_stages != 1:
+        raise PlanMismatchError(f"the plan has tp={mesh.tp} and virtual_stages="
+                                f"{plan.virtual_stages}; the tensor-parallel pipeline runs one "
+                                "model chunk per stage: re-plan the model")
+    try:
+        setup = plan_tensor_parallel(model, list(devices), mesh.tp, strategy="pipeline",
+                                     example_inputs=example_inputs,
+                                     example_kwargs=example_kwargs, chunks=plan.chunks,
+                                     checkpoint=plan.checkpoint, balance=plan.balance,
+                                     schedule=plan.schedule)
+    except ExampleInputsError:
+        raise
+    except PartitionError as error:
+        raise PlanMismatchError(f"the tensor-parallel plan (tp={mesh.tp}, balance "
+                                f"{list(plan.balance)}) does not fit this model: {error}; "
+                                "re-plan the model and save the new plan") from error
+    found = _first_difference(setup.plan, plan)
+    if found is not None:
+        raise PlanMismatchError(f"planning this model again with the tensor-parallel plan's "
+                                f"settings gives another plan: {found}; re-plan the model "
+                                "(partition or make_plan without plan=) and save the new "
+                                "plan")
+    return replace(setup, plan=plan)
+
+
+def _first_difference(made: Plan, saved: Plan) -> str | None:
+    """The first way ``made`` (planned here) differs from ``saved`` where it decides what
+    runs: stages' layers, shard specs, chunks, checkpoint mode, schedule, ``pp x tp``."""
+    made_mesh, saved_mesh = made.mesh or Mesh(), saved.mesh or Mesh()
+    if (made_mesh.pp, made_mesh.tp) != (saved_mesh.pp, saved_mesh.tp):
+        return (f"mesh pp={made_mesh.pp} tp={made_mesh.tp} here, pp={saved_mesh.pp} "
+                f"tp={saved_mesh.tp} in the plan")
+    for here, there in zip(made.stages, saved.stages):
+        if here.layers != there.layers:
+            return (f"stage {here.index} holds layers {list(here.layers)} here, "
+                    f"{list(there.layers)} in the plan")
+    for name in sorted(set(made.shard_specs) | set(saved.shard_specs)):
+        here_spec, there_spec = made.shard_specs.get(name), saved.shard_specs.get(name)
+        if here_spec != there_spec:
+            return f"shard_specs[{name!r}] is {here_spec} here, {there_spec} in the plan"
+    for key in ("chunks", "checkpoint", "schedule", "capture"):
+        if getattr(made, key) != getattr(saved, key):
+            return f"{key}={getattr(made, key)!r} here, {getattr(saved, key)!r} in the plan"
+    return None
 
 
 def _check_source(source: Any) -> None:
@@ -222,7 +299,8 @@ def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
     asked = request.asked()
     mesh = plan.mesh or Mesh()
     if (mesh.dp, mesh.tp) != (1, 1):
-        problem = mesh_device_problem(plan, request.devices)
+        problem = mesh_device_problem(plan, request.devices,
+                                      parse_devices(list(plan.devices)))
         if problem is not None:
             problems.append(problem)
     elif request.devices and list(request.devices) != parse_devices(list(plan.devices)):

@@ -130,7 +130,7 @@ def test_a_hand_made_plan_without_fingerprint_applies_by_layer_names() -> None:
 
 
 def test_hand_made_tensor_parallel_plans_are_checked_not_trusted() -> None:
-    """A tensor-parallel plan runs (tests/partitioner/test_apply_mesh.py) once the
+    """A tensor-parallel plan runs (tests/partitioner/test_apply_parallel_plans.py) once the
     tensor-parallel front, given its settings, makes the same plan; this one lists the
     layers unmerged and no shard specs."""
     stages = (Stage(0, "cpu", tuple(str(k) for k in range(7))),)
@@ -144,7 +144,7 @@ def test_hand_made_tensor_parallel_plans_are_checked_not_trusted() -> None:
 def test_export_captured_plan_applies_exactly(tmp_path: Path) -> None:
     model = gpt2().eval()
     ids = torch.randint(0, 64, (4, 16))
-    # A pipeline plan (saved tensor-parallel plans: tests/partitioner/test_apply_mesh.py).
+    # A pipeline plan (saved tensor-parallel plans: tests/partitioner/test_apply_parallel_plans.py).
     first = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(ids,), chunks=2)
     again = partition(model, None, plan=_saved(tmp_path, first.plan), example_inputs=(ids,))
     assert again.plan == first.plan and again.plan.capture == "export"

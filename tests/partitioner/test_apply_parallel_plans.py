@@ -1,4 +1,4 @@
-"""Tests of partitioner/apply_mesh.py (and apply.py, api.route): saved plans with replicas or
+"""Tests of partitioner/apply.py, plans/placement.py and api.route: saved plans with replicas or
 tensor-parallel shards apply again exactly, with or without example inputs, and plans that
 do not fit the call or the model are refused naming the value and the fix."""
 
