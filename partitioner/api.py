@@ -22,7 +22,7 @@ from typing import Any, overload
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
-from partitioner.apply import resolve_plan
+from partitioner.apply import check_runnable_spec, resolve_plan
 from partitioner.build import (
     TensorParallelSetup,
     build_pipeline,
@@ -185,11 +185,14 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                virtual_stages=virtual_stages, memory_reserve=memory_reserve,
                                precision=precision, loss_scale=loss_scale, mesh=mesh)
     if plan is not None:
-        analysis, made, request = resolve_plan(model, plan, request)
-        made = planned_precision(made, precision)
-        request = request.with_changes(precision=made.precision, loss_scale=loss_scale)
+        resolved = resolve_plan(model, plan, request)
+        check_runnable_spec(resolved)
+        made = planned_precision(resolved.plan, precision)
+        settled = resolved.request.with_changes(precision=made.precision,
+                                                loss_scale=loss_scale)
         check_precision(made.precision, loss_scale)
-        return build_pipeline(model, analysis, made, request)
+        routed = route(model, resolved.analysis, made, settled, resolved.setup)
+        return build(model, resolved.analysis, routed, settled)
     analysis, made = _planned(model, request)
     return build(model, analysis, route(model, analysis, made, request), request)
 
@@ -274,20 +277,23 @@ class Replicas:
     setup: TensorParallelSetup | None = None
 
 
-def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
-          ) -> Plan | TensorParallelSetup | Replicas:
+def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
+          setup: TensorParallelSetup | None = None) -> Plan | TensorParallelSetup | Replicas:
     """Where a plan for this machine goes: the one place that picks the runtime.
 
     A pipeline plan (``dp = tp = 1``) is built as it is. A tensor-parallel choice of
     ``strategy="auto"`` is planned again by the tensor-parallel front (its layers are
     merged so no stage boundary cuts a column/row pair) with the chosen degree,
-    micro-batches, checkpoint mode and schedule, and keeps the search's candidates. A
-    choice with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
+    micro-batches, checkpoint mode and schedule, and keeps the search's candidates; a saved
+    tensor-parallel plan comes with its ``setup`` already (``partitioner.apply``). A
+    plan with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
     replica ``r`` on the ``r``-th group of ``pp x tp`` devices.
     """
     mesh = plan.mesh or Mesh()
     if mesh.tp == 1:
         return plan if mesh.dp == 1 else Replicas(plan)
+    if setup is not None:
+        return setup if mesh.dp == 1 else Replicas(setup.plan, setup)
     width = mesh.pp * mesh.tp
     setup = plan_tensor_parallel(model, list(request.devices)[:width], mesh.tp,
                                  strategy="auto",

@@ -12,6 +12,17 @@ inputs (with the example batch's input signature) and the bytes each stage sends
 micro-batch. A plan of a model that only ``torch.export`` captures is applied without
 example inputs by making inputs of that signature for the capture alone.
 
+A plan with data-parallel replicas or tensor-parallel shards (``mesh.dp`` or ``mesh.tp > 1``,
+what ``strategy="auto"`` may choose) runs on ``dp x pp x tp`` devices
+(``partitioner.plans.placement``). A tensor-parallel plan's stages list *merged* layers
+(the tensor-parallel front merges each column/row pair, ``('3', '4')``, so that no stage
+boundary cuts one; a merged layer takes its first member's name). Rather than trusting the
+file's shard specs, the model is planned again by that front with the plan's fixed settings
+(degree, split, chunks, checkpoint mode, schedule) and the result must equal the plan; a
+difference (another torch, other sizes, a hand edit) is refused naming the first one. The
+shapes decide the splits, so such a plan too is captured from its input signature when no
+example inputs are given.
+
 Example:
     >>> import torch
     >>> from partitioner import partition
@@ -26,27 +37,74 @@ from __future__ import annotations
 
 import itertools
 import reprlib
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
+from partitioner.build import TensorParallelSetup
 from partitioner.cost.devices import parse_devices
-from partitioner.errors import ExampleInputsError, PlanFormatError, PlanMismatchError
+from partitioner.errors import (
+    ExampleInputsError,
+    PartitionError,
+    PlanFormatError,
+    PlanMismatchError,
+)
 from partitioner.planning.planner import plan_request, record
 from partitioner.plans.fingerprint import differences, fingerprint
+from partitioner.plans.placement import mesh_device_problem, mesh_devices
 from partitioner.plans.plan import FORMAT, Mesh, Plan
 from partitioner.plans.spec import Spec, SpecError, read_document, resolve_spec
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
+from partitioner.tensor_parallel import plan_tensor_parallel
 
-__all__ = ["PlanMismatchError", "load_plan", "resolve_plan"]
+__all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "Resolved", "check_runnable_spec"]
 
 PlanSource = str | Path | Plan | Spec | dict[str, Any]
+
+
+class Resolved(NamedTuple):
+    """What ``partition`` builds from ``plan=``.
+
+    Attributes:
+        analysis: the captured model (for a tensor-parallel plan, with its layers merged as
+            the plan's stages list them).
+        plan: the plan to run (a saved plan as it was saved).
+        request: the settled request: every device the plan runs on (``dp x pp x tp``),
+            the example inputs to capture again with.
+        setup: for a saved plan with ``mesh.tp > 1``, its tensor-parallel setup (re-planned
+            and checked to equal the plan).
+        spec: the spec the plan was compiled from, if it was.
+    """
+
+    analysis: Analysis
+    plan: Plan
+    request: PlanRequest
+    setup: TensorParallelSetup | None = None
+    spec: Spec | None = None
+
+
+def check_runnable_spec(resolved: Resolved) -> None:
+    """Refuse to run a plan compiled from a spec that gives ``mesh`` dp or tp > 1: the
+    spec's stages are planned as one pipeline and its mesh only recorded (make_plan). The
+    replicas ``strategy="auto"`` chooses for a spec without a mesh run as a fresh plan's.
+
+    Raises:
+        SpecError: the spec asks for ``dp`` or ``tp > 1``.
+    """
+    asked = resolved.spec.mesh if resolved.spec is not None else {}
+    mesh = resolved.plan.mesh or Mesh()
+    if (asked.get("dp", 1), asked.get("tp", 1)) != (1, 1):
+        raise SpecError(f"the spec's mesh dp={mesh.dp}, tp={mesh.tp} is recorded in the plan "
+                        "but partition runs specs as pipelines (dp = tp = 1); drop 'mesh' "
+                        "from the spec, pass tensor_parallel= to partition, or save the plan "
+                        "strategy='auto' makes and apply that")
 
 
 def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
@@ -67,9 +125,13 @@ def load_plan(source: str | Path | dict[str, Any]) -> Plan | Spec:
     return Spec.from_dict(data)
 
 
-def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest
-                 ) -> tuple[Analysis, Plan, PlanRequest]:
+def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest) -> Resolved:
     """The analysis, plan and settled request ``partition`` builds from ``plan=``.
+
+    A saved plan with replicas or tensor-parallel shards (``mesh.dp`` or ``mesh.tp > 1``)
+    runs on ``dp x pp x tp`` devices (``devices=None``: all ``"cpu"`` when the plan's are);
+    a tensor-parallel one is planned again with its settings and must come out the same
+    (below).
 
     Args:
         model: the model to partition.
@@ -85,12 +147,11 @@ def resolve_plan(model: nn.Module, source: PlanSource, request: PlanRequest
     _check_source(source)
     given = source if isinstance(source, (Plan, Spec)) else load_plan(source)
     if isinstance(given, Spec):
-        return _compile(model, given, request)
+        return Resolved(*_compile(model, given, request), spec=given)
     return _apply(model, given, request)
 
 
-def _apply(model: nn.Module, plan: Plan, request: PlanRequest
-           ) -> tuple[Analysis, Plan, PlanRequest]:
+def _apply(model: nn.Module, plan: Plan, request: PlanRequest) -> Resolved:
     problems = _call_conflicts(plan, request)
     if plan.fingerprint is not None:
         found = differences(plan.fingerprint, fingerprint(model))
@@ -103,7 +164,20 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest
     if problems:
         raise PlanMismatchError("the call disagrees with the plan it applies:\n"
                                 + "\n".join(f"  - {p}" for p in problems))
+    _check_executable(plan)
     inputs, kwargs = _capture_inputs(model, plan, request)
+    mesh = plan.mesh or Mesh()
+    if (mesh.dp, mesh.tp) == (1, 1):
+        devices = list(plan.devices)
+        balance: tuple[int, ...] | None = plan.balance
+    else:
+        devices, balance = mesh_devices(plan, request.devices), None
+    settled = PlanRequest.make(devices, "auto", chunks=plan.chunks, checkpoint=plan.checkpoint,
+                               balance=balance, example_inputs=inputs, example_kwargs=kwargs)
+    if mesh.tp > 1:
+        setup = _replan_tensor_parallel(model, plan, devices[:mesh.pp * mesh.tp], inputs,
+                                       kwargs)
+        return Resolved(setup.analysis, plan, settled, setup)
     analysis = analyze(model, inputs, kwargs, need_costs=False)
     names = analysis.layer_names
     if names != list(plan.layers):
@@ -113,11 +187,66 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest
             f"the plan's layers are not this model's: missing here {missing[:8]}, not in the "
             f"plan {extra[:8]}{'' if missing or extra else ' (same names, other order)'}; "
             "re-plan the model")
-    _check_executable(plan)
-    settled = PlanRequest.make(list(plan.devices), "auto", chunks=plan.chunks,
-                               checkpoint=plan.checkpoint, balance=plan.balance,
-                               example_inputs=inputs, example_kwargs=kwargs)
-    return analysis, plan, settled
+    return Resolved(analysis, plan, settled)
+
+
+def _replan_tensor_parallel(model: nn.Module, plan: Plan, devices: Sequence[str],
+                           example_inputs: tuple[Any, ...] | None,
+                           example_kwargs: dict[str, Any] | None) -> TensorParallelSetup:
+    """The tensor-parallel setup running the saved ``plan`` (``mesh.tp > 1``) on replica 0's
+    ``devices`` (``pp x tp`` of them): planned again with the plan's fixed settings and
+    checked to equal it.
+
+    Raises:
+        ExampleInputsError: no inputs (the shapes decide what splits).
+        PlanMismatchError: the model planned with the plan's settings gives another plan,
+            or cannot be planned with them.
+    """
+    mesh = plan.mesh or Mesh()
+    if plan.virtual_stages != 1:
+        raise PlanMismatchError(f"the plan has tp={mesh.tp} and virtual_stages="
+                                f"{plan.virtual_stages}; the tensor-parallel pipeline runs one "
+                                "model chunk per stage: re-plan the model")
+    try:
+        setup = plan_tensor_parallel(model, list(devices), mesh.tp, strategy="pipeline",
+                                     example_inputs=example_inputs,
+                                     example_kwargs=example_kwargs, chunks=plan.chunks,
+                                     checkpoint=plan.checkpoint, balance=plan.balance,
+                                     schedule=plan.schedule)
+    except ExampleInputsError:
+        raise
+    except PartitionError as error:
+        raise PlanMismatchError(f"the tensor-parallel plan (tp={mesh.tp}, balance "
+                                f"{list(plan.balance)}) does not fit this model: {error}; "
+                                "re-plan the model and save the new plan") from error
+    found = _first_difference(setup.plan, plan)
+    if found is not None:
+        raise PlanMismatchError(f"planning this model again with the tensor-parallel plan's "
+                                f"settings gives another plan: {found}; re-plan the model "
+                                "(partition or make_plan without plan=) and save the new "
+                                "plan")
+    return replace(setup, plan=plan)
+
+
+def _first_difference(made: Plan, saved: Plan) -> str | None:
+    """The first way ``made`` (planned here) differs from ``saved`` where it decides what
+    runs: stages' layers, shard specs, chunks, checkpoint mode, schedule, ``pp x tp``."""
+    made_mesh, saved_mesh = made.mesh or Mesh(), saved.mesh or Mesh()
+    if (made_mesh.pp, made_mesh.tp) != (saved_mesh.pp, saved_mesh.tp):
+        return (f"mesh pp={made_mesh.pp} tp={made_mesh.tp} here, pp={saved_mesh.pp} "
+                f"tp={saved_mesh.tp} in the plan")
+    for here, there in zip(made.stages, saved.stages):
+        if here.layers != there.layers:
+            return (f"stage {here.index} holds layers {list(here.layers)} here, "
+                    f"{list(there.layers)} in the plan")
+    for name in sorted(set(made.shard_specs) | set(saved.shard_specs)):
+        here_spec, there_spec = made.shard_specs.get(name), saved.shard_specs.get(name)
+        if here_spec != there_spec:
+            return f"shard_specs[{name!r}] is {here_spec} here, {there_spec} in the plan"
+    for key in ("chunks", "checkpoint", "schedule", "capture"):
+        if getattr(made, key) != getattr(saved, key):
+            return f"{key}={getattr(made, key)!r} here, {getattr(saved, key)!r} in the plan"
+    return None
 
 
 def _check_source(source: Any) -> None:
@@ -136,14 +265,18 @@ def _check_source(source: Any) -> None:
 def _capture_inputs(model: nn.Module, plan: Plan, request: PlanRequest
                     ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
     """The inputs to capture the model with: the caller's, or for a plan of a model that
-    only ``torch.export`` captures, inputs made from the plan's input signature."""
+    only ``torch.export`` captures (or a tensor-parallel plan, whose splits the shapes
+    decide), inputs made from the plan's input signature."""
     given = request.example_inputs, dict(request.example_kwargs or {}) or None
-    if plan.capture != "export" or given != (None, None):
+    tp = (plan.mesh or Mesh()).tp
+    if (plan.capture != "export" and tp == 1) or given != (None, None):
         return given
     signature = plan.planner.signature if plan.planner is not None else None
     if signature is None:
+        why = ("captured with torch.export, which runs the model" if plan.capture == "export"
+               else f"split over tp={tp} ranks, which the inputs' shapes decide")
         raise ExampleInputsError(
-            "the plan's model is captured with torch.export, which runs the model, and the "
+            f"the plan's model is {why}, and the "
             "plan records no input signature (it predates them, or was written by hand); "
             "pass example_inputs=(x,) with one batch, or save the plan again")
     if signature.opaque:
@@ -164,7 +297,13 @@ def _home(model: nn.Module) -> torch.device:
 def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
     problems = []
     asked = request.asked()
-    if request.devices and list(request.devices) != parse_devices(list(plan.devices)):
+    mesh = plan.mesh or Mesh()
+    if (mesh.dp, mesh.tp) != (1, 1):
+        problem = mesh_device_problem(plan, request.devices,
+                                      parse_devices(list(plan.devices)))
+        if problem is not None:
+            problems.append(problem)
+    elif request.devices and list(request.devices) != parse_devices(list(plan.devices)):
         problems.append(f"devices={[str(d) for d in request.devices]} but the plan runs on "
                         f"{list(plan.devices)}; pass devices=None (or the plan's) to apply it "
                         "as saved")
@@ -181,11 +320,6 @@ def _call_conflicts(plan: Plan, request: PlanRequest) -> list[str]:
 
 
 def _check_executable(plan: Plan) -> None:
-    mesh = plan.mesh or Mesh()
-    if (mesh.dp, mesh.tp) != (1, 1):
-        raise PlanMismatchError(f"the plan's mesh has dp={mesh.dp}, tp={mesh.tp}; this "
-                                "partitioner runs pipeline plans (dp = tp = 1) in one process; "
-                                "use make_plan to inspect it, or set dp and tp to 1")
     problem = runtime_problem(plan.schedule, Runtime.ONE_PROCESS)
     if problem is not None:
         raise PlanMismatchError(f"the plan's {problem}; set its schedule to one of those")
@@ -221,8 +355,11 @@ def _compile(model: nn.Module, spec: Spec, request: PlanRequest
                                calibrate=request.calibrate, schedule=schedule,
                                virtual_stages=request.virtual_stages,
                                memory_reserve=request.memory_reserve)
-    made = plan_request(analysis, settled)
-    mesh = Mesh(spec.mesh.get("dp", 1), len(made.stages), spec.mesh.get("tp", 1))
+    # A spec's tensor-parallel rules are recorded, not searched over: auto keeps tp = 1
+    # (and may still choose data-parallel replicas, run like a fresh plan's).
+    made = plan_request(analysis, settled, tp_degrees=())
+    chosen_mesh = made.mesh or Mesh(1, len(made.devices), 1)
+    mesh = Mesh(spec.mesh.get("dp", chosen_mesh.dp), chosen_mesh.pp, spec.mesh.get("tp", 1))
     made = replace(made, strategy="spec" if spec.fixes_split else made.strategy,
                    schedule=spec.schedule or made.schedule, notes=(*made.notes, *notes),
                    mesh=mesh, shard_specs=shards)

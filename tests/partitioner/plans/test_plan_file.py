@@ -12,6 +12,7 @@ from torch import nn
 
 from partitioner import Plan, partition
 from partitioner.apply import PlanMismatchError
+from partitioner.errors import ExampleInputsError
 from partitioner.plans.plan import Mesh, PlanFormatError, ShardSpec, Stage
 
 
@@ -129,10 +130,16 @@ def test_a_hand_made_plan_without_fingerprint_applies_by_layer_names() -> None:
         partition(model, None, plan=wrong)
 
 
-def test_plans_that_the_runtime_cannot_run_are_refused() -> None:
+def test_hand_made_tensor_parallel_plans_are_checked_not_trusted() -> None:
+    """A tensor-parallel plan runs (tests/partitioner/test_apply_parallel_plans.py) once the
+    tensor-parallel front, given its settings, makes the same plan; this one lists the
+    layers unmerged and no shard specs."""
     stages = (Stage(0, "cpu", tuple(str(k) for k in range(7))),)
-    with pytest.raises(PlanMismatchError, match="tp=2"):
-        partition(mlp(), None, plan=Plan("x", ("cpu",), stages, mesh=Mesh(1, 1, 2)))
+    plan = Plan("x", ("cpu",), stages, mesh=Mesh(1, 1, 2))
+    with pytest.raises(ExampleInputsError, match="tp=2"):
+        partition(mlp(), None, plan=plan)
+    with pytest.raises(PlanMismatchError, match="tp=2.*does not fit this model.*re-plan"):
+        partition(mlp(), None, plan=plan, example_inputs=(torch.randn(4, 12),))
     pm = partition(mlp(), None, plan=Plan("x", ("cpu",), stages, schedule="1f1b"))
     assert pm.pipeline().schedule_kind.name == "1f1b"  # every schedule runs here
     pm.close()
@@ -141,7 +148,7 @@ def test_plans_that_the_runtime_cannot_run_are_refused() -> None:
 def test_export_captured_plan_applies_exactly(tmp_path: Path) -> None:
     model = gpt2().eval()
     ids = torch.randint(0, 64, (4, 16))
-    # A pipeline plan: applying a saved tensor-parallel plan is not supported yet.
+    # A pipeline plan (saved tensor-parallel plans: tests/partitioner/test_apply_parallel_plans.py).
     first = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(ids,), chunks=2)
     again = partition(model, None, plan=_saved(tmp_path, first.plan), example_inputs=(ids,))
     assert again.plan == first.plan and again.plan.capture == "export"

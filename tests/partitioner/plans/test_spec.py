@@ -63,6 +63,7 @@ def test_spec_without_split_is_planned_optimally() -> None:
     planned = make_plan(ResidualCNN(), None, example_inputs=(X,), plan=spec)
     direct = make_plan(ResidualCNN(), ["cpu"] * 3, example_inputs=(X,), chunks=2)
     assert planned.balance == direct.balance and planned.strategy == direct.strategy
+    # Regression: auto's choice of replicas was recorded with the spec's mesh (dp=1).
     assert planned.mesh == direct.mesh and planned.schedule == direct.schedule
 
 

@@ -1,0 +1,149 @@
+"""The three one-process wrappers ``partition`` may return (a pipeline, tensor parallelism,
+data-parallel replicas) stand in for the model alike where a user would notice: the model's
+train/eval mode, its state-dict keys and a round trip, ``.plan``, ``close()``, ``step()``.
+(tests/runtime/test_module.py and test_local.py hold the pipeline's own versions.)"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from tp_models import batch_for, gpt2
+
+from partitioner import make_plan, partition
+from partitioner.errors import ClosedError
+from partitioner.plans.plan import Mesh, Plan
+from partitioner.runtime.module import PartitionedModule
+from partitioner.runtime.replicas import ReplicatedModule
+from partitioner.runtime.tensor_parallel.module import TensorParallelModule
+from partitioner.runtime.wrapper import ModelWrapper
+
+KINDS = ("pipeline", "tensor_parallel", "replicas", "replicas_pipeline", "replicas_tp")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 8),
+                         nn.Tanh(), nn.Linear(8, 4))
+
+
+def _plan(kind: str, model: nn.Module, x: torch.Tensor) -> Plan:
+    """A plan of ``kind`` for ``model`` (replicas: a saved plan's mesh given dp=2)."""
+    if kind == "pipeline":
+        return make_plan(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=2)
+    tp = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), tensor_parallel=2)
+    tp.close()
+    if kind == "tensor_parallel":
+        return tp.plan
+    if kind == "replicas_tp":
+        return dataclasses.replace(tp.plan, mesh=Mesh(2, 1, 2))
+    if kind == "replicas_pipeline":  # each replica a pipeline of 2 stages
+        two = make_plan(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=2)
+        return dataclasses.replace(two, mesh=Mesh(2, 2, 1))
+    single = make_plan(model, ["cpu"], "pipeline", example_inputs=(x,), chunks=1,
+                       checkpoint="never")  # each replica its graph, called directly
+    return dataclasses.replace(single, mesh=Mesh(2, 1, 1))
+
+
+def _wrap(kind: str, model: nn.Module, x: torch.Tensor) -> ModelWrapper:
+    """The wrapper of ``kind`` around ``model``, built by applying a plan of it."""
+    plan = _plan(kind, model, x)
+    wrapper = partition(model, None, plan=plan, example_inputs=(x,))
+    expected = {"pipeline": PartitionedModule, "tensor_parallel": TensorParallelModule,
+                "replicas": ReplicatedModule, "replicas_pipeline": ReplicatedModule,
+                "replicas_tp": ReplicatedModule}[kind]
+    assert isinstance(wrapper, expected)
+    assert wrapper.plan == plan
+    return wrapper
+
+
+def _grads(wrapper: ModelWrapper, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradient of every parameter of the model, by its name, whole."""
+    holder = wrapper.module if isinstance(wrapper, ReplicatedModule) else wrapper
+    if isinstance(holder, TensorParallelModule):
+        grads = {k: holder.full_tensor(k, grad=True) for k, _ in model.named_parameters()}
+        return {k: g for k, g in grads.items() if g is not None}
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("training", [True, False])
+def test_starts_in_the_models_mode(kind: str, training: bool) -> None:
+    model, x = _model().train(training), torch.randn(6, 8)
+    with _wrap(kind, model, x) as wrapper:
+        assert wrapper.training is training
+        assert model.training is training
+        if not training:  # no dropout: the model's outputs exactly
+            with torch.no_grad():
+                torch.testing.assert_close(wrapper(x), model(x))
+        wrapper.train(not training)
+        assert wrapper.training is not training
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_dict_has_the_models_keys_and_round_trips(kind: str) -> None:
+    model, x = _model().eval(), torch.randn(6, 8)
+    with _wrap(kind, model, x) as wrapper:
+        state = wrapper.state_dict()
+        assert list(state) == list(model.state_dict())
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value)
+        zeros = {k: torch.zeros_like(v) for k, v in state.items()}
+        wrapper.load_state_dict(zeros)
+        assert all(bool((v == 0).all()) for v in wrapper.state_dict().values())
+        with torch.no_grad():
+            assert bool((wrapper(x) == 0).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_twice_and_running_after_close_refused(kind: str) -> None:
+    model, x = _model().eval(), torch.randn(6, 8)
+    wrapper = _wrap(kind, model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapper(x), model(x))
+    wrapper.close()
+    wrapper.close()  # idempotent
+    assert wrapper.closed
+    with pytest.raises(ClosedError):
+        wrapper(x)
+    with pytest.raises(ClosedError):
+        wrapper.step(x, torch.zeros(6, 4), nn.functional.mse_loss)
+    assert list(wrapper.state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_step_gives_the_models_loss_and_gradients(kind: str, reduction: str) -> None:
+    model, x, y = _model().eval(), torch.randn(6, 8), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+        lambda out, target: nn.functional.mse_loss(out, target, reduction=reduction))
+    with _wrap(kind, model, x) as wrapper:
+        loss = wrapper.step(x, y, loss_fn, loss_reduction=reduction)
+        got = _grads(wrapper, model)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert sorted(got) == sorted(k for k, _ in reference.named_parameters())
+    for key, p in reference.named_parameters():
+        torch.testing.assert_close(got[key], p.grad, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("kind", ["tensor_parallel", "replicas"])
+def test_an_exported_model_in_eval_mode_runs_without_dropout(kind: str) -> None:
+    """The pipeline's regression (issue #12, test_module.py) for the other wrappers: GPT-2 is
+    captured with torch.export, which bakes the mode in."""
+    model = gpt2(dropout=0.1).eval()
+    ids = batch_for(model, batch=4, seq=8)
+    plan = _plan(kind, model, ids)
+    with partition(model, None, plan=plan) as wrapper:
+        assert wrapper.training is False and plan.capture == "export"
+        with torch.no_grad():
+            torch.testing.assert_close(wrapper(ids).logits, model(ids).logits)
+        wrapper.train()
+        with torch.no_grad():  # the training-mode graphs do run dropout
+            assert not torch.allclose(wrapper(ids).logits, model.eval()(ids).logits)
