@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,13 @@ from partitioner.runtime.distributed.failure import (
     start_watchdog,
 )
 from partitioner.runtime.distributed.mesh import Mesh, MeshShape, init_distributed
+from partitioner.runtime.materialize import (
+    InitFn,
+    Materializer,
+    check_initializable,
+    materialize_module,
+    on_meta,
+)
 from partitioner.runtime.distributed.model import (
     DistributedModel,
     RunSettings,
@@ -91,14 +98,19 @@ def partition_distributed(
         backend: str | None = None, strategy: str | None = None,
         cluster: Cluster | str | None = None,
         memory_reserve: float | None = None,
-        virtual_stages: int | None = None) -> DistributedModel:
+        virtual_stages: int | None = None, init_fn: InitFn | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
     from torchrun's environment when it is not started yet.
 
     Args:
-        model: the whole model, built identically on every rank (same seed or weights).
+        model: the whole model, built identically on every rank (same seed or weights), or
+            built on the meta device (``with torch.device("meta"):``) when it does not fit
+            one device: each rank then materializes only its stage (or its slice of it, one
+            layer at a time) on its device, initialized deterministically whatever the mesh
+            (``partitioner.runtime.materialize``); fill it from a file with
+            :meth:`DistributedModel.load`. Design: ``docs/design/009-meta-models.md``.
         example_inputs: one local batch (what one replica's ``step`` receives); needed to
             cost the layers unless the split is fixed, and for ``torch.export`` capture.
         example_kwargs: keyword inputs of that batch.
@@ -143,6 +155,9 @@ def partition_distributed(
         virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``): the model
             is cut into ``pp * v`` stages, rank ``j`` runs stages ``j, j + pp, ...``
             (default: the plan's, else 1).
+        init_fn: for a meta-built model: ``init_fn(module)`` fills one module's own
+            tensors (default: the module's ``reset_parameters()``), run with the random
+            generator seeded from ``seed`` and the module's name.
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -156,6 +171,7 @@ def partition_distributed(
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    materializer = _materializer(model, init_fn, seed)
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
                          memory_reserve)
@@ -227,12 +243,14 @@ def partition_distributed(
                            int(bucket_mb * 2**20), seed, made.to_dict(), virtual)
     mesh = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
+    ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     if virtual > 1:
-        stages = {k: _rank_stage(graphs[k], model, None, mesh, info.device)[0]
+        stages = {k: _rank_stage(graphs[k], model, None, mesh, info.device, materializer)[0]
                   for k in range(mesh.stage, len(graphs), shape.pp)}
         shards = None
     else:
-        stage, shards = _rank_stage(graphs[mesh.stage], model, shard_plan, mesh, info.device)
+        stage, shards = _rank_stage(graphs[mesh.stage], model, shard_plan, mesh, info.device,
+                                    materializer)
         stages = {mesh.stage: stage}
     if fuse_weight_grads:
         for graph in stages.values():
@@ -241,7 +259,28 @@ def partition_distributed(
     return assemble(model, made, graphs, stages if virtual > 1 else stages[mesh.stage],
                     mesh, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
-                    watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
+                    watchdog=watchdog, shards=shards, batched=info.backend == "nccl",
+                    ties=ties)
+
+
+def _materializer(model: nn.Module, init_fn: InitFn | None, seed: int
+                  ) -> Callable[[torch.device], Materializer] | None:
+    """For a meta-built model, what builds the rank's real tensors (after checking every
+    module can be initialized); ``None`` for a real model.
+
+    Raises:
+        InitError: a module holding meta tensors has no ``reset_parameters()`` and no
+            ``init_fn`` is given.
+        StrategyError: ``init_fn`` is given for a model that is not on the meta device.
+    """
+    if not on_meta(model):
+        if init_fn is not None:
+            raise StrategyError("init_fn= initializes a model built on the meta device, but "
+                                "this model's tensors are real; drop init_fn= or build the "
+                                "model under torch.device('meta')")
+        return None
+    check_initializable(model, init_fn)
+    return lambda device: Materializer(model, device, seed=seed, init_fn=init_fn)
 
 
 def _auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: int | None,
@@ -428,15 +467,22 @@ def _check_layers(analysis: Analysis, plan: Plan) -> None:
 
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
-                mesh: Mesh, device: torch.device
+                mesh: Mesh, device: torch.device,
+                materializer: Callable[[torch.device], Materializer] | None = None
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
-    ranks, the rank's slice with collectives on the stage replica's tp group."""
+    ranks, the rank's slice with collectives on the stage replica's tp group. A meta-built
+    stage is materialized on the device (a split one layer by layer, each rank keeping
+    its slice)."""
+    made = materializer(device) if materializer is not None else None
     if shard_plan is None:
+        if made is not None:
+            materialize_module(graph, made)
         return route_module_randomness(graph.to(device)).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
+    source = made.tensor if made is not None else None
     stage = route_module_randomness(
-        shard_stage(graph, model, shard_plan, mesh.shard, device)).graph_module
+        shard_stage(graph, model, shard_plan, mesh.shard, device, source)).graph_module
     setattr(stage, COMM_ATTR, comm)
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)
 

@@ -55,6 +55,7 @@ __all__ = [
     "TensorParallelExecutionError",
     "ClosedError",
     "ReplicaError",
+    "InitError",
 ]
 
 
@@ -351,3 +352,11 @@ class ReplicaError(PartitionError, ValueError):
     """A call that data-parallel replicas in one process cannot split or join (a batch
     smaller than the replicas, outputs without a batch dimension, an unknown loss
     reduction)."""
+
+
+# Raised by partitioner.runtime.materialize.
+
+
+class InitError(PartitionError, TypeError):
+    """A model built on the meta device that cannot be initialized: a module holding tensors
+    without ``reset_parameters()`` and no ``init_fn``."""

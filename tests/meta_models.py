@@ -1,0 +1,57 @@
+"""The model the meta-device tests build (on the meta device or for real) and its data.
+
+Four Megatron pairs (Linear 256 -> 1024, GELU, Linear 1024 -> 256) after a LayerNorm:
+about 2.1 M parameters, 16.8 MB in float64, so that a rank's share of it is measurable
+against the process's resident memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["WIDTH", "HIDDEN", "PAIRS", "build", "batches", "loss_fn", "train_whole",
+           "param_bytes"]
+
+WIDTH, HIDDEN, PAIRS = 256, 1024, 4
+
+
+def build() -> nn.Sequential:
+    """The model, on the current default device and dtype (``torch.device("meta")``)."""
+    layers: list[nn.Module] = [nn.LayerNorm(WIDTH)]
+    for _ in range(PAIRS):
+        layers += [nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)]
+    return nn.Sequential(*layers)
+
+
+def batches(steps: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` (input, target) batches, the same in every process."""
+    generator = torch.Generator().manual_seed(1234)
+    return [(torch.randn(batch, WIDTH, generator=generator, dtype=torch.float64),
+             torch.randn(batch, WIDTH, generator=generator, dtype=torch.float64))
+            for _ in range(steps)]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error (a mean: the pipeline weights micro-batches by their rows)."""
+    return F.mse_loss(out, target)
+
+
+def train_whole(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
+                lr: float = 0.1) -> list[float]:
+    """Full-batch SGD on the unpartitioned model (the reference); returns the losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
