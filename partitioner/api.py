@@ -34,6 +34,7 @@ from partitioner.planning.planner import plan_request, record, shardable_degrees
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
+from partitioner.runtime.materialize import InitFn, materializer_for
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
@@ -53,7 +54,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...
+              memory_reserve: float | None = ..., init_fn: InitFn | None = ...,
+              seed: int = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -69,7 +71,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               calibrate: bool = ...,
               tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
               virtual_stages: int | None = ...,
-              memory_reserve: float | None = ...) -> TensorParallelModule: ...
+              memory_reserve: float | None = ..., init_fn: InitFn | None = ...,
+              seed: int = ...) -> TensorParallelModule: ...
 
 
 def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -82,7 +85,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               calibrate: bool = False,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
-              memory_reserve: float | None = None
+              memory_reserve: float | None = None, init_fn: InitFn | None = None,
+              seed: int = 0
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -125,6 +129,12 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             the most of 4, 3, 2 that leaves every chunk a layer; ``"auto"`` searches them).
         memory_reserve: the share of each device's memory (or of ``memory_limit``) plans
             leave unused, in ``[0, 1)``; default 0.10.
+        init_fn: for a model built on the meta device (``with torch.device("meta"):``, a
+            pipeline only): ``init_fn(module)`` fills one module's own tensors as each
+            stage is built on its device (default: the module's ``reset_parameters()``;
+            ``partitioner.runtime.materialize``).
+        seed: the base seed of a meta-built model's initialization (module ``name`` draws
+            from a seed of ``(seed, name)``: the same values whatever the split).
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -136,6 +146,9 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         PartitionError: a subclass naming the offending value and a fix.
     """
     _check_model(model)
+    materializer = materializer_for(model, init_fn, seed)
+    if materializer is not None and tensor_parallel is not None:
+        raise StrategyError(_META_PIPELINE_ONLY.format(what="tensor_parallel= was given"))
     if tensor_parallel is not None:
         if plan is not None or calibrate:
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
@@ -159,9 +172,21 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                virtual_stages=virtual_stages, memory_reserve=memory_reserve)
     if plan is not None:
         analysis, made, request = resolve_plan(model, plan, request)
-        return build_pipeline(model, analysis, made, request)
+        return build_pipeline(model, analysis, made, request, materializer)
     analysis, made = _planned(model, request)
-    return build(model, analysis, route(model, analysis, made, request), request)
+    routed = route(model, analysis, made, request)
+    if materializer is None:
+        return build(model, analysis, routed, request)
+    if not isinstance(routed, Plan):
+        raise StrategyError(_META_PIPELINE_ONLY.format(
+            what=f"the search chose dp={made.mesh.dp if made.mesh else 1}, "
+                 f"tp={made.mesh.tp if made.mesh else 1}"))
+    return build_pipeline(model, analysis, routed, request, materializer)
+
+
+_META_PIPELINE_ONLY = (
+    "a model built on the meta device runs in one process as a pipeline only, but {what}; "
+    "pass strategy='pipeline' (or use partition_distributed for tensor and data parallelism)")
 
 
 def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -65,10 +65,9 @@ from partitioner.runtime.distributed.failure import (
 from partitioner.runtime.distributed.mesh import Mesh, MeshShape, init_distributed
 from partitioner.runtime.materialize import (
     InitFn,
-    Materializer,
-    check_initializable,
+    MaterializerFactory,
     materialize_module,
-    on_meta,
+    materializer_for,
 )
 from partitioner.runtime.distributed.model import (
     DistributedModel,
@@ -171,7 +170,7 @@ def partition_distributed(
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-    materializer = _materializer(model, init_fn, seed)
+    materializer = materializer_for(model, init_fn, seed)
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
                          memory_reserve)
@@ -261,26 +260,6 @@ def partition_distributed(
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=info.backend == "nccl",
                     ties=ties)
-
-
-def _materializer(model: nn.Module, init_fn: InitFn | None, seed: int
-                  ) -> Callable[[torch.device], Materializer] | None:
-    """For a meta-built model, what builds the rank's real tensors (after checking every
-    module can be initialized); ``None`` for a real model.
-
-    Raises:
-        InitError: a module holding meta tensors has no ``reset_parameters()`` and no
-            ``init_fn`` is given.
-        StrategyError: ``init_fn`` is given for a model that is not on the meta device.
-    """
-    if not on_meta(model):
-        if init_fn is not None:
-            raise StrategyError("init_fn= initializes a model built on the meta device, but "
-                                "this model's tensors are real; drop init_fn= or build the "
-                                "model under torch.device('meta')")
-        return None
-    check_initializable(model, init_fn)
-    return lambda device: Materializer(model, device, seed=seed, init_fn=init_fn)
 
 
 def _auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: int | None,
@@ -468,7 +447,7 @@ def _check_layers(analysis: Analysis, plan: Plan) -> None:
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
                 mesh: Mesh, device: torch.device,
-                materializer: Callable[[torch.device], Materializer] | None = None
+                materializer: MaterializerFactory | None = None
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
     ranks, the rank's slice with collectives on the stage replica's tp group. A meta-built

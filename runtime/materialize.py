@@ -42,8 +42,8 @@ from torch import nn
 
 from partitioner.errors import InitError
 
-__all__ = ["InitFn", "Materializer", "materialize_module", "check_initializable", "on_meta",
-           "module_seed"]
+__all__ = ["InitFn", "Materializer", "MaterializerFactory", "materializer_for",
+           "materialize_module", "check_initializable", "on_meta", "module_seed"]
 
 InitFn = Callable[[nn.Module], None]
 """Fills one module's own parameters and buffers in place (``init_fn(module)``)."""
@@ -103,15 +103,18 @@ class Materializer:
 
     def __init__(self, model: nn.Module, device: torch.device, *, seed: int = 0,
                  init_fn: InitFn | None = None) -> None:
+        self.model = model
         self.device = torch.device(device)
         self.seed = seed
         self.init_fn = init_fn
-        self._owner: dict[int, tuple[str, str]] = {}
+        # By id, the module and attribute naming each tensor (and the tensor, kept alive so
+        # that its id names no other).
+        self._owner: dict[int, tuple[str, str, torch.Tensor]] = {}
         self._modules: dict[str, nn.Module] = {}
         for name, module in model.named_modules(remove_duplicate=False):
             self._modules.setdefault(name, module)
             for local, tensor in _own_tensors(module):
-                self._owner.setdefault(id(tensor), (name, local))
+                self._owner.setdefault(id(tensor), (name, local, tensor))
         self._last: tuple[str, nn.Module] | None = None
 
     def tensor(self, original: torch.Tensor) -> torch.Tensor:
@@ -129,7 +132,7 @@ class Materializer:
             raise InitError(f"a meta tensor of shape {tuple(original.shape)} is not one of "
                             "the model's parameters or buffers, so nothing can initialize it; "
                             "register it on a module (nn.Parameter or register_buffer)")
-        name, local = owner
+        name, local, _ = owner
         twin = self._built(name)
         value = twin._parameters.get(local)
         value = twin._buffers[local] if value is None else value
@@ -177,18 +180,60 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def materialize_module(module: nn.Module, materializer: Materializer) -> None:
+MaterializerFactory = Callable[[torch.device], Materializer]
+"""Builds the :class:`Materializer` of one device."""
+
+
+def materializer_for(model: nn.Module, init_fn: InitFn | None, seed: int
+                     ) -> MaterializerFactory | None:
+    """For a meta-built model, what builds each device's real tensors (after checking every
+    module can be initialized); ``None`` for a model whose tensors are real.
+
+    Raises:
+        InitError: a module holding meta tensors has no ``reset_parameters()`` and no
+            ``init_fn`` is given, or ``init_fn`` is given for a model that is not on the
+            meta device.
+    """
+    if not on_meta(model):
+        if init_fn is not None:
+            raise InitError("init_fn= initializes a model built on the meta device, but this "
+                            "model's tensors are real; drop init_fn= or build the model "
+                            "under torch.device('meta')")
+        return None
+    check_initializable(model, init_fn)
+    return lambda device: Materializer(model, device, seed=seed, init_fn=init_fn)
+
+
+def materialize_module(module: nn.Module, materializer: Materializer, *,
+                       everywhere: tuple[nn.Module, ...] = ()) -> None:
     """Replace every meta parameter and buffer reachable from ``module`` with its real,
-    initialized value (one tensor shared by several modules stays shared)."""
-    memo: dict[int, torch.Tensor] = {}
-    for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
-            for local, tensor in list(store.items()):
-                if tensor is None or not tensor.is_meta:
-                    continue
-                if id(tensor) not in memo:
-                    data = materializer.tensor(tensor)
-                    memo[id(tensor)] = (nn.Parameter(data, tensor.requires_grad)
-                                        if isinstance(tensor, nn.Parameter) else data)
-                store[local] = memo[id(tensor)]
+    initialized value (one tensor shared by several modules stays shared).
+
+    Args:
+        module: a stage (its modules may be the model's own).
+        materializer: builds the real tensors.
+        everywhere: more modules (the model, its captured graph) in which the same meta
+            tensors are replaced too, so that graphs cut from them later share the real ones.
+    """
+    # By id, the meta tensor (kept alive: a freed one's id may name a new tensor) and its
+    # real value.
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for store, local, tensor in _slots(module):
+        if tensor.is_meta:
+            if id(tensor) not in memo:
+                data = materializer.tensor(tensor)
+                memo[id(tensor)] = (tensor, nn.Parameter(data, tensor.requires_grad)
+                                    if isinstance(tensor, nn.Parameter) else data)
+            store[local] = memo[id(tensor)][1]
     materializer.release()
+    for root in everywhere:
+        for store, local, tensor in _slots(root):
+            if id(tensor) in memo and memo[id(tensor)][0] is tensor:
+                store[local] = memo[id(tensor)][1]
+
+
+def _slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]]:
+    """Every (store, name, tensor) of the parameters and buffers under ``root``."""
+    return [(store, local, tensor) for sub in root.modules()
+            for store in (sub._parameters, sub._buffers)
+            for local, tensor in list(store.items()) if tensor is not None]
