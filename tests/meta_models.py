@@ -1,8 +1,8 @@
 """The model the meta-device tests build (on the meta device or for real) and its data.
 
-Four Megatron pairs (Linear 256 -> 1024, GELU, Linear 1024 -> 256) after a LayerNorm:
-about 2.1 M parameters, 16.8 MB in float64, so that a rank's share of it is measurable
-against the process's resident memory.
+Four Megatron pairs (Linear 512 -> 2048, GELU, Linear 2048 -> 512) after a LayerNorm:
+about 8.4 M parameters, 67 MB in float64, so that a rank's share of it stands out against
+the noise of the process's resident memory.
 """
 
 from __future__ import annotations
@@ -14,22 +14,23 @@ from torch import nn
 __all__ = ["WIDTH", "HIDDEN", "PAIRS", "build", "batches", "loss_fn", "train_whole",
            "param_bytes"]
 
-WIDTH, HIDDEN, PAIRS = 256, 1024, 4
+WIDTH, HIDDEN, PAIRS = 512, 2048, 4
 
 
-def build() -> nn.Sequential:
+def build(width: int = WIDTH, hidden: int = HIDDEN) -> nn.Sequential:
     """The model, on the current default device and dtype (``torch.device("meta")``)."""
-    layers: list[nn.Module] = [nn.LayerNorm(WIDTH)]
+    layers: list[nn.Module] = [nn.LayerNorm(width)]
     for _ in range(PAIRS):
-        layers += [nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)]
+        layers += [nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)]
     return nn.Sequential(*layers)
 
 
-def batches(steps: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int, batch: int = 8, width: int = WIDTH
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` (input, target) batches, the same in every process."""
     generator = torch.Generator().manual_seed(1234)
-    return [(torch.randn(batch, WIDTH, generator=generator, dtype=torch.float64),
-             torch.randn(batch, WIDTH, generator=generator, dtype=torch.float64))
+    return [(torch.randn(batch, width, generator=generator, dtype=torch.float64),
+             torch.randn(batch, width, generator=generator, dtype=torch.float64))
             for _ in range(steps)]
 
 

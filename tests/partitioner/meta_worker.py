@@ -32,6 +32,12 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     data = batches(args["steps"])
+    # A small run first, so that what is measured below is the model's share, not the
+    # first call's one-time costs (process groups, code paths loaded on first use).
+    with torch.device("meta"):
+        small = build(16, 32)
+    partition_distributed(small, example_inputs=(batches(1, width=16)[0][0],), pp=args["pp"],
+                          tp=args.get("tp"), chunks=2).close()
     with torch.device("meta"):
         model = build()
     before = status_kib("VmHWM")
