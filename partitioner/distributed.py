@@ -63,18 +63,18 @@ from partitioner.runtime.distributed.failure import (
     start_watchdog,
 )
 from partitioner.runtime.distributed.mesh import Mesh, MeshShape, init_distributed
-from partitioner.runtime.materialize import (
-    InitFn,
-    MaterializerFactory,
-    materialize_module,
-    materializer_for,
-)
 from partitioner.runtime.distributed.model import (
     DistributedModel,
     RunSettings,
     assemble,
     find_ties,
     model_device,
+)
+from partitioner.runtime.materialize import (
+    InitFn,
+    MaterializerFactory,
+    materialize_module,
+    materializer_for,
 )
 from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator

@@ -36,6 +36,7 @@ import copy
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,8 +135,10 @@ class Materializer:
                             "register it on a module (nn.Parameter or register_buffer)")
         name, local, _ = owner
         twin = self._built(name)
-        value = twin._parameters.get(local)
-        value = twin._buffers[local] if value is None else value
+        value: torch.Tensor | None = twin._parameters.get(local)
+        if value is None:
+            value = twin._buffers[local]
+        assert value is not None, "the owner map lists only tensors that are set"
         return value.detach()
 
     def release(self) -> None:
@@ -232,8 +235,9 @@ def materialize_module(module: nn.Module, materializer: Materializer, *,
                 store[local] = memo[id(tensor)][1]
 
 
-def _slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]]:
+def _slots(root: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
     """Every (store, name, tensor) of the parameters and buffers under ``root``."""
-    return [(store, local, tensor) for sub in root.modules()
-            for store in (sub._parameters, sub._buffers)
+    stores: list[dict[str, Any]] = [store for sub in root.modules()
+                                    for store in (sub._parameters, sub._buffers)]
+    return [(store, local, tensor) for store in stores
             for local, tensor in list(store.items()) if tensor is not None]
