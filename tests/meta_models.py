@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WIDTH", "HIDDEN", "PAIRS", "build", "batches", "loss_fn", "train_whole",
+__all__ = ["WIDTH", "HIDDEN", "PAIRS", "build", "build_tied", "batches", "loss_fn", "train_whole",
            "param_bytes"]
 
 WIDTH, HIDDEN, PAIRS = 512, 2048, 4
@@ -23,6 +23,17 @@ def build(width: int = WIDTH, hidden: int = HIDDEN) -> nn.Sequential:
     for _ in range(PAIRS):
         layers += [nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)]
     return nn.Sequential(*layers)
+
+
+def build_tied(width: int = WIDTH) -> nn.Sequential:
+    """Five square Linear layers, the last one's weight tied to the first's (the pipeline
+    puts them on different ranks)."""
+    layers: list[nn.Module] = []
+    for _ in range(5):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    model = nn.Sequential(*layers[:-1])
+    model[8].weight = model[0].weight
+    return model
 
 
 def batches(steps: int, batch: int = 8, width: int = WIDTH

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 import torch
-from meta_models import batches, build, loss_fn
+from meta_models import batches, build, build_tied, loss_fn
 
 from partitioner import partition_distributed
 
@@ -39,7 +39,7 @@ def main() -> None:
     partition_distributed(small, example_inputs=(batches(1, width=16)[0][0],), pp=args["pp"],
                           tp=args.get("tp"), chunks=2).close()
     with torch.device("meta"):
-        model = build()
+        model = build_tied() if args.get("tied") else build()
     before = status_kib("VmHWM")
     dpm = partition_distributed(
         model, example_inputs=(data[0][0],), pp=args["pp"], tp=args.get("tp"),

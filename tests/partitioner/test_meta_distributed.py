@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from distributed_harness import launch, results
-from meta_models import batches, build, param_bytes, train_whole
+from meta_models import batches, build, build_tied, param_bytes, train_whole
 
 from partitioner import make_plan
 from partitioner.errors import MemoryLimitError
@@ -21,10 +21,10 @@ WORKER = Path(__file__).with_name("meta_worker.py")
 STEPS = 3
 
 
-def _whole_model(path: Path) -> torch.nn.Module:
+def _whole_model(path: Path, tied: bool = False) -> torch.nn.Module:
     """The model with real weights, its state dict saved to ``path`` (what ranks load)."""
     torch.manual_seed(0)
-    model = build().double()
+    model = (build_tied() if tied else build()).double()
     torch.save(model.state_dict(), path)
     return model
 
@@ -34,7 +34,7 @@ def _run(tmp_path: Path, pp: int, tp: int, **extra: Any) -> tuple[list[dict[str,
     """Train the meta-built model on ``pp x tp`` ranks from the whole model's weights file;
     return every rank's record and the whole model trained alike, in this process."""
     weights, saved = tmp_path / "whole.pt", tmp_path / "trained.pt"
-    model = _whole_model(weights)
+    model = _whole_model(weights, bool(extra.get("tied")))
     args = dict(pp=pp, tp=tp, steps=STEPS, weights=str(weights), save=str(saved), **extra)
     runs = launch(WORKER, pp * tp, [json.dumps(args)], timeout=300)
     records = [r[0] for r in results(runs)]
@@ -81,3 +81,12 @@ def test_meta_model_trains_on_two_stages_of_two_tensor_parallel_ranks(tmp_path: 
     records, model = _run(tmp_path, pp=2, tp=2)
     assert [r["stage"] for r in records] == [0, 0, 1, 1]
     _check_memory(records, model, share=0.25)
+
+
+@pytest.mark.slow
+def test_meta_model_with_a_weight_tied_across_ranks_trains_like_the_whole_model(
+        tmp_path: Path) -> None:
+    """Each rank materializes the tied weight alike; the tie's gradients are still summed
+    (the ties are found before the rank's stage gets its real tensors)."""
+    records, _ = _run(tmp_path, pp=2, tp=1, tied=True)
+    assert [r["stage"] for r in records] == [0, 1]
