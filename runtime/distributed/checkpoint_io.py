@@ -338,10 +338,10 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
         raise CheckpointError(f"{path} lacks {len(missing)} keys of this stage: "
                               f"{', '.join(missing[:8])}; it was saved from another model: "
                               "pass a file of this model's whole state dict")
-    whole = {k: data["model"][k] for k in own}
+    source = data["model"]  # a safetensors file reads a tensor on lookup: one at a time
     with torch.no_grad():
         for key, value in own.items():
-            part = shards.split({key: whole[key]})[key] if shards is not None else whole[key]
+            part = shards.split({key: source[key]})[key] if shards is not None else source[key]
             if tuple(part.shape) != tuple(value.shape):
                 raise CheckpointError(f"{path} holds {key} of shape {tuple(part.shape)} but "
                                       f"this stage's is {tuple(value.shape)}; pass a file of "
@@ -353,6 +353,6 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
                                   "optimizer=, or load without one")
         named = data["optimizer"]
         if shards is not None:
-            named = shards.split_optimizer(named, whole)
+            named = shards.split_optimizer(named, {k: source[k] for k in own})
         load_named_optimizer_state(optimizer, stage, named)
     return dict(data.get("extra") or {})

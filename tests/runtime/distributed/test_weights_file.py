@@ -13,6 +13,8 @@ from torch import nn
 from partitioner.errors import CheckpointError, PartitionError
 from partitioner.runtime.distributed.checkpoint_io import load_checkpoint
 from partitioner.runtime.distributed.weights_file import read_weights
+from partitioner.runtime.tensor_parallel.shard_state import ShardState
+from partitioner.runtime.tensor_parallel.sharding import Sharding
 
 
 def _model() -> nn.Sequential:
@@ -98,3 +100,18 @@ def test_a_file_of_something_else_is_refused(tmp_path: Path) -> None:
     torch.save([torch.zeros(2)], path)
     with pytest.raises(CheckpointError, match="neither a partitioner checkpoint nor a state"):
         load_checkpoint(path, _stage(_model()))
+
+
+def test_a_tensor_parallel_stage_keeps_its_slice_of_each_whole_tensor(tmp_path: Path) -> None:
+    """A rank of a split stage reads each whole tensor and keeps its rows (colwise)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+    path = tmp_path / "whole.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    stage = nn.Module()
+    stage.add_module("2", nn.Linear(6, 2))  # rank 1's half of the rows
+    split = Sharding("colwise", 0, 2)
+    load_checkpoint(path, stage, shards=ShardState({"2.weight": split, "2.bias": split}, 1))
+    torch.testing.assert_close(stage.get_submodule("2").weight, model[2].weight[2:])
+    torch.testing.assert_close(stage.get_submodule("2").bias, model[2].bias[2:])
