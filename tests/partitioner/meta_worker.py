@@ -36,14 +36,16 @@ def main() -> None:
     # first call's one-time costs (process groups, code paths loaded on first use).
     with torch.device("meta"):
         small = build(16, 32)
-    partition_distributed(small, example_inputs=(batches(1, width=16)[0][0],), pp=args["pp"],
-                          tp=args.get("tp"), chunks=2).close()
+    partition_distributed(small, example_inputs=(batches(1, width=16)[0][0],),
+                          pp=args.get("pp", 2), tp=args.get("tp"), chunks=2).close()
     with torch.device("meta"):
         model = build_tied() if args.get("tied") else build()
     before = status_kib("VmHWM")
     dpm = partition_distributed(
-        model, example_inputs=(data[0][0],), pp=args["pp"], tp=args.get("tp"),
-        chunks=2, memory_limit=args.get("memory_limit"), seed=args.get("seed", 0))
+        model, example_inputs=(data[0][0],), pp=args.get("pp"), tp=args.get("tp"),
+        chunks=2, strategy=args.get("strategy"), memory_limit=args.get("memory_limit"),
+        seed=args.get("seed", 0), schedule=args.get("schedule"),
+        virtual_stages=args.get("virtual_stages"))
     built = status_kib("VmHWM")
     if args.get("weights"):
         dpm.load(args["weights"])

@@ -29,14 +29,15 @@ def _whole_model(path: Path, tied: bool = False) -> torch.nn.Module:
     return model
 
 
-def _run(tmp_path: Path, pp: int, tp: int, **extra: Any) -> tuple[list[dict[str, Any]],
-                                                                  torch.nn.Module]:
-    """Train the meta-built model on ``pp x tp`` ranks from the whole model's weights file;
-    return every rank's record and the whole model trained alike, in this process."""
+def _run(tmp_path: Path, pp: int | None, tp: int | None, world: int = 0, **extra: Any
+         ) -> tuple[list[dict[str, Any]], torch.nn.Module]:
+    """Train the meta-built model on ``pp x tp`` ranks (or ``world``) from the whole
+    model's weights file; return every rank's record and the whole model trained alike,
+    in this process."""
     weights, saved = tmp_path / "whole.pt", tmp_path / "trained.pt"
     model = _whole_model(weights, bool(extra.get("tied")))
     args = dict(pp=pp, tp=tp, steps=STEPS, weights=str(weights), save=str(saved), **extra)
-    runs = launch(WORKER, pp * tp, [json.dumps(args)], timeout=300)
+    runs = launch(WORKER, world or (pp or 1) * (tp or 1), [json.dumps(args)], timeout=300)
     records = [r[0] for r in results(runs)]
     losses = train_whole(model, batches(STEPS))
     for record in records:
@@ -90,3 +91,14 @@ def test_meta_model_with_a_weight_tied_across_ranks_trains_like_the_whole_model(
     (the ties are found before the rank's stage gets its real tensors)."""
     records, _ = _run(tmp_path, pp=2, tp=1, tied=True)
     assert [r["stage"] for r in records] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    dict(pp=2, schedule="interleaved", virtual_stages=2),  # two stages per rank
+    dict(pp=None, strategy="auto"),  # whatever mesh the search chooses for two ranks
+], ids=["interleaved", "auto"])
+def test_meta_model_trains_like_the_whole_model_on_other_meshes(
+        tmp_path: Path, options: dict[str, Any]) -> None:
+    records, _ = _run(tmp_path, tp=None, world=2, **options)
+    assert len(records) == 2
