@@ -13,9 +13,10 @@ import pytest
 import torch
 from distributed_harness import launch, results
 from meta_models import batches, build, build_tied, param_bytes, train_whole
+from torch import nn
 
-from partitioner import make_plan
-from partitioner.errors import MemoryLimitError
+from partitioner import make_plan, partition_distributed
+from partitioner.errors import InitError, MemoryLimitError
 
 WORKER = Path(__file__).with_name("meta_worker.py")
 STEPS = 3
@@ -102,3 +103,28 @@ def test_meta_model_trains_like_the_whole_model_on_other_meshes(
         tmp_path: Path, options: dict[str, Any]) -> None:
     records, _ = _run(tmp_path, tp=None, world=2, **options)
     assert len(records) == 2
+
+
+class _Table(nn.Module):
+    """A module holding a parameter, without reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(3, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table.sum(0)
+
+
+def test_a_meta_model_nothing_can_initialize_is_refused_before_starting_any_rank() -> None:
+    """Refused on every rank alike, before torch.distributed starts (no world needed)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), _Table(), nn.Linear(8, 8))
+    with pytest.raises(InitError, match=r"1 \(_Table\).*init_fn=fn"):
+        partition_distributed(model, example_inputs=(torch.randn(2, 8),), pp=2)
+
+
+def test_init_fn_for_a_real_model_is_refused_before_starting_any_rank() -> None:
+    with pytest.raises(InitError, match="tensors are real"):
+        partition_distributed(nn.Linear(8, 8), example_inputs=(torch.randn(2, 8),), pp=2,
+                              init_fn=lambda module: None)
