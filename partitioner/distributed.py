@@ -131,7 +131,8 @@ def partition_distributed(
         memory_limit: bytes per stage for the planner.
         loss_reduction: how ``loss_fn`` reduces a micro-batch, ``"mean"`` or ``"sum"``.
         bucket_mb: data-parallel all-reduce bucket size, in MiB.
-        seed: base seed of the stages' dropout generators.
+        seed: base seed of the stages' dropout generators (and of a meta-built model's
+            initialization).
         failure: the watchdog's timings (see
         ``partitioner.runtime.distributed.failure.FailurePolicy``).
         fuse_weight_grads: add Linear layers' weight gradients into ``.grad`` in place, one
