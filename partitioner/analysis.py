@@ -40,6 +40,7 @@ from partitioner.passes.protect_inputs import protect_inputs
 from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.split_stages import split_stages
 from partitioner.plans.plan import Plan
+from partitioner.runtime.materialize import MaterializerFactory, materialize_module
 from partitioner.runtime.microbatch import batch_size, scatter
 
 __all__ = ["Analysis", "analyze", "recapture", "build_stage_graphs", "Regroup"]
@@ -177,8 +178,14 @@ def recapture(model: nn.Module, analysis: Analysis, training: bool,
     return fresh
 
 
-def build_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
-    """One graph per stage of ``plan``, rewritten for the runtime and moved to its device."""
+def build_stage_graphs(analysis: Analysis, plan: Plan,
+                       materializer: MaterializerFactory | None = None
+                       ) -> list[fx.GraphModule]:
+    """One graph per stage of ``plan``, rewritten for the runtime and moved to its device.
+
+    ``materializer`` (a meta-built model, ``partitioner.runtime.materialize``) builds each
+    stage's tensors on its device instead (and puts them in the model and the captured
+    graph, so that graphs cut again later share them)."""
     layer_stage = {name: stage.index for stage in plan.stages for name in stage.layers}
     gm = analysis.captured.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -196,6 +203,9 @@ def build_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
     for gm_j, device in zip(graphs, devices):
         route_dropout(gm_j)
         protect_inputs(gm_j)
+        if materializer is not None and torch.device(device).type != "meta":
+            made = materializer(torch.device(device))
+            materialize_module(gm_j, made, everywhere=(made.model, gm))
         gm_j.to(torch.device(device))
     return graphs
 

@@ -35,6 +35,7 @@ from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.precision import planned_precision
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
+from partitioner.runtime.materialize import InitFn, MaterializerFactory, materializer_for
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.precision import check_precision
 from partitioner.runtime.replicas import ReplicatedModule
@@ -56,7 +57,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
-              loss_scale: float | str | None = ..., mesh: Mesh | None = ...
+              loss_scale: float | str | None = ..., mesh: Mesh | None = ...,
+              init_fn: InitFn | None = ..., seed: int = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -73,7 +75,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
-              loss_scale: float | str | None = ..., mesh: None = ...
+              loss_scale: float | str | None = ..., mesh: None = ...,
+              init_fn: InitFn | None = ..., seed: int = ...
               ) -> TensorParallelModule: ...
 
 
@@ -88,7 +91,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
               memory_reserve: float | None = None, precision: str | None = None,
-              loss_scale: float | str | None = None, mesh: Mesh | None = None
+              loss_scale: float | str | None = None, mesh: Mesh | None = None,
+              init_fn: InitFn | None = None, seed: int = 0
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -143,6 +147,12 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         mesh: run exactly this :class:`~partitioner.plans.plan.Mesh` (``dp x pp x tp`` =
             the devices; with ``strategy="auto"`` the rest is still searched); see
             :func:`make_plan`.
+        init_fn: for a model built on the meta device (``with torch.device("meta"):``, a
+            pipeline only): ``init_fn(module)`` fills one module's own tensors as each
+            stage is built on its device (default: the module's ``reset_parameters()``;
+            ``partitioner.runtime.materialize``).
+        seed: the base seed of a meta-built model's initialization (module ``name`` draws
+            from a seed of ``(seed, name)``: the same values whatever the split).
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -157,6 +167,9 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
     check_precision("fp32" if precision is None else precision, loss_scale,
                     scaled=plan is None or precision is not None)
     _check_mesh_alone(mesh, plan=plan, tensor_parallel=tensor_parallel)
+    materializer = materializer_for(model, init_fn, seed)
+    if materializer is not None and tensor_parallel is not None:
+        raise StrategyError(_META_PIPELINE_ONLY.format(what="tensor_parallel= was given"))
     if tensor_parallel is not None:
         if precision not in (None, "fp32"):
             raise PrecisionError(f"precision={precision!r} with tensor_parallel=: the "
@@ -192,9 +205,19 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                                 loss_scale=loss_scale)
         check_precision(made.precision, loss_scale)
         routed = route(model, resolved.analysis, made, settled, resolved.setup)
-        return build(model, resolved.analysis, routed, settled)
+        return build(model, resolved.analysis, routed, settled, materializer)
+    if materializer is not None and request.strategy == "auto" and request.mesh is None \
+            and not request.fixes_split:
+        # A meta-built model is materialized stage by stage: only as a pipeline here.
+        request = request.with_changes(mesh=Mesh(1, request.n_devices, 1))
     analysis, made = _planned(model, request)
-    return build(model, analysis, route(model, analysis, made, request), request)
+    return build(model, analysis, route(model, analysis, made, request), request,
+                 materializer)
+
+
+_META_PIPELINE_ONLY = (
+    "a model built on the meta device runs in one process as a pipeline only, but {what}; "
+    "pass strategy='pipeline' (or use partition_distributed for tensor and data parallelism)")
 
 
 def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
@@ -316,13 +339,23 @@ def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
 
 
 def build(model: nn.Module, analysis: Analysis, routed: Plan | TensorParallelSetup | Replicas,
-          request: PlanRequest) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
-    """The module running a routed plan in this process."""
+          request: PlanRequest, materializer: MaterializerFactory | None = None
+          ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
+    """The module running a routed plan in this process (a meta-built model's stages made
+    real by ``materializer``: pipelines only).
+
+    Raises:
+        StrategyError: a meta-built model routed to replicas or tensor parallelism.
+    """
+    if materializer is not None and not isinstance(routed, Plan):
+        mesh = routed.plan.mesh or Mesh()
+        raise StrategyError(_META_PIPELINE_ONLY.format(
+            what=f"the plan has dp={mesh.dp}, tp={mesh.tp}"))
     if isinstance(routed, Replicas):
         return build_replicas(model, analysis, routed.plan, request, routed.setup)
     if isinstance(routed, TensorParallelSetup):
         return build_tensor_parallel(model, routed)
-    return build_pipeline(model, analysis, routed, request)
+    return build_pipeline(model, analysis, routed, request, materializer)
 
 
 def _check_mesh_alone(mesh: Mesh | None, *, plan: object = None,

@@ -33,6 +33,7 @@ from partitioner.plans.plan import Plan
 from partitioner.plans.precision import check_master_weights
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import checkpoint_stop
+from partitioner.runtime.materialize import MaterializerFactory
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.replica_copy import GraphReplica
 from partitioner.runtime.replicas import ReplicatedModule
@@ -45,17 +46,19 @@ __all__ = ["build_pipeline", "build_replicas", "build_tensor_parallel", "TensorP
 
 
 def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
-                   request: PlanRequest) -> PartitionedModule:
+                   request: PlanRequest, materializer: MaterializerFactory | None = None
+                   ) -> PartitionedModule:
     """The one-process pipeline module running ``plan`` on ``request.devices``, in the
-    plan's schedule over its virtual stages, in its precision."""
+    plan's schedule over its virtual stages, in its precision (a meta-built model's stages
+    materialized on their devices by ``materializer``)."""
     check_master_weights(model, plan.precision)
-    cache = {analysis.training: _local_stage_graphs(analysis, plan)}
+    cache = {analysis.training: _local_stage_graphs(analysis, plan, materializer)}
 
     def stage_factory(training: bool) -> list[fx.GraphModule]:
         if training not in cache:
             fresh = recapture(model, analysis, training, request.example_inputs,
                               request.kwargs)
-            cache[training] = _local_stage_graphs(fresh, plan)
+            cache[training] = _local_stage_graphs(fresh, plan, materializer)
         return cache[training]
 
     captured = analysis.captured
@@ -205,11 +208,13 @@ def _replica(module: nn.Module, graphs: GraphFactory, analysis: Analysis, plan: 
                              schedule=plan.schedule, virtual=plan.virtual_stages)
 
 
-def _local_stage_graphs(analysis: Analysis, plan: Plan) -> list[fx.GraphModule]:
+def _local_stage_graphs(analysis: Analysis, plan: Plan,
+                        materializer: MaterializerFactory | None = None
+                        ) -> list[fx.GraphModule]:
     """Stage graphs for the one-process runtime: Linear weight gradients added in place
     (``passes/fuse_weight_grads.py``; small micro-batches make the separate gradient tensor
     and its accumulation a large share of a Linear's backward)."""
-    graphs = build_stage_graphs(analysis, plan)
+    graphs = build_stage_graphs(analysis, plan, materializer)
     for graph in graphs:
         fuse_weight_grads(graph)
         route_module_randomness(graph)

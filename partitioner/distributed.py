@@ -73,6 +73,12 @@ from partitioner.runtime.distributed.model import (
     model_device,
     sharding_problem,
 )
+from partitioner.runtime.materialize import (
+    InitFn,
+    MaterializerFactory,
+    materialize_module,
+    materializer_for,
+)
 from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
@@ -97,14 +103,19 @@ def partition_distributed(
         memory_reserve: float | None = None,
         virtual_stages: int | None = None,
         optimizer_sharding: bool | None = None, precision: str | None = None,
-        mesh: PlanMesh | None = None) -> DistributedModel:
+        mesh: PlanMesh | None = None, init_fn: InitFn | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
     from torchrun's environment when it is not started yet.
 
     Args:
-        model: the whole model, built identically on every rank (same seed or weights).
+        model: the whole model, built identically on every rank (same seed or weights), or
+            built on the meta device (``with torch.device("meta"):``) when it does not fit
+            one device: each rank then materializes only its stage (or its slice of it, one
+            layer at a time) on its device, initialized deterministically whatever the mesh
+            (``partitioner.runtime.materialize``); fill it from a file with
+            :meth:`DistributedModel.load`. Design: ``docs/design/009-meta-models.md``.
         example_inputs: one local batch (what one replica's ``step`` receives); needed to
             cost the layers unless the split is fixed, and for ``torch.export`` capture.
         example_kwargs: keyword inputs of that batch.
@@ -126,7 +137,8 @@ def partition_distributed(
         memory_limit: bytes per stage for the planner.
         loss_reduction: how ``loss_fn`` reduces a micro-batch, ``"mean"`` or ``"sum"``.
         bucket_mb: data-parallel all-reduce bucket size, in MiB.
-        seed: base seed of the stages' dropout generators.
+        seed: base seed of the stages' dropout generators (and of a meta-built model's
+            initialization).
         failure: the watchdog's timings (see
         ``partitioner.runtime.distributed.failure.FailurePolicy``).
         fuse_weight_grads: add Linear layers' weight gradients into ``.grad`` in place, one
@@ -160,6 +172,9 @@ def partition_distributed(
             loss scaling) is not run across processes yet.
         mesh: ``Mesh(dp=, pp=, tp=)``, the same as passing ``dp=``, ``pp=`` and ``tp=``
             (refused beside ones that disagree).
+        init_fn: for a meta-built model: ``init_fn(module)`` fills one module's own
+            tensors (default: the module's ``reset_parameters()``), run with the random
+            generator seeded from ``seed`` and the module's name.
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -177,6 +192,7 @@ def partition_distributed(
     pp, dp, tp = mesh_degrees(mesh, pp=pp, dp=dp, tp=tp)
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     precision = distributed_precision(model, given, precision)
+    materializer = materializer_for(model, init_fn, seed)
     auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
                          checkpoint, balance, split_points, memory_limit, cluster,
                          memory_reserve)
@@ -255,12 +271,14 @@ def partition_distributed(
                            optimizer_sharding, precision)
     ranks = Mesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
+    ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     if virtual > 1:
-        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device)[0]
+        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, materializer)[0]
                   for k in range(ranks.stage, len(graphs), shape.pp)}
         shards = None
     else:
-        stage, shards = _rank_stage(graphs[ranks.stage], model, shard_plan, ranks, info.device)
+        stage, shards = _rank_stage(graphs[ranks.stage], model, shard_plan, ranks, info.device,
+                                    materializer)
         stages = {ranks.stage: stage}
     if fuse_weight_grads:
         for graph in stages.values():
@@ -269,7 +287,8 @@ def partition_distributed(
     return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
                     ranks, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
-                    watchdog=watchdog, shards=shards, batched=info.backend == "nccl")
+                    watchdog=watchdog, shards=shards, batched=info.backend == "nccl",
+                    ties=ties)
 
 
 def check_sharding(optimizer_sharding: object, dp: int | None) -> None:
@@ -466,15 +485,22 @@ def _check_layers(analysis: Analysis, plan: Plan) -> None:
 
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
-                mesh: Mesh, device: torch.device
+                mesh: Mesh, device: torch.device,
+                materializer: MaterializerFactory | None = None
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
-    ranks, the rank's slice with collectives on the stage replica's tp group."""
+    ranks, the rank's slice with collectives on the stage replica's tp group. A meta-built
+    stage is materialized on the device (a split one layer by layer, each rank keeping
+    its slice)."""
+    made = materializer(device) if materializer is not None else None
     if shard_plan is None:
+        if made is not None:
+            materialize_module(graph, made)
         return route_module_randomness(graph.to(device)).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
+    source = made.tensor if made is not None else None
     stage = route_module_randomness(
-        shard_stage(graph, model, shard_plan, mesh.shard, device)).graph_module
+        shard_stage(graph, model, shard_plan, mesh.shard, device, source)).graph_module
     setattr(stage, COMM_ATTR, comm)
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)
 

@@ -56,6 +56,7 @@ __all__ = [
     "ClosedError",
     "ReplicaError",
     "PrecisionError",
+    "InitError",
 ]
 
 
@@ -360,3 +361,11 @@ class ReplicaError(PartitionError, ValueError):
 class PrecisionError(PartitionError, ValueError):
     """An unknown ``precision=``, fp16 without a loss scaler, a loss scale without fp16, or a
     precision a runtime or model cannot honour."""
+
+
+# Raised by partitioner.runtime.materialize.
+
+
+class InitError(PartitionError, TypeError):
+    """A model built on the meta device that cannot be initialized: a module holding tensors
+    without ``reset_parameters()`` and no ``init_fn``."""

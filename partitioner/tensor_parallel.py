@@ -31,7 +31,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -309,7 +309,9 @@ def _default_device(group: Any) -> torch.device:
 
 
 def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, rank: int,
-                device: torch.device | str = "cpu") -> fx.GraphModule:
+                device: torch.device | str = "cpu",
+                source: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> fx.GraphModule:
     """Rank ``rank``'s graph of one pipeline stage (for runtimes placing stages themselves).
 
     Args:
@@ -319,13 +321,15 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
         shard_plan: from :func:`partitioner.planning.tp_rules.resolve_shardings`.
         rank: the tensor-parallel rank.
         device: where the rank's tensors go.
+        source: the whole value of a stage tensor, when the model is on the meta device
+            (``partitioner.runtime.materialize.Materializer.tensor``).
 
     Returns:
         The rank's graph; set its ``_tp_comm`` attribute to the rank's communicator
         (``partitioner.runtime.tensor_parallel.collectives.ProcessGroupCommunicator(tp_group)``).
     """
     ids = first_names(model)
-    store = ShardStore(shard_plan.shardings)
+    store = ShardStore(shard_plan.shardings, source)
     shardings = attr_shardings(stage, ids, shard_plan.shardings)
     return shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module

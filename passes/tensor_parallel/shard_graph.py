@@ -238,7 +238,9 @@ def _check_shapes(gm: fx.GraphModule, out: fx.GraphModule, prop: Propagation, tp
     problems = []
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            inputs = [pytree.tree_map(_fake, n.meta.get("val"))
+            # Shapes found on a meta-built model are on meta; the rank's tensors are real.
+            home = next((t.device for t in [*out.parameters(), *out.buffers()]), None)
+            inputs = [pytree.tree_map(lambda v: _fake(v, home), n.meta.get("val"))
                       for n in placeholders]
             seen: dict[str, Any] = {}
 
@@ -271,10 +273,12 @@ def _check_shapes(gm: fx.GraphModule, out: fx.GraphModule, prop: Propagation, tp
                         + "; ".join(problems[:5]))
 
 
-def _fake(value: Any) -> Any:
-    """Inside a fake mode: a fresh tensor of ``value``'s shape and dtype."""
+def _fake(value: Any, device: torch.device | None = None) -> Any:
+    """Inside a fake mode: a fresh tensor of ``value``'s shape and dtype (on ``device``
+    when ``value`` is on the meta device and ``device`` is given)."""
     if isinstance(value, torch.Tensor):
-        return torch.empty(tuple(value.shape), dtype=value.dtype, device=value.device)
+        where = device if value.is_meta and device is not None else value.device
+        return torch.empty(tuple(value.shape), dtype=value.dtype, device=where)
     return value
 
 

@@ -35,7 +35,7 @@ import os
 import re
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from torch import nn
 from partitioner.errors import CheckpointError, CheckpointWriteError
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.failure import undo_on_abort
+from partitioner.runtime.distributed.weights_file import read_weights
 from partitioner.runtime.distributed.zero import ShardedOptimizer
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
@@ -234,7 +235,9 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
         contributes: whether this rank sends its stage (one rank per stage: replica 0,
             shard 0); those ranks must form ``group``, which contains rank 0.
         group: the process group of the contributing ranks (ignored on the others).
-        base_state: rank 0's full model state; keys no stage holds keep these values.
+        base_state: rank 0's full model state; keys no stage holds keep these values
+            (``None`` values, a meta-built model's tensors, are dropped unless a stage holds
+            them).
         optimizer: this rank's optimizer, if its state is saved too (a sharded one gathers
             its replicas' slices: then every rank must call this).
         extra: more picklable values to store (the same on every rank).
@@ -270,6 +273,8 @@ def save_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *, contribut
                 source = next((k for k in keys if k in provided), None)
                 if source is not None:
                     model.update({key: model[source] for key in keys})
+            # A meta-built model's base holds None where no stage provided a value.
+            model = {k: v for k, v in model.items() if v is not None}
             optim = (merge_optimizer_states([p["optimizer"] for p in gathered])
                      if optimizer is not None else None)
             atomic_save({"format": FORMAT, "version": VERSION, "model": model,
@@ -284,6 +289,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as error:
         raise CheckpointError(f"no checkpoint at {path}; pass the path save() wrote") from error
+    return _checked(data, path)
+
+
+def _checked(data: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a partitioner checkpoint (format "
                               f"{data.get('format') if isinstance(data, dict) else None!r}); "
@@ -294,13 +303,29 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def _read_any(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint, or a whole-model state dict (``torch.save`` or safetensors) as one
+    without optimizer state, its tensors read only when used."""
+    data = read_weights(path)
+    if isinstance(data, dict) and "format" in data:
+        return _checked(data, path)
+    if isinstance(data, Mapping) and all(isinstance(v, torch.Tensor) for v in data.values()):
+        return {"model": data, "optimizer": None, "extra": {}}
+    raise CheckpointError(f"{path} holds a {type(data).__name__}, neither a partitioner "
+                          "checkpoint nor a state dict of tensors; pass a file written by "
+                          "save() or torch.save(model.state_dict(), path)")
+
+
 def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
                     optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None,
                     shards: ShardState | None = None) -> dict[str, Any]:
     """Load this rank's part of a checkpoint into ``stage`` (and ``optimizer``).
 
-    Every rank reads the file (a filesystem all ranks see). With ``shards`` (``stage`` is one
-    tensor-parallel rank's slice) each rank keeps its slice of every split entry.
+    Every rank reads the file (a filesystem all ranks see), only the tensors of its stage
+    (``weights_file``): a checkpoint :func:`save_checkpoint` wrote, or the whole model's
+    state dict saved with ``torch.save`` or as a ``.safetensors`` file. With ``shards``
+    (``stage`` is one tensor-parallel rank's slice) each rank keeps its slice of every split
+    entry, cutting one whole tensor at a time.
 
     Returns:
         The checkpoint's ``extra`` values.
@@ -309,24 +334,29 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
         CheckpointError: a malformed file, a key of this stage missing from it, or an
             optimizer given for a checkpoint saved without one.
     """
-    data = read_checkpoint(path)
+    data = _read_any(path)
     own = stage.state_dict()
     missing = [k for k in own if k not in data["model"]]
     if missing:
-        raise CheckpointError(f"the checkpoint lacks {len(missing)} keys of this stage "
-                              f"(first: {missing[:3]}); it was saved from another model")
-    whole = {k: data["model"][k] for k in own}
-    mine = shards.split(whole) if shards is not None else whole
+        raise CheckpointError(f"{path} lacks {len(missing)} keys of this stage: "
+                              f"{', '.join(missing[:8])}; it was saved from another model: "
+                              "pass a file of this model's whole state dict")
+    source = data["model"]  # a safetensors file reads a tensor on lookup: one at a time
     with torch.no_grad():
         for key, value in own.items():
-            value.copy_(mine[key])
+            part = shards.split({key: source[key]})[key] if shards is not None else source[key]
+            if tuple(part.shape) != tuple(value.shape):
+                raise CheckpointError(f"{path} holds {key} of shape {tuple(part.shape)} but "
+                                      f"this stage's is {tuple(value.shape)}; pass a file of "
+                                      "this model's state dict")
+            value.copy_(part)
     if optimizer is not None:
         if data.get("optimizer") is None:
             raise CheckpointError(f"{path} holds no optimizer state; save it with "
                                   "optimizer=, or load without one")
         named = data["optimizer"]
         if shards is not None:
-            named = shards.split_optimizer(named, whole)
+            named = shards.split_optimizer(named, {k: source[k] for k in own})
         if isinstance(optimizer, ShardedOptimizer):
             optimizer.load_named_state(named, _aliases(stage))
         else:

@@ -88,7 +88,10 @@ class RunSettings:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where ``model``'s first tensor lives (CPU for a model without tensors)."""
+    """Where ``model``'s first tensor lives (CPU for a model without tensors); the meta
+    device when any tensor is there (a meta-built model, this rank's stage materialized)."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return torch.device("meta")
     for tensor in list(model.parameters()) + list(model.buffers()):
         return tensor.device
     return torch.device("cpu")
@@ -98,7 +101,8 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
              stage: fx.GraphModule | Mapping[int, fx.GraphModule], mesh: Mesh,
              device: torch.device, settings: RunSettings, *, bind: Binder,
              restructure: Callable[[Any], Any], watchdog: Watchdog,
-             shards: ShardState | None = None, batched: bool = False) -> DistributedModel:
+             shards: ShardState | None = None, batched: bool = False,
+             ties: list[tuple[tuple[int, str], ...]] | None = None) -> DistributedModel:
     """This rank's :class:`DistributedModel` (collective: every rank calls it).
 
     Args:
@@ -116,6 +120,8 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
         watchdog: this process's failure watchdog.
         shards: the stage's split entries when it is split over ``tp`` ranks.
         batched: batch the point-to-point transfers (NCCL).
+        ties: :func:`find_ties` of ``graphs`` taken before this rank's stage got new
+            tensors (a meta-built model's, materialized); default: found here.
 
     Raises:
         StrategyError: If virtual stages are asked for with ``pp=1`` or tensor parallelism,
@@ -131,12 +137,14 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
                             "ranks without tensor parallelism; pass pp >= 2 and tp=1, or "
                             "virtual_stages=1")
     home = model_device(model)
-    devices = [device if k in stages else home for k in range(len(graphs))]
+    # A meta-built model's stage split over tp ranks: the unsplit graph stays on meta.
+    devices = [device if k in stages and model_device(graphs[k]).type != "meta" else home
+               for k in range(len(graphs))]
     links = PipeLinks(mesh.group("pp"), *_neighbours(mesh, ring=settings.virtual > 1),
                       device, batched=batched)
     # One module for all virtual stages: parameters, state dict and checkpoints see them all.
     held = stages[j] if len(stages) == 1 else merge_stages(stages)
-    ties = find_ties(graphs)
+    ties = find_ties(graphs) if ties is None else ties
     # A weight tied across ranks is counted by the rank of its first stage only in norms.
     not_first = frozenset(name for tie in ties if tie[0][0] % shape.pp != j
                           for k, name in tie if k in stages)
@@ -356,7 +364,8 @@ class DistributedModel(ModelWrapper):
         resumes a partitioned run from it.
         """
         contributes = self.mesh.replica == 0 and self.mesh.shard == 0
-        base = self._model.state_dict() if self.mesh.rank == 0 else {}
+        base = ({k: None if v.is_meta else v for k, v in self._model.state_dict().items()}
+                if self.mesh.rank == 0 else {})
         same: dict[int, list[str]] = {}
         for key, tensor in self._model.state_dict(keep_vars=True).items():
             same.setdefault(id(tensor), []).append(key)
@@ -369,8 +378,10 @@ class DistributedModel(ModelWrapper):
 
     def load(self, path: str | Path,
              optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None) -> None:
-        """Resume from a checkpoint written by :meth:`save` (each rank reads its part; a
-        sharded optimizer takes its replica's slice, for any number of replicas)."""
+        """Resume from a checkpoint written by :meth:`save`, or fill the stage from the
+        whole model's state dict (a ``torch.save(model.state_dict())`` file or a
+        ``.safetensors`` file): each rank reads only its stage's tensors (a sharded
+        optimizer takes its replica's slice, for any number of replicas)."""
         extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards)
         self.steps = int(extra.get("steps", 0))
 

@@ -54,10 +54,15 @@ class ShardStore:
 
     Args:
         shardings: by original name (any alias of a tied tensor); others are replicated.
+        source: the whole value of an original tensor (a meta-built model's layer,
+            materialized: ``partitioner.runtime.materialize.Materializer.tensor``); default:
+            the tensor itself.
     """
 
-    def __init__(self, shardings: dict[str, Sharding]) -> None:
+    def __init__(self, shardings: dict[str, Sharding],
+                 source: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.shardings = shardings
+        self._source = source
         self._made: dict[tuple[int, int], torch.Tensor] = {}
         self._devices: dict[tuple[int, int], torch.device] = {}
 
@@ -72,8 +77,9 @@ class ShardStore:
         key = (id(original), rank)
         if key not in self._made:
             sharding = self.shardings.get(name)
-            data = (shard_tensor(original, sharding, rank) if sharding is not None
-                    else original.detach().clone()).to(device)
+            whole = original if self._source is None else self._source(original)
+            data = (shard_tensor(whole, sharding, rank) if sharding is not None
+                    else whole.detach().clone()).to(device)
             self._made[key] = (nn.Parameter(data, original.requires_grad)
                                if isinstance(original, nn.Parameter) else data)
             self._devices[key] = device
