@@ -108,7 +108,8 @@ def test_a_default_argument_used_by_a_later_stage_matches() -> None:
     model = Scaled()
     reference = copy.deepcopy(model)
     x = torch.randn(12, 8)
-    pm = partition(model, devices=["cpu"] * 3, example_inputs=(x,), chunks=3)
+    pm = partition(model, devices=["cpu"] * 3, strategy="pipeline", example_inputs=(x,),
+                   chunks=3)
     assert "scale" in pm.pipeline().runners[2].graph_module.code
     for scale in (2.0, 0.5):
         out, expected = pm(x, scale), reference(x, scale)

@@ -39,10 +39,11 @@ def gathered_grads(pm: nn.Module, model: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize("heads, kv_heads, tp, tied, kv_kind, attention", [
     (4, 2, 2, False, "colwise", "sdpa"),    # GQA, KV heads split
-    (8, 4, 4, True, "colwise", "sdpa"),
+    pytest.param(8, 4, 4, True, "colwise", "sdpa", marks=pytest.mark.slow),
     (8, 2, 4, False, "replicate", "sdpa"),  # GQA, KV projections whole, sliced per rank
-    (4, 1, 2, True, "replicate", "sdpa"),   # MQA
-    (8, 2, 4, False, "replicate", "eager"),  # q @ k.T, softmax, @ v
+    pytest.param(4, 1, 2, True, "replicate", "sdpa", marks=pytest.mark.slow),  # MQA
+    pytest.param(8, 2, 4, False, "replicate", "eager",  # q @ k.T, softmax, @ v
+                 marks=pytest.mark.slow),
 ], ids=["gqa-tp2", "gqa-tp4-tied", "gqa-whole-kv-tp4", "mqa-tp2-tied", "eager-whole-kv-tp4"])
 def test_llama_trains_equal_to_the_unsplit_model(heads: int, kv_heads: int, tp: int,
                                                  tied: bool, kv_kind: str,

@@ -133,6 +133,7 @@ def test_step_gives_the_models_loss_and_gradients(kind: str, reduction: str) -> 
         torch.testing.assert_close(got[key], p.grad, atol=1e-5, rtol=1e-4, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tensor_parallel", "replicas"])
 def test_an_exported_model_in_eval_mode_runs_without_dropout(kind: str) -> None:
     """The pipeline's regression (issue #12, test_module.py) for the other wrappers: GPT-2 is

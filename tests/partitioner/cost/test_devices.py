@@ -146,11 +146,12 @@ def test_make_plan_and_partition_take_strings_an_int_or_a_cluster() -> None:
     x = torch.randn(4, 8)
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     assert len(make_plan(model, "cpu", example_inputs=(x,)).stages) == 1
-    assert len(make_plan(model, ["cpu", torch.device("cpu")], example_inputs=(x,)).stages) == 2
-    by_count = make_plan(model, 2, example_inputs=(x,))
+    two = ["cpu", torch.device("cpu")]
+    assert len(make_plan(model, two, "pipeline", example_inputs=(x,)).stages) == 2
+    by_count = make_plan(model, 2, "pipeline", example_inputs=(x,))
     assert [s.device.split(":")[0] for s in by_count.stages] == [kind, kind]
     here = local_cluster(["cpu"] * 3)
-    assert make_plan(model, here, example_inputs=(x,)).devices == ("cpu",) * 3
+    assert make_plan(model, here, "pipeline", example_inputs=(x,)).devices == ("cpu",) * 3
     torch.testing.assert_close(partition(model, here, example_inputs=(x,))(x), model(x))
 
 

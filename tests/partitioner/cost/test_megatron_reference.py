@@ -133,6 +133,7 @@ def test_predicted_throughput_is_within_15_percent_of_the_published(row: Row) ->
     assert row.tflops_of(prediction.step_time) == pytest.approx(row.tflops, rel=0.15)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS + HELD_OUT, ids=IDS + [f"{r.params:g}B" for r in HELD_OUT])
 def test_auto_finds_at_least_the_published_throughput(row: Row) -> None:
     workload = gpt_workload(row.shape, row.batch)

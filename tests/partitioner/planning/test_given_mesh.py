@@ -221,6 +221,7 @@ def test_llama_on_the_meta_device_plans_the_mesh() -> None:
     assert "given mesh dp=2 pp=4 tp=2" in plan.explain()
 
 
+@pytest.mark.slow
 def test_llama3_405b_shape_on_1024_h100_nodes_with_the_papers_mesh() -> None:
     """Llama 3's 405B run: 126 layers (d 16384, 128 heads, 8 KV heads, SwiGLU 53248),
     sequences of 8192 tokens, 16M tokens per step, tp 8 x pp 16 x dp 64 (the paper's
