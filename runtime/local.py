@@ -62,7 +62,7 @@ from partitioner.runtime.loss_head import (
 )
 from partitioner.runtime.microbatch import batch_size, gather, scatter
 from partitioner.runtime.precision import check_precision
-from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks
+from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks, pipeline_depth
 from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
 from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.thread_transport import ThreadTransport
@@ -305,13 +305,7 @@ def _pipeline_devices(n_stages: int, devices: list[torch.device], virtual: int
     Raises:
         ScheduleError: If the counts do not match, naming them and the fix.
     """
-    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-        raise ScheduleError(f"virtual={virtual!r}; pass the virtual stages per device, an "
-                            "int >= 1")
-    if n_stages % virtual:
-        raise ScheduleError(f"{n_stages} stages do not split into {virtual} virtual stages "
-                            f"per device; pass a multiple of {virtual} stage graphs")
-    p = n_stages // virtual
+    p = pipeline_depth(n_stages, virtual)
     if len(devices) == p:
         return devices
     if len(devices) == n_stages and all(devices[k] == devices[k % p] for k in range(n_stages)):

@@ -37,6 +37,7 @@ __all__ = [
     "clock_ticks",
     "count_problems",
     "in_flight",
+    "pipeline_depth",
     "render",
     "validate",
 ]
@@ -64,6 +65,26 @@ def count_problems(n_stages: object, n_microbatches: object, virtual: object = 1
         ),
         *_count_problem("virtual", virtual, "pass the virtual stages per stage, e.g. 2"),
     ]
+
+
+def pipeline_depth(n_stages: int, virtual: object, holder: str = "device") -> int:
+    """``P``, the pipeline's depth, from its ``n_stages = P v`` virtual stages.
+
+    Raises:
+        ScheduleError: If ``virtual`` is not an int >= 1 dividing ``n_stages``, naming it
+            and the fix (``holder``: what holds ``v`` stages, in the message).
+
+    Example:
+        >>> pipeline_depth(8, 2)
+        4
+    """
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ScheduleError(f"virtual={virtual!r}; pass the virtual stages per {holder}, an "
+                            "int >= 1")
+    if n_stages % virtual:
+        raise ScheduleError(f"{n_stages} stages do not split into {virtual} virtual stages "
+                            f"per {holder}; pass a multiple of {virtual} stages")
+    return n_stages // virtual
 
 
 def check_counts(n_stages: object, n_microbatches: object, virtual: object = 1) -> None:

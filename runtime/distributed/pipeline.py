@@ -53,7 +53,7 @@ from partitioner.runtime.loss_head import (
     to_device,
 )
 from partitioner.runtime.microbatch import batch_size, scatter
-from partitioner.runtime.schedule import Action, Phase, validate
+from partitioner.runtime.schedule import Action, Phase, pipeline_depth, validate
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem, schedule_kind
 from partitioner.runtime.stage import StageRunner
 
@@ -233,18 +233,8 @@ class DistributedPipeline:
 
 
 def _pipeline_stages(n_stages: int, virtual: int) -> int:
-    """``P``, from ``P v`` virtual stages.
-
-    Raises:
-        ScheduleError: If ``virtual`` is not a positive int dividing ``n_stages``.
-    """
-    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-        raise ScheduleError(f"virtual={virtual!r}; pass the virtual stages per rank, an "
-                            "int >= 1")
-    if n_stages % virtual:
-        raise ScheduleError(f"{n_stages} stages do not split into {virtual} virtual stages "
-                            f"per rank; pass a multiple of {virtual} stages")
-    return n_stages // virtual
+    """``P``, from ``P v`` virtual stages (``partitioner.runtime.schedule.pipeline_depth``)."""
+    return pipeline_depth(n_stages, virtual, "rank")
 
 
 def _check_held(runners: Mapping[int, StageRunner], j: int, p: int, n_stages: int) -> None:

@@ -271,7 +271,7 @@ def test_the_pipeline_refuses_schedules_that_do_not_fit(schedule: str, virtual: 
 
 def test_the_pipeline_refuses_stages_that_do_not_fill_the_virtual_stages() -> None:
     with pytest.raises(ScheduleError, match="3 stages do not split into 2 virtual stages per "
-                                            "device; pass a multiple of 2 stage graphs"):
+                                            "device; pass a multiple of 2 stages"):
         LocalPipeline(_stages(3), [torch.device("cpu")], chunks=2, schedule="interleaved",
                       virtual=2)
     with pytest.raises(ScheduleError, match="4 stages with virtual=2 need 2 devices"):
