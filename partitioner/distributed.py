@@ -163,7 +163,10 @@ def partition_distributed(
             (default: the plan's, else 1).
         optimizer_sharding: shard the optimizer state over the ``dp`` replicas (ZeRO-1,
             ``partitioner.runtime.distributed.zero``): build the optimizer with
-            ``dpm.make_optimizer(torch.optim.AdamW, lr=...)``; needs ``dp >= 2``.
+            ``dpm.make_optimizer(torch.optim.AdamW, lr=...)``; needs ``dp >= 2``. Default
+            ``None``: off, except that ``strategy="auto"`` turns it on when no
+            configuration fits memory without it (training then refuses to start until
+            the optimizer comes from ``dpm.make_optimizer``).
         precision: ``"fp32"`` or ``"bf16"`` (default: the plan's, else fp32): every stage
             computes under autocast to bf16, the values crossing ranks are bf16, the
             parameters, their gradients (reduced over replicas in fp32) and the optimizer

@@ -28,8 +28,9 @@ from partitioner import errors
 from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import Cluster
 from partitioner.cost.precision import precision_workload
-from partitioner.errors import PartitionError, StrategyError
+from partitioner.errors import MemoryLimitError, PartitionError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
+from partitioner.planning.auto import SearchResult
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
@@ -67,7 +68,8 @@ class AutoOptions:
         memory_reserve: share of each device's memory left unused.
         rules: ``tensor_parallel=`` rules (with a fixed ``tp``).
         precision: the compute precision the search costs (``partitioner.cost.precision``).
-        optimizer_sharding: ZeRO-1 fixed on or off; ``None``: searched.
+        optimizer_sharding: ZeRO-1 fixed on or off; ``None``: chosen only when no
+            configuration fits memory without it.
     """
 
     degrees: Degrees
@@ -190,12 +192,25 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     limit = min(request.memory_limit) if request.memory_limit else None
     reserve = DEFAULT_RESERVE if options.memory_reserve is None else options.memory_reserve
     capacity = capacity_of(cluster, reserve, limit)
-    result = search_world(precision_workload(analysis.workload, options.precision), cluster,
-                          options.degrees, chunks=request.chunks,
-                          checkpoint=request.checkpoint, schedule=options.schedule,
-                          capacity=capacity, check=tensor_parallel_check(model, analysis,
-                                                                         options.rules),
-                          optimizer_sharding=options.optimizer_sharding)
+    workload = analysis.workload
+
+    def searched(sharding: bool | None) -> SearchResult:
+        return search_world(precision_workload(workload, options.precision),
+                            cluster, options.degrees, chunks=request.chunks,
+                            checkpoint=request.checkpoint, schedule=options.schedule,
+                            capacity=capacity,
+                            check=tensor_parallel_check(model, analysis, options.rules),
+                            optimizer_sharding=sharding)
+
+    if options.optimizer_sharding is not None:
+        result = searched(options.optimizer_sharding)
+    else:
+        # Sharding asks the user to build the optimizer with dpm.make_optimizer: it is
+        # chosen only when nothing fits without it.
+        try:
+            result = searched(False)
+        except MemoryLimitError:
+            result = searched(None)
     plan = world_plan(result, analysis.layer_names, cluster,
                       capture=analysis.captured.method, notes=analysis.workload.notes)
     plan = record(plan, model, analysis, request, "auto")
