@@ -191,3 +191,27 @@ def test_check_refusing_every_candidate_falls_back_to_tp_1(workload: object) -> 
     result = search_world(workload.workload, cluster,
                           check=lambda c: "refused" if c in ranked else None)
     assert result.best.config not in ranked and result.best.config.tp == 1
+
+
+def test_auto_shards_the_optimizer_only_when_nothing_fits_without_it() -> None:
+    # A sharded model needs dpm.make_optimizer, so auto keeps plain data parallelism while
+    # it fits, and shards the optimizer state when only that fits (memory_limit between).
+    from partitioner.distributed_plan import AutoOptions, _search
+    from partitioner.planning.predict import predict
+    from partitioner.planning.world import Degrees
+
+    model, x = mlp(), torch.randn(16, 12)
+    cluster = world_cluster(["box"] * 2, "cpu", cpu=REFERENCE_CPU)
+    work = analyze(model, (x,)).workload
+    assert work is not None
+    least = {s: min(max(m.total for m in predict(work, cluster, c).memory)
+                    for c in configurations(work, cluster, optimizer_sharding=s)
+                    if c.dp == 2)
+             for s in (False, True)}
+    assert least[True] < least[False]
+    options = AutoOptions(Degrees(dp=2), memory_reserve=0.0)
+    plain = _search(model, (x,), None, options, cluster, torch.device("cpu"))
+    assert not plain.optimizer_sharding
+    tight = AutoOptions(Degrees(dp=2), memory_reserve=0.0,
+                        memory_limit=(least[True] + least[False]) / 2)
+    assert _search(model, (x,), None, tight, cluster, torch.device("cpu")).optimizer_sharding
