@@ -119,7 +119,7 @@ def test_user_mistakes_under_auto_are_refused_on_every_rank() -> None:
 @pytest.fixture(scope="module")
 def enumerated() -> list[list[dict[str, Any]]]:
     args = json.dumps({"model": "mlp", "batch": 4})
-    return results(launch(WORKER, 4, ["enumerate", args], timeout=600))
+    return results(launch(WORKER, 4, ["enumerate", args], timeout=1500))
 
 
 @pytest.mark.slow
