@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +84,16 @@ def test_auto_on_four_ranks_trains_like_one_process(world_of_four: Any, index: i
 
 @pytest.mark.slow
 def test_auto_without_sizes_searches_the_mesh(world_of_four: Any) -> None:
-    """Nothing fixed: the small models' best is data parallel over the 4 ranks (each
-    rank's work shrinks with the batch; a pipeline adds a bubble and transfers)."""
+    """Nothing fixed: the search fills the 4 ranks; the small MLP's best is data parallel
+    over all of them (each rank's work shrinks with the batch; a pipeline adds a bubble
+    and transfers). The GPT's batch of 8 leaves 2 rows a replica at dp=4, and the cost
+    model may prefer 2 replicas of a 2-stage pipeline (zero-bubble fills its drain)."""
     for index, case in enumerate(FOUR):
         if "fixed" not in case:
-            assert world_of_four[0][index]["mesh"][0] == 4, world_of_four[0][index]
+            record = world_of_four[0][index]
+            assert math.prod(record["mesh"]) == 4, record
+            if case["model"] == "mlp":
+                assert record["mesh"][0] == 4, record
 
 
 @pytest.mark.slow
