@@ -379,6 +379,18 @@ class Mesh:
                 mesh_dim_names=AXES)
         return self._device_mesh
 
+    def release(self) -> None:
+        """Destroy this rank's axis groups (the world's group stays up).
+
+        Each ``dist.new_group`` keeps a gloo context with its own threads and sockets until
+        it is destroyed: a process that partitions many models in turn would pile them up.
+        """
+        for group in set(self._groups.values()):
+            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+        self._groups.clear()
+        self._device_mesh = None
+
     def __repr__(self) -> str:
         return (f"Mesh(pp={self.shape.pp}, dp={self.shape.dp}, tp={self.shape.tp}; rank "
                 f"{self.rank}: stage {self.stage}, replica {self.replica}, shard {self.shard})")

@@ -421,6 +421,8 @@ class DistributedModel(ModelWrapper):
                 and (name in split or self.mesh.shard == 0)]
 
     def _release(self) -> None:
-        """Remove the data-parallel hooks (the process group stays up)."""
+        """Remove the data-parallel hooks and destroy the mesh's axis groups (the world's
+        process group stays up)."""
         if self.pipeline.reducer is not None:
             self.pipeline.reducer.close()
+        self.mesh.release()
