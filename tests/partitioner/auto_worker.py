@@ -140,7 +140,10 @@ def scenario_enumerate(args: dict[str, Any]) -> None:
         key = (c.dp, c.pp, c.tp, c.chunks, c.schedule, c.checkpoint)
         seen.setdefault(key, c.label())
     report(kind="space", executable=sorted(seen.values()), skipped=skipped)
+    mesh = args.get("mesh")  # one launch per mesh: a world's runs share no state
     for (dp, pp, tp, chunks, schedule, checkpoint), label in seen.items():
+        if mesh is not None and [dp, pp, tp] != mesh:
+            continue
         case = dict(model=name, batch=batch, steps=1, fixed=dict(
             dp=dp, pp=pp, tp=tp, chunks=chunks, schedule=schedule, checkpoint=checkpoint))
         try:

@@ -124,8 +124,16 @@ def test_user_mistakes_under_auto_are_refused_on_every_rank() -> None:
 
 @pytest.fixture(scope="module")
 def enumerated() -> list[list[dict[str, Any]]]:
-    args = json.dumps({"model": "mlp", "batch": 4})
-    return results(launch(WORKER, 4, ["enumerate", args], timeout=1500))
+    """Per rank: the space, then one record per executable configuration. Each mesh runs
+    in a world of its own (a long run of many meshes in one world once hung: see the
+    closing note of issue 13)."""
+    per_rank: list[list[dict[str, Any]]] = [[] for _ in range(4)]
+    for mesh in ([4, 1, 1], [2, 2, 1], [1, 4, 1], [2, 1, 2], [1, 2, 2], [1, 1, 4]):
+        args = json.dumps({"model": "mlp", "batch": 4, "mesh": mesh})
+        for rank, records in enumerate(results(launch(WORKER, 4, ["enumerate", args],
+                                                      timeout=600))):
+            per_rank[rank] += records if not per_rank[rank] else records[1:]
+    return per_rank
 
 
 @pytest.mark.slow
@@ -138,7 +146,8 @@ def test_every_executable_configuration_runs(enumerated: Any) -> None:
     runs = schedule_names([Runtime.MULTI_PROCESS])
     # What is skipped: schedules the runtime lacks (tensor parallelism splits this MLP
     # 2 and 4 ways, so its check refuses nothing here).
-    assert all(why.endswith(f"runs {list(runs)}") for _, why in space["skipped"])
+    assert all(why.endswith(f"runs {list(runs)}") or "tensor-parallel pipeline runs" in why
+               for _, why in space["skipped"])
     assert any(" tp=4 " in label for label in space["executable"])
     failed = []
     for rank, records in enumerate(enumerated):
