@@ -56,6 +56,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from partitioner.errors import BackwardError, LossError, ReplicaError
+from partitioner.runtime.loss_head import LOSS_REDUCTIONS
 from partitioner.runtime.microbatch import batch_size
 from partitioner.runtime.replica_copy import ReplicaTensors
 from partitioner.runtime.rng import use_generator
@@ -64,9 +65,6 @@ from partitioner.runtime.worker import Worker, shared_threads
 from partitioner.runtime.wrapper import ModelWrapper
 
 __all__ = ["ReplicatedModule", "split_batch", "join_outputs", "LOSS_REDUCTIONS"]
-
-#: How ``loss_fn`` reduces over a share's samples.
-LOSS_REDUCTIONS = ("mean", "sum")
 
 T = TypeVar("T")
 
