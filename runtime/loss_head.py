@@ -31,7 +31,7 @@ from partitioner.runtime.precision import upcast
 from partitioner.runtime.transfer import move_leaves
 
 __all__ = ["LOSS_REDUCTIONS", "LossHead", "loss_weights", "split_targets", "to_device",
-           "loss_reduction_problem"]
+           "loss_reduction_problem", "check_loss"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 """How ``loss_fn`` reduces over a micro-batch's samples."""
@@ -43,6 +43,28 @@ def loss_reduction_problem(loss_reduction: object) -> str | None:
         return None
     return (f"loss_reduction={loss_reduction!r}; use one of {LOSS_REDUCTIONS} (how loss_fn "
             "reduces over a micro-batch's samples)")
+
+
+def check_loss(loss: Any, *, training: bool = True, where: str = "the batch") -> torch.Tensor:
+    """``loss`` if it is a one-element tensor that (when ``training``) back-propagates.
+
+    A loss without a gradient (``loss_fn`` detached it, computed it under ``no_grad`` or
+    from ``.item()``) would leave every ``.grad`` as it was and the optimizer would step on
+    nothing; plain ``loss.backward()`` refuses it, and so does every wrapper's ``step``.
+
+    Raises:
+        LossError: If ``loss`` is not a one-element tensor, or does not require grad.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+        raise LossError(f"loss_fn returned {shape}; return a scalar tensor (reduce over "
+                        f"{where} with mean or sum)")
+    if training and not loss.requires_grad:
+        raise LossError(f"loss_fn returned a loss that does not require grad "
+                        f"({loss.detach().reshape(()).item():.6g}), so no gradient would "
+                        "reach the parameters; compute it from the model's outputs with "
+                        "torch operations (no .item(), .detach() or torch.no_grad())")
+    return loss
 
 
 def loss_weights(micro: Sequence[Sequence[Any]], values: Sequence[Any], loss_reduction: str
@@ -118,7 +140,8 @@ class LossHead:
 
         Raises:
             StageExecutionError: If ``loss_fn`` raises, naming the stage and micro-batch.
-            LossError: If it returns something other than a one-element tensor.
+            LossError: If it returns something other than a one-element tensor, or (training)
+                one that does not require grad.
         """
         leaves, spec = pytree.tree_flatten(out)
         detached = [leaf.detach().requires_grad_(self.training and _differentiable(leaf))
@@ -132,10 +155,8 @@ class LossHead:
                 raise StageExecutionError(
                     f"loss_fn raised on stage {stage} (micro-batch {i}): "
                     f"{type(error).__name__}: {error}", stage, i, None) from error
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                raise LossError(f"loss_fn returned {shape}; return a scalar tensor (reduce "
-                                "over the micro-batch with mean or sum)")
+            check_loss(loss, training=self.training,
+                       where="the micro-batch")
             weighted = loss.reshape(()) * self.weights[i]
         self.loss += float(weighted.detach().double().item())
         per_leaf: list[torch.Tensor | None] = [None] * len(leaves)

@@ -55,8 +55,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner.errors import BackwardError, LossError, ReplicaError
-from partitioner.runtime.loss_head import LOSS_REDUCTIONS
+from partitioner.errors import BackwardError, ReplicaError
+from partitioner.runtime.loss_head import LOSS_REDUCTIONS, check_loss
 from partitioner.runtime.microbatch import batch_size
 from partitioner.runtime.replica_copy import ReplicaTensors
 from partitioner.runtime.rng import use_generator
@@ -278,7 +278,7 @@ class ReplicatedModule(ModelWrapper):
         Raises:
             ReplicaError: an unknown ``loss_reduction``, targets without the batch's size, a
                 batch smaller than the replicas.
-            LossError: ``loss_fn`` did not return a scalar tensor.
+            LossError: ``loss_fn`` did not return a scalar tensor, or one without grad.
         """
         self._ensure_open("train")
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -315,13 +315,9 @@ class ReplicatedModule(ModelWrapper):
                 *_moved(pytree.tree_flatten(target), device))
             with torch.enable_grad():
                 loss = loss_fn(out, target)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                    raise LossError(f"loss_fn returned {shape}; return a scalar tensor "
-                                    "(reduce over the share with mean or sum)")
+                check_loss(loss, where="the share")
                 weighted = loss.reshape(()) * weights[r]
-                if weighted.requires_grad:
-                    weighted.backward()
+                weighted.backward()
             return float(weighted.detach().double().item())
 
         losses = self._run(train, list(zip(shares, target_shares)))

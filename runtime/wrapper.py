@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import ClosedError, LossError, StrategyError
-from partitioner.runtime.loss_head import loss_reduction_problem
+from partitioner.errors import ClosedError, StrategyError
+from partitioner.runtime.loss_head import check_loss, loss_reduction_problem
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["ModelWrapper", "NormCombiner", "local_norms", "GroupNorms"]
@@ -206,16 +206,14 @@ class ModelWrapper(nn.Module):
 
         Raises:
             StrategyError: If ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
-            LossError: If ``loss_fn`` does not return a one-element tensor.
+            LossError: If ``loss_fn`` does not return a one-element tensor, or returns one
+                that does not require grad.
         """
         check_loss_reduction(loss_reduction)
         self._ensure_open("train")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         loss = loss_fn(self(*args, **dict(kwargs or {})), targets)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-            raise LossError(f"loss_fn returned {shape}; return a scalar tensor (reduce over "
-                            "the batch with mean or sum)")
+        check_loss(loss, training=torch.is_grad_enabled())
         loss.backward()
         return float(loss.detach().double().item())
 

@@ -15,7 +15,7 @@ from torch import nn
 from tp_models import batch_for, gpt2
 
 from partitioner import make_plan, partition
-from partitioner.errors import ClosedError
+from partitioner.errors import ClosedError, LossError
 from partitioner.plans.plan import Mesh, Plan
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.replicas import ReplicatedModule
@@ -148,3 +148,13 @@ def test_an_exported_model_in_eval_mode_runs_without_dropout(kind: str) -> None:
         wrapper.train()
         with torch.no_grad():  # the training-mode graphs do run dropout
             assert not torch.allclose(wrapper(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_loss_without_grad_is_refused_not_a_silent_no_op(kind: str) -> None:
+    """Issue #19: a detached loss left every gradient None and step returned the loss."""
+    model, x, y = _model().eval(), torch.randn(6, 8), torch.randn(6, 4)
+    with _wrap(kind, model, x) as wrapper:
+        with pytest.raises(LossError, match="does not require grad"):
+            wrapper.step(x, y, lambda out, target: nn.functional.mse_loss(out.detach(), target))
+    assert all(p.grad is None for p in model.parameters())
