@@ -180,9 +180,11 @@ class StageRunner:
                 raise StageExecutionError(
                     f"stage {self.index} (micro-batch {i}, backward) raised "
                     f"{type(error).__name__}: {error}", self.index, i, None) from error
-        with torch.no_grad():
-            for buffer, value in zip(writes, kept):
-                buffer.copy_(value)
+        # Through ``.data``, which has a version counter of its own: a micro-batch whose
+        # forward kept its graph (1F1B runs one before this backward) saved these buffers,
+        # and a bumped counter would fail its backward although their values are back.
+        for buffer, value in zip(writes, kept):
+            buffer.data.copy_(value)
         if stash.weights is not None:
             self._weights[i] = stash.weights
         return [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
