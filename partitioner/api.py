@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, overload
 
+import torch
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
@@ -29,8 +30,29 @@ from partitioner.build import (
     build_replicas,
     build_tensor_parallel,
 )
-from partitioner.errors import DeviceError, MeshError, ModelError, PrecisionError, StrategyError
-from partitioner.planning.planner import plan_request, record, shardable_degrees
+from partitioner.errors import (
+    DeviceError,
+    MeshError,
+    ModelError,
+    PrecisionError,
+    StrategyError,
+    TuneError,
+)
+from partitioner.planning.planner import (
+    candidate_plan,
+    plan_request,
+    record,
+    shardable_degrees,
+)
+from partitioner.planning.tune import (
+    restore_state,
+    run_trials,
+    snapshot_state,
+    time_training_steps,
+    tune_count,
+    tuned_records,
+)
+from partitioner.plans.explain import tuned_line
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs
 from partitioner.plans.precision import planned_precision
 from partitioner.plans.spec import Spec
@@ -42,7 +64,7 @@ from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
 from partitioner.tensor_parallel import partition_tensor_parallel, plan_tensor_parallel
 
-__all__ = ["partition", "make_plan", "route", "STRATEGIES"]
+__all__ = ["partition", "make_plan", "route", "plan_record", "STRATEGIES"]
 
 
 @overload
@@ -58,7 +80,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
               loss_scale: float | str | None = ..., mesh: Mesh | None = ...,
-              init_fn: InitFn | None = ..., seed: int = ...
+              init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -76,7 +98,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
               loss_scale: float | str | None = ..., mesh: None = ...,
-              init_fn: InitFn | None = ..., seed: int = ...
+              init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...
               ) -> TensorParallelModule: ...
 
 
@@ -92,7 +114,7 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               schedule: str | None = None, virtual_stages: int | None = None,
               memory_reserve: float | None = None, precision: str | None = None,
               loss_scale: float | str | None = None, mesh: Mesh | None = None,
-              init_fn: InitFn | None = None, seed: int = 0
+              init_fn: InitFn | None = None, seed: int = 0, tune: bool | int = False
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -153,6 +175,13 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             ``partitioner.runtime.materialize``).
         seed: the base seed of a meta-built model's initialization (module ``name`` draws
             from a seed of ``(seed, name)``: the same values whatever the split).
+        tune: measured tuning (``partitioner.planning.tune``): ``True`` builds the 4
+            best-ranked candidates (``n``: that many), times a few training steps of each
+            on the example batch (forward, backward, Adam step; the model's weights are
+            restored afterwards) and runs the measured fastest. ``plan.candidates`` record
+            the predicted and measured step times and ``plan.explain()`` prints both; a
+            candidate that fails is skipped with its reason. Default ``False``: the cost
+            model's choice.
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -164,9 +193,11 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         PartitionError: a subclass naming the offending value and a fix.
     """
     _check_model(model)
+    count = tune_count(tune)
     check_precision("fp32" if precision is None else precision, loss_scale,
                     scaled=plan is None or precision is not None)
     _check_mesh_alone(mesh, plan=plan, tensor_parallel=tensor_parallel)
+    _check_tune_alone(count, plan=plan, tensor_parallel=tensor_parallel)
     materializer = materializer_for(model, init_fn, seed)
     if materializer is not None and tensor_parallel is not None:
         raise StrategyError(_META_PIPELINE_ONLY.format(what="tensor_parallel= was given"))
@@ -211,8 +242,84 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         # A meta-built model is materialized stage by stage: only as a pipeline here.
         request = request.with_changes(mesh=Mesh(1, request.n_devices, 1))
     analysis, made = _planned(model, request)
+    if count:
+        _check_tunable(request, analysis)
+        made = _tuned(model, analysis, made, request, count, materializer)
     return build(model, analysis, route(model, analysis, made, request), request,
                  materializer)
+
+
+def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanRequest,
+           count: int, materializer: MaterializerFactory | None) -> Plan:
+    """``made`` or the candidate measured fastest of its ``count`` best-ranked ones, its
+    candidates recording predicted and measured step times (``partitioner.planning.tune``)."""
+    inputs, kwargs = tuple(request.example_inputs or ()), request.kwargs
+    batch = analysis.workload.batch if analysis.workload is not None else 1
+    planned: dict[int, Plan] = {}
+
+    def plan_of(record: dict[str, Any]) -> Plan:
+        if record.get("chosen"):
+            return made
+        key = id(record)
+        if key not in planned:
+            planned[key] = plan_record(model, analysis, request, record)
+        return planned[key]
+
+    def measure(record: dict[str, Any]) -> float:
+        module = build(model, analysis, route(model, analysis, plan_of(record), request),
+                       request, materializer)
+        try:
+            return time_training_steps(module, inputs, kwargs, batch)
+        finally:
+            module.close()
+
+    saved = snapshot_state(model)
+    try:
+        records = list(made.candidates)
+        trials = run_trials(records, count, measure)
+        alone = records[0].get("search", {}).get("one_device") if records else None
+        if alone is not None and _on_device(model, alone["device"]):
+            records[0] = {**records[0], "search": {**records[0]["search"], "one_device": {
+                **alone, "measured_step_time": time_training_steps(model, inputs, kwargs,
+                                                                   batch)}}}
+    finally:
+        restore_state(model, saved)
+    tuned = tuned_records(records, trials)
+    index = next(i for i, r in enumerate(tuned) if r.get("chosen"))
+    base = made if index == 0 else plan_of(records[index])
+    notes = tuple(n for n in base.notes if not n.startswith(("chosen:", "tuned:")))
+    return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
+
+
+def plan_record(model: nn.Module, analysis: Analysis, request: PlanRequest,
+                candidate: dict[str, Any]) -> Plan:
+    """The recorded plan of one of a plan's candidates (its configuration fixed)."""
+    return record(candidate_plan(analysis, request, candidate["config"]), model, analysis,
+                  request, request.strategy)
+
+
+def _on_device(model: nn.Module, device: str) -> bool:
+    """Whether every tensor of ``model`` is on ``device`` (the one-device run is timed
+    as the model is, never moved)."""
+    target = torch.device(device)
+    return all(t.device == target or (target.type == t.device.type and target.index is None)
+               for t in [*model.parameters(), *model.buffers()])
+
+
+def _check_tunable(request: PlanRequest, analysis: Analysis) -> None:
+    if request.fixes_split or analysis.workload is None or not request.example_inputs:
+        raise TuneError("tune=True needs example_inputs and a split the planner chooses (it "
+                        "times the planner's candidates on the example batch); pass "
+                        "example_inputs=(x,) and drop balance=/split_points=, or tune=False")
+
+
+def _check_tune_alone(count: int, *, plan: object, tensor_parallel: object) -> None:
+    if count and plan is not None:
+        raise TuneError("tune=True and plan= given: a saved plan is applied exactly, with "
+                        "nothing to choose; pass one of them")
+    if count and tensor_parallel is not None:
+        raise TuneError("tune=True and tensor_parallel= given; pass mesh=Mesh(dp=..., "
+                        "pp=..., tp=n) with tune=True to tune the rest, or tune=False")
 
 
 _META_PIPELINE_ONLY = (
@@ -326,7 +433,10 @@ def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest
                                  memory_limit=min(request.memory_limit)
                                  if request.memory_limit else None,
                                  memory_reserve=request.memory_reserve)
+    # The step the search predicted and recorded (header, notes and explain() agree).
     chosen = replace(setup.plan, candidates=plan.candidates,
+                     predicted_step_time=plan.predicted_step_time,
+                     predicted_bubble=plan.predicted_bubble,
                      notes=(*(n for n in setup.plan.notes if not n.startswith("chosen:")),
                             *(n for n in plan.notes if n.startswith("chosen:"))),
                      planner=replace(setup.plan.planner or PlannerInputs(),

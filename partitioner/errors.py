@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "PartitionError",
+    "TuneError",
     "DeviceError",
     "StrategyError",
     "BalanceError",
@@ -369,3 +370,11 @@ class PrecisionError(PartitionError, ValueError):
 class InitError(PartitionError, TypeError):
     """A model built on the meta device that cannot be initialized: a module holding tensors
     without ``reset_parameters()`` and no ``init_fn``."""
+
+
+# Raised by partitioner.planning.tune and the fronts taking tune=.
+
+
+class TuneError(PartitionError, TypeError):
+    """A ``tune=`` that is neither a bool nor a positive int, or tuning asked where nothing
+    can be timed (no example inputs, a fixed split)."""

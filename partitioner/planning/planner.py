@@ -55,7 +55,7 @@ from partitioner.planning.manual import boundaries_from_balance, boundaries_from
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
 from partitioner.planning.reserve import MEMORY_RESERVE, describe_reserve, usable_memory
-from partitioner.planning.simulate import refine
+from partitioner.planning.simulate import predict_step
 from partitioner.planning.tp_rules import resolve_shardings
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import fingerprint
@@ -67,7 +67,8 @@ from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import GPIPE, schedule_kind
 
 __all__ = ["pipeline_plan", "auto_plan", "given_mesh_plan", "plan_from", "plan_request", "record",
-           "default_virtual", "VIRTUAL_CHOICES", "tensor_parallel_plan", "shardable_degrees"]
+           "default_virtual", "VIRTUAL_CHOICES", "tensor_parallel_plan", "shardable_degrees",
+           "candidate_plan", "one_device_record"]
 
 VIRTUAL_CHOICES = (4, 3, 2)
 """Model chunks per device ``schedule="interleaved"`` tries, most first, when not given."""
@@ -449,8 +450,7 @@ def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     prediction = predict(workload, cluster, config, boundaries, usable_memory(memory, reserve))
     if prediction.reason:
         raise MemoryLimitError(prediction.reason)
-    if cluster.is_local and cluster.spec(0).shared_speedup:
-        prediction = refine(prediction, cluster)
+    prediction = predict_step(prediction, cluster)  # the one predictor every display reads
     return plan_from(prediction, names, cluster, strategy=strategy, capture=capture,
                      notes=(*workload.notes, describe_reserve(memory, reserve)),
                      reserve=reserve)
@@ -484,6 +484,9 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
                     capacity=usable_memory(memory, reserve), schedules=schedules,
                     virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees, dp=dp)
     made = records(result, cluster)
+    alone = one_device_record(workload, cluster, usable_memory(memory, reserve))
+    if alone is not None:
+        made[0]["search"]["one_device"] = alone
     why = next(line for line in explain(made).splitlines() if line.startswith("chosen:"))
     notes = (*workload.notes, describe_reserve(memory, reserve), why)
     return plan_from(result.best, names, cluster, strategy=_kind(result.best.config, cluster),
@@ -495,3 +498,41 @@ def _kind(c: Config, cluster: Cluster) -> str:
     if c.dp == 1:
         return "pipeline" if c.tp == 1 else "tensor_parallel"
     return "replicas" if cluster.is_local else "hybrid"
+
+
+def candidate_plan(analysis: Analysis, request: PlanRequest, config: dict[str, Any]) -> Plan:
+    """The plan of one recorded candidate (``Plan.candidates[i]["config"]``): its mesh,
+    micro-batches, schedule, virtual stages and checkpoint mode fixed, the split optimal.
+
+    What measured tuning builds (``partitioner.planning.tune``); the layer costs are the
+    uncalibrated model's (a calibration is not repeated per candidate).
+
+    Raises:
+        PartitionError: a subclass, when the configuration no longer fits or runs here.
+    """
+    cluster = request.cluster or local_cluster(list(request.devices))
+    assert analysis.workload is not None, "a candidate plan without costs"
+    workload = precision_workload(analysis.workload, request.precision)
+    limit = min(request.memory_limit) if request.memory_limit else None
+    plan = auto_plan(workload, analysis.layer_names, cluster, chunks=config["chunks"],
+                     checkpoint=config["checkpoint"], capacity=limit,
+                     capture=analysis.captured.method, schedules=(config["schedule"],),
+                     virtual=config["virtual"], reserve=request.memory_reserve,
+                     dp=config["dp"], tp=config["tp"], pp=config["pp"])
+    return replace(_check_host_memory(plan, cluster), precision=request.precision)
+
+
+def one_device_record(workload: Workload, cluster: Cluster, capacity: float | None = None
+                      ) -> dict[str, Any] | None:
+    """The unpartitioned model on the cluster's first device, predicted (``None`` for a
+    one-device cluster): what ``Plan.explain()`` compares the plan with, since a plan over
+    several devices sharing one host can be slower than the model left whole."""
+    if cluster.size < 2 or not cluster.is_local:
+        return None
+    one = local_cluster([cluster.local[0]])
+    try:
+        prediction = predict(workload, one, Config(), capacity=capacity)
+    except PartitionError:
+        return None
+    return {"device": cluster.local[0], "step_time": prediction.step_time,
+            "fits": prediction.fits}

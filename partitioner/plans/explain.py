@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["explain", "format_bytes", "format_seconds", "given_mesh_line"]
+__all__ = ["explain", "format_bytes", "format_seconds", "given_mesh_line", "one_device_line",
+           "tuned_line"]
 
 
 def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = None) -> str:
@@ -23,7 +24,7 @@ def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = 
         return "no candidates were recorded (the plan was not costed by the planner)"
     info = summary if summary is not None else records[0].get("search", {})
     ranked = sorted(records, key=lambda r: r.get("rank", 0))
-    lines = []
+    lines = [line for line in (one_device_line(ranked, info),) if line]
     if info:
         lines.append(f"searched {info['considered']} configurations in "
                      f"{info['elapsed'] * 1e3:.0f} ms: {info['evaluated']} predicted in full, "
@@ -31,11 +32,14 @@ def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = 
                      f"{info['not_fitting']} not fitting memory"
                      + (f"; budget ran out, gap to lower bound {info['gap']:.1%}"
                         if info.get("timed_out") else "; exhaustive (branch and bound)"))
-    rows = [("rank", "configuration", "step", "samples/s", "bubble", "memory/device")]
+    tuned = any("measured_step_time" in r for r in ranked)
+    rows = [("rank", "configuration", "step", *(("measured",) if tuned else ()), "samples/s",
+             "bubble", "memory/device")]
     for r in ranked:
         rows.append((f"{r.get('rank', '?')}{' *' if r.get('chosen') else ''}", r["label"],
-                     format_seconds(r["step_time"]), f"{r['samples_per_second']:.4g}",
-                     f"{r['bubble']:.1%}", format_bytes(r["peak_memory"])))
+                     format_seconds(r["step_time"]), *((_measured(r),) if tuned else ()),
+                     f"{r['samples_per_second']:.4g}", f"{r['bubble']:.1%}",
+                     format_bytes(r["peak_memory"])))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     table.insert(1, "  ".join("-" * w for w in widths))
@@ -44,10 +48,63 @@ def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = 
     if memory:
         lines.append(memory)
     lines.append(_why(ranked, info))
+    if tuned:
+        lines.append(tuned_line(ranked))
     given = given_mesh_line(records[0])
     if given:
         lines.append(given)
     return "\n".join(lines)
+
+
+def one_device_line(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
+    """When the unpartitioned model on one device is predicted (or measured, after tuning)
+    faster than the plan over all the devices: a sentence saying so, else empty."""
+    alone = info.get("one_device")
+    if not alone or not ranked:
+        return ""
+    winner = next((r for r in ranked if r.get("chosen")), ranked[0])
+    devices = int(winner.get("config", {}).get("dp", 1) * winner.get("config", {}).get("tp", 1)
+                  * winner.get("config", {}).get("pp", 1))
+    measured, own = alone.get("measured_step_time"), winner.get("measured_step_time")
+    if measured is not None and own is not None:
+        if measured >= own:
+            return ""
+        how, mine, theirs = "measured", own, measured
+    elif alone.get("fits", True) and alone["step_time"] < winner["step_time"]:
+        how, mine, theirs = "predicted", winner["step_time"], alone["step_time"]
+    else:
+        return ""
+    return (f"the unpartitioned model on one device ({alone['device']}) is {how} faster than "
+            f"this plan over {devices} devices: {format_seconds(theirs)} against "
+            f"{format_seconds(mine)} per step; train it unpartitioned (the devices share "
+            "one host's cores) unless it does not fit one device's memory.")
+
+
+def tuned_line(ranked: Sequence[dict[str, Any]]) -> str:
+    """What measured tuning found: the candidates timed, the fastest, and any that failed."""
+    timed = [r for r in ranked if r.get("measured_step_time") is not None]
+    failed = [r for r in ranked if r.get("tune_error")]
+    text = f"tuned: timed {len(timed)} candidate{'s' * (len(timed) != 1)} on the example batch"
+    if timed:
+        best = min(timed, key=lambda r: r["measured_step_time"])
+        first = min(ranked, key=lambda r: r.get("rank", 0))
+        text += (f"; the measured fastest is {best['label']} at "
+                 f"{format_seconds(best['measured_step_time'])} (predicted "
+                 f"{format_seconds(best['step_time'])})")
+        if best is not first and first.get("measured_step_time") is not None:
+            slower = first["measured_step_time"] / best["measured_step_time"] - 1
+            text += (f"; the predicted best, {first['label']}, measured "
+                     f"{format_seconds(first['measured_step_time'])} ({slower:.1%} slower)")
+    for r in failed:
+        text += f"; {r['label']} was skipped ({r['tune_error']})"
+    return text + "."
+
+
+def _measured(r: dict[str, Any]) -> str:
+    if r.get("tune_error"):
+        return "failed"
+    value = r.get("measured_step_time")
+    return format_seconds(value) if value is not None else "-"
 
 
 def given_mesh_line(record: dict[str, Any]) -> str:
@@ -90,8 +147,10 @@ def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
     text = (f"chosen: {winner['label']}, predicted {format_seconds(winner['step_time'])} per step "
             f"({winner['samples_per_second']:.4g} samples/s, bubble {winner['bubble']:.1%}, "
             f"{format_bytes(winner['peak_memory'])} per device)")
+    if winner.get("measured_step_time") is not None:
+        text += f", measured {format_seconds(winner['measured_step_time'])}"
     others = [r for r in ranked if r is not winner]
-    if others:
+    if others and winner.get("measured_step_time") is None:  # tuned: the tuned line says
         text += _against(winner, others[0])
     if _shares_host(winner) and winner["config"]["pp"] > 1:
         text += ("; the devices share this machine's cores, so the bubble is not idle "

@@ -1,0 +1,184 @@
+"""Measured tuning: time the best-ranked candidates of a plan and keep the fastest.
+
+The cost model ranks the configurations; on a real machine the first few are often within
+its error of each other (thread hand-offs, allocator behaviour and cores shared by several
+``"cpu"`` devices are hard to predict to a few percent). ``partition(..., tune=True)`` then
+builds the top candidates (:data:`DEFAULT_CANDIDATES` of them, or ``tune=n``), times a few
+training steps of each on the example batch (forward, backward in the plan's schedule, an
+Adam step: what the prediction covers) and keeps the measured fastest. The plan records
+the predicted and measured step time of every candidate timed (``Plan.candidates``:
+``measured_step_time``; ``tune_error`` for one that could not run, which is skipped and
+never loses the plan), and ``Plan.explain()`` prints both.
+
+This module holds what does not depend on how a candidate is built: the validation of
+``tune=``, the timing of a module's training steps, and the bookkeeping of the records.
+The fronts (``partitioner.api``, ``partitioner.distributed``) pass a function that builds
+a candidate's module.
+
+Example:
+    >>> tune_count(True), tune_count(2), tune_count(False)
+    (4, 2, 0)
+    >>> records = [{"label": "a", "rank": 1, "chosen": True, "step_time": 1.0},
+    ...            {"label": "b", "rank": 2, "chosen": False, "step_time": 1.1}]
+    >>> tuned = tuned_records(records, [Trial(0, 0.30), Trial(1, 0.20)])
+    >>> [(r["label"], r["chosen"], r["measured_step_time"]) for r in tuned]
+    [('a', False, 0.3), ('b', True, 0.2)]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from partitioner.errors import TuneError
+
+__all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "TuneError", "Trial",
+           "tune_count", "synthetic_loss", "time_training_steps", "run_trials",
+           "tuned_records", "snapshot_state", "restore_state"]
+
+DEFAULT_CANDIDATES = 4
+"""Candidates ``tune=True`` builds and times."""
+WARMUP_STEPS = 1
+"""Untimed steps per candidate (threads, allocator and caches warm up)."""
+TIMED_STEPS = 3
+"""Timed steps per candidate; the median counts."""
+
+
+def tune_count(tune: object) -> int:
+    """How many candidates ``tune=`` asks to time: ``True`` the default 4, an int that
+    many, ``False``/``None`` none.
+
+    Raises:
+        TuneError: ``tune`` is neither a bool nor a positive int.
+    """
+    if tune is None or tune is False:
+        return 0
+    if tune is True:
+        return DEFAULT_CANDIDATES
+    if isinstance(tune, int) and tune >= 1:
+        return tune
+    raise TuneError(f"tune={tune!r}; pass True (time the {DEFAULT_CANDIDATES} best-ranked "
+                    "candidates), a positive int (time that many) or False")
+
+
+def synthetic_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    """A loss touching every floating-point output: the sum of their means (``targets``
+    unused). What tuning trains with: the step's cost hardly depends on the loss."""
+    leaves = [leaf for leaf in pytree.tree_leaves(outputs)
+              if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+              and leaf.requires_grad]
+    if not leaves:
+        raise TuneError("the model returns no floating-point tensor that requires grad, so "
+                        "no training step can be timed; pass tune=False")
+    total = leaves[0].float().mean()
+    for leaf in leaves[1:]:
+        total = total + leaf.float().mean()
+    return total
+
+
+def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
+                        kwargs: dict[str, Any] | None, batch: int, *,
+                        steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS) -> float:
+    """The median seconds of ``steps`` training steps of ``module`` on one batch.
+
+    A step is what a plan's predicted step time covers: ``zero_grad``, forward and backward
+    (``module.step`` in a partitioned module's schedule; ``loss.backward()`` for a plain
+    module) and an Adam step over the trainable parameters. The caller restores the weights
+    afterwards (:func:`snapshot_state`).
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-6)
+    targets = torch.zeros(batch)
+    times = []
+    for k in range(warmup + steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        step = getattr(module, "step", None)
+        if callable(step) and not isinstance(module, torch.optim.Optimizer) \
+                and hasattr(module, "plan"):
+            step(inputs, targets, synthetic_loss, kwargs=kwargs)
+        else:
+            synthetic_loss(module(*inputs, **dict(kwargs or {})), targets).backward()
+        optimizer.step()
+        if k >= warmup:
+            times.append(time.perf_counter() - start)
+    optimizer.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate's timing.
+
+    Attributes:
+        index: the candidate's position in the records.
+        measured: its median step time in seconds (``None``: it could not run).
+        error: why it could not run.
+    """
+
+    index: int
+    measured: float | None
+    error: str = ""
+
+
+def run_trials(records: Sequence[dict[str, Any]], count: int,
+               measure: Callable[[dict[str, Any]], float]) -> list[Trial]:
+    """Time the ``count`` best-ranked candidates with ``measure(record)``.
+
+    A candidate that fails to build or run is skipped with its error (the first line of
+    it): tuning never loses the plan.
+    """
+    order = sorted(range(len(records)), key=lambda i: records[i].get("rank", i + 1))
+    trials = []
+    for i in order[:count]:
+        try:
+            trials.append(Trial(i, measure(records[i])))
+        except Exception as error:  # any failure skips the candidate, never the plan
+            text = str(error).strip().splitlines()
+            trials.append(Trial(i, None, f"{type(error).__name__}: "
+                                         f"{text[0] if text else ''}"[:300]))
+    return trials
+
+
+def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
+                  ) -> tuple[dict[str, Any], ...]:
+    """The records with each trial's measured time (or error), the measured fastest chosen
+    (the predicted best stays chosen when no candidate ran)."""
+    out = [dict(r) for r in records]
+    for trial in trials:
+        out[trial.index]["measured_step_time"] = trial.measured
+        if trial.error:
+            out[trial.index]["tune_error"] = trial.error
+    timed = [t for t in trials if t.measured is not None]
+    if timed:
+        best = min(timed, key=lambda t: (t.measured, t.index)).index
+        for i, r in enumerate(out):
+            r["chosen"] = i == best
+    return tuple(out)
+
+
+def snapshot_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s parameters and buffers (those not on the meta device), which
+    :func:`restore_state` puts back after tuning trained candidates on them."""
+    return {name: t.detach().clone() for name, t in
+            [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+            if t.device.type != "meta"}
+
+
+@torch.no_grad()
+def restore_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put back what :func:`snapshot_state` copied and clear the gradients."""
+    tensors = dict([*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)])
+    for name, saved in state.items():
+        tensors[name].copy_(saved)
+    for p in model.parameters():
+        p.grad = None

@@ -1,0 +1,186 @@
+"""Measured tuning: ``partition(..., tune=...)`` times the best-ranked candidates and keeps
+the measured fastest (``partitioner.planning.tune``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import partitioner.api as api
+from partitioner import partition
+from partitioner.errors import PartitionError, TuneError
+from partitioner.planning.tune import (
+    Trial,
+    run_trials,
+    synthetic_loss,
+    time_training_steps,
+    tune_count,
+    tuned_records,
+)
+from partitioner.plans.explain import explain, one_device_line
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _mesh_of(module: nn.Module) -> tuple[int, int, int]:
+    mesh = module.plan.mesh
+    return (mesh.dp, mesh.pp, mesh.tp)
+
+
+@pytest.mark.parametrize("tune, count", [(True, 4), (False, 0), (None, 0), (1, 1), (7, 7)])
+def test_tune_count_accepts_bools_and_positive_ints(tune: object, count: int) -> None:
+    assert tune_count(tune) == count
+
+
+@pytest.mark.parametrize("tune", [0, -2, 1.5, "yes", [2]])
+def test_tune_count_refuses_other_values_naming_them(tune: object) -> None:
+    with pytest.raises(TuneError, match="tune=") as info:
+        tune_count(tune)
+    assert repr(tune) in str(info.value) and "positive int" in str(info.value)
+    assert isinstance(info.value, (PartitionError, TypeError))
+
+
+def test_tuned_records_choose_the_measured_fastest_and_keep_failures() -> None:
+    records = [{"label": "a", "rank": 1, "chosen": True, "step_time": 1.0},
+               {"label": "b", "rank": 2, "chosen": False, "step_time": 1.2},
+               {"label": "c", "rank": 3, "chosen": False, "step_time": 1.3}]
+    tuned = tuned_records(records, [Trial(0, 0.5), Trial(1, None, "RuntimeError: boom"),
+                                    Trial(2, 0.4)])
+    assert [r["chosen"] for r in tuned] == [False, False, True]
+    assert tuned[1]["tune_error"] == "RuntimeError: boom"
+    assert records[0]["chosen"] is True  # the input is not changed
+    untimed = tuned_records(records, [Trial(1, None, "x")])
+    assert [r["chosen"] for r in untimed] == [True, False, False]
+
+
+def test_run_trials_skips_a_failing_candidate_with_its_reason() -> None:
+    records = [{"label": "a", "rank": 2}, {"label": "b", "rank": 1}, {"label": "c", "rank": 3}]
+
+    def measure(record: dict) -> float:
+        if record["label"] == "b":
+            raise RuntimeError("out of memory\nsecond line")
+        return 1.0
+    trials = run_trials(records, 2, measure)
+    assert [(t.index, t.measured, t.error) for t in trials] == [
+        (1, None, "RuntimeError: out of memory"), (0, 1.0, "")]
+
+
+def test_synthetic_loss_refuses_outputs_without_gradients() -> None:
+    with pytest.raises(TuneError, match="no floating-point tensor"):
+        synthetic_loss((torch.ones(2, dtype=torch.long),), None)
+    x = torch.ones(2, 3, requires_grad=True)
+    assert synthetic_loss({"a": x, "b": (x * 2, torch.ones(1))}, None).item() == 3.0
+
+
+def test_time_training_steps_trains_a_plain_module() -> None:
+    model = _model()
+    before = model[0].weight.detach().clone()
+    seconds = time_training_steps(model, (torch.randn(8, 16),), None, 8, steps=2, warmup=1)
+    assert seconds > 0
+    assert not torch.equal(before, model[0].weight)  # Adam stepped
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement decides: a fake clock makes the lowest-ranked timed candidate the
+    fastest, and that candidate is the one built."""
+    model = _model()
+    x = torch.randn(16, 16)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    untuned = partition(model, ["cpu"] * 2, example_inputs=(x,))
+    ranked = sorted(untuned.plan.candidates, key=lambda r: r["rank"])[:3]
+    meshes = [(r["config"]["dp"], r["config"]["pp"], r["config"]["tp"]) for r in ranked]
+    labels = [r["label"] for r in ranked]
+    assert len(set(meshes)) >= 2, labels  # the test needs candidates of different meshes
+    target = max(range(3), key=lambda i: (meshes[i] != meshes[0], i))
+    timed: list[tuple[int, int, int]] = []
+
+    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int) -> float:
+        real = time_training_steps(module, inputs, kwargs, batch, steps=1, warmup=0)
+        assert real > 0
+        if not hasattr(module, "plan"):
+            return 10.0  # the unpartitioned model on one device
+        timed.append(_mesh_of(module))
+        return 1.0 if _mesh_of(module) == meshes[target] else 2.0
+
+    monkeypatch.setattr(api, "time_training_steps", fake)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=3)
+    assert _mesh_of(pm) == meshes[target]
+    assert len(timed) == 3
+    records = pm.plan.candidates
+    chosen = [r for r in records if r.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["measured_step_time"] == 1.0
+    assert sum("measured_step_time" in r for r in records) == 3
+    for key, value in state.items():  # tuning trained candidates on the model's weights
+        assert torch.equal(model.state_dict()[key], value), key
+    assert torch.allclose(pm(x), model(x), atol=1e-6)
+    text = pm.plan.explain()
+    header = next(line for line in text.splitlines() if line.startswith("rank"))
+    assert "measured" in header.split()  # the table gains the column
+    assert "tuned: timed 3 candidates" in text
+    assert any(n.startswith("tuned:") for n in pm.plan.notes)
+    assert not any(n.startswith("chosen:") for n in pm.plan.notes)
+
+
+def test_partition_tune_keeps_the_plan_when_a_candidate_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    x = torch.randn(16, 16)
+    calls = []
+
+    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int) -> float:
+        calls.append(module)
+        if len(calls) == 1:
+            raise RuntimeError("candidate exploded")
+        return float(len(calls))
+
+    monkeypatch.setattr(api, "time_training_steps", fake)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=2)
+    failed = [r for r in pm.plan.candidates if r.get("tune_error")]
+    assert len(failed) == 1 and "candidate exploded" in failed[0]["tune_error"]
+    assert "skipped (RuntimeError: candidate exploded)" in pm.plan.explain()
+    assert torch.allclose(pm(x), model(x), atol=1e-6)
+
+
+def test_explain_says_first_when_one_device_is_faster() -> None:
+    winner = {"label": "dp=2 tp=1 pp=1", "rank": 1, "chosen": True, "step_time": 2e-3,
+              "config": {"dp": 2, "tp": 1, "pp": 1}}
+    info = {"one_device": {"device": "cpu", "step_time": 1e-3, "fits": True}}
+    line = one_device_line([winner], info)
+    assert line.startswith("the unpartitioned model on one device (cpu) is predicted faster")
+    assert "1 ms against 2 ms" in line and "over 2 devices" in line
+    measured = {**info["one_device"], "step_time": 5e-3, "measured_step_time": 3e-3}
+    tuned = {**winner, "measured_step_time": 4e-3}
+    assert "is measured faster" in one_device_line([tuned], {"one_device": measured})
+    assert one_device_line([{**tuned, "measured_step_time": 2e-3}],
+                           {"one_device": measured}) == ""
+    assert one_device_line([winner], {"one_device": {**info["one_device"],
+                                                     "fits": False}}) == ""
+    record = {**winner, "samples_per_second": 1.0, "bubble": 0.0, "peak_memory": 1.0,
+              "pipeline_time": 2e-3, "search": {**info, "considered": 1, "evaluated": 1,
+                                               "not_executable": 0, "not_fitting": 0,
+                                               "elapsed": 0.0}}
+    assert explain([record]).splitlines()[0] == line
+
+
+def test_auto_plans_record_the_one_device_prediction() -> None:
+    pm = partition(_model(), ["cpu"] * 2, example_inputs=(torch.randn(16, 16),))
+    alone = pm.plan.candidates[0]["search"]["one_device"]
+    assert alone["device"] == "cpu" and alone["step_time"] > 0 and alone["fits"]
+
+
+def test_tune_with_a_saved_plan_or_a_fixed_split_is_refused(tmp_path) -> None:
+    model, x = _model(), torch.randn(16, 16)
+    with pytest.raises(TuneError, match="tune=True and plan= given"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), tune=True,
+                  plan={"stages": [{"device": "cpu", "layers": 4}]})
+    with pytest.raises(TuneError, match="drop balance=/split_points="):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), balance=[4, 3], tune=True)
+    with pytest.raises(TuneError, match="tune='fast'"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), tune="fast")
