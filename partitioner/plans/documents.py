@@ -87,10 +87,14 @@ def parse_json(text: str, path: str | Path, error: type[PartitionError],
     """Parse JSON text read from ``path`` (``NaN`` and ``Infinity`` are not JSON: refused).
 
     Raises:
-        error: the text is not JSON, nests too deeply, or expands too far.
+        error: the text is not JSON, writes a key twice in one object (``json.loads`` keeps
+            the last silently), nests too deeply, or expands too far.
     """
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=_refuse_constant,
+                          object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as caught:
+        raise error(f"{what} {str(path)!r} {caught}") from caught
     except json.JSONDecodeError as caught:
         raise error(f"{what} {str(path)!r} is not valid JSON: {caught}") from caught
     except ValueError as caught:
@@ -104,11 +108,12 @@ def parse_json(text: str, path: str | Path, error: type[PartitionError],
 
 def parse_yaml(text: str, path: str | Path, error: type[PartitionError],
                what: str = "spec") -> Any:
-    """Parse YAML text read from ``path`` with ``yaml.safe_load`` (no Python objects built).
+    """Parse YAML text read from ``path`` as ``yaml.safe_load`` (no Python objects built).
 
     Raises:
-        error: PyYAML is missing, or the text is not YAML, nests too deeply, or expands too
-            far (aliases).
+        error: PyYAML is missing, or the text is not YAML, writes a key twice in one mapping
+            (plain YAML keeps the last silently), nests too deeply, or expands too far
+            (aliases).
     """
     try:
         import yaml
@@ -116,13 +121,56 @@ def parse_yaml(text: str, path: str | Path, error: type[PartitionError],
         raise error(f"{what} {str(path)!r} is YAML, which needs PyYAML: pip install "
                     "'partitioner[yaml]' (or write it as JSON)") from caught
     try:
-        data = yaml.safe_load(text)
+        # A SafeLoader subclass: it builds no Python objects, as yaml.safe_load.
+        data = yaml.load(text, Loader=_unique_keys_loader(yaml))
+    except _DuplicateKey as caught:
+        raise error(f"{what} {str(path)!r} {caught}") from caught
     except yaml.YAMLError as caught:
         raise error(f"{what} {str(path)!r} is not valid YAML: {caught}") from caught
     except RecursionError as caught:
         raise error(_too_deep(f"{what} {str(path)!r}", MAX_DEPTH)) from caught
     check_document(data, f"{what} {str(path)!r}", error)
     return data
+
+
+class _DuplicateKey(ValueError):
+    """A mapping names one key twice (JSON and YAML parsers would keep the last silently)."""
+
+
+_DUPLICATE_FIX = "; a key may appear once per mapping: remove one (or merge them)"
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: a dict, refusing a key written twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"writes key {key!r} twice in one mapping{_DUPLICATE_FIX}")
+        out[key] = value
+    return out
+
+
+def _unique_keys_loader(yaml: Any) -> type:
+    """A ``yaml.SafeLoader`` that refuses a key written twice in one mapping (merge keys,
+    ``<<: *anchor``, may still be overridden)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # an unhashable key: safe_load itself refuses it
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise _DuplicateKey(f"writes key {key!r} twice in one mapping (lines "
+                                        f"{seen[key]} and {line}){_DUPLICATE_FIX}")
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def check_document(data: Any, where: str | Path, error: type[PartitionError], *,

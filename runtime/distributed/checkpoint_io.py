@@ -35,7 +35,7 @@ import os
 import re
 import socket
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -318,7 +318,9 @@ def _read_any(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
                     optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None,
-                    shards: ShardState | None = None) -> dict[str, Any]:
+                    shards: ShardState | None = None,
+                    model_keys: Collection[str] | None = None,
+                    strict: bool = True) -> dict[str, Any]:
     """Load this rank's part of a checkpoint into ``stage`` (and ``optimizer``).
 
     Every rank reads the file (a filesystem all ranks see), only the tensors of its stage
@@ -327,14 +329,29 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
     (``stage`` is one tensor-parallel rank's slice) each rank keeps its slice of every split
     entry, cutting one whole tensor at a time.
 
+    A file holding keys the whole model lacks (``model_keys``) is another model's, whose
+    weights would be loaded only in part; with ``strict`` (the default, as
+    ``nn.Module.load_state_dict``) it is refused, naming them.
+
+    Args:
+        path: the file.
+        stage: this rank's stage; its state-dict keys are the model's.
+        optimizer: the optimizer to restore too.
+        shards: how a tensor-parallel rank cuts its slices.
+        model_keys: every state-dict key of the whole model (``None``: not checked).
+        strict: refuse a file with keys outside ``model_keys`` (``False``: ignore them).
+
     Returns:
         The checkpoint's ``extra`` values.
 
     Raises:
-        CheckpointError: a malformed file, a key of this stage missing from it, or an
-            optimizer given for a checkpoint saved without one.
+        CheckpointError: a malformed file, a key of this stage missing from it, with
+            ``strict`` a key the model lacks, or an optimizer given for a checkpoint saved
+            without one.
     """
     data = _read_any(path)
+    if strict and model_keys is not None:
+        _refuse_unexpected(path, data["model"], model_keys)
     own = stage.state_dict()
     missing = [k for k in own if k not in data["model"]]
     if missing:
@@ -362,6 +379,18 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
         else:
             load_named_optimizer_state(optimizer, stage, named)
     return dict(data.get("extra") or {})
+
+
+def _refuse_unexpected(path: str | os.PathLike[str], saved: Mapping[str, Any],
+                       model_keys: Collection[str]) -> None:
+    """Raise a :class:`CheckpointError` naming the keys of ``saved`` the model lacks."""
+    known = set(model_keys)
+    unexpected = [k for k in saved if k not in known]
+    if unexpected:
+        raise CheckpointError(f"{path} holds {len(unexpected)} keys this model lacks: "
+                              f"{', '.join(unexpected[:8])}; it was saved from another model: "
+                              "pass a file of this model's state dict, or load(..., "
+                              "strict=False) to ignore them")
 
 
 def _named_state(optimizer: torch.optim.Optimizer | ShardedOptimizer, stage: nn.Module

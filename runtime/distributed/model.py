@@ -377,12 +377,21 @@ class DistributedModel(ModelWrapper):
                             shards=self._shards)
 
     def load(self, path: str | Path,
-             optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None) -> None:
+             optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None, *,
+             strict: bool = True) -> None:
         """Resume from a checkpoint written by :meth:`save`, or fill the stage from the
         whole model's state dict (a ``torch.save(model.state_dict())`` file or a
         ``.safetensors`` file): each rank reads only its stage's tensors (a sharded
-        optimizer takes its replica's slice, for any number of replicas)."""
-        extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards)
+        optimizer takes its replica's slice, for any number of replicas).
+
+        Raises:
+            CheckpointError: the file lacks a key of this stage or a shape differs, or (with
+                ``strict``, as ``load_state_dict``) it holds keys the model lacks: another
+                model's state dict (``strict=False`` ignores those keys).
+        """
+        extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards,
+                                model_keys=self._model.state_dict(keep_vars=True).keys(),
+                                strict=strict)
         self.steps = int(extra.get("steps", 0))
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any

@@ -127,6 +127,29 @@ def test_yaml_aliases_that_expand_too_far_or_loop_are_refused(tmp_path: Path) ->
         load_plan(loop)
 
 
+def test_a_key_written_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    """Issue #19: a spec with ``stages:`` twice silently kept the second."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("stages:\n  - [fc1]\nchunks: 2\nstages:\n  - [fc2]\n")
+    with pytest.raises(SpecError, match=r"spec.yaml' writes key 'stages' twice in one "
+                                        r"mapping \(lines 1 and 4\)"):
+        Spec.load(spec)
+    spec_json = tmp_path / "spec.json"
+    spec_json.write_text('{"chunks": 2, "chunks": 4}')
+    with pytest.raises(SpecError, match="spec.json' writes key 'chunks' twice"):
+        Spec.load(spec_json)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(PLAN)[:-1] + ', "strategy": "y"}')
+    with pytest.raises(PlanFormatError, match="writes key 'strategy' twice"):
+        Plan.load(plan)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text("base: &b {chunks: 2, x: 1}\nother:\n  <<: *b\n  chunks: 4\n")
+    assert read_document(path)["other"] == {"chunks": 4, "x": 1}
+
+
 def test_aliases_do_not_hide_depth() -> None:
     inner: list[object] = [1]
     for _ in range(40):

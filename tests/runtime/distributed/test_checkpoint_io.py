@@ -22,6 +22,7 @@ from partitioner.runtime.distributed.checkpoint_io import (
     CheckpointError,
     CheckpointWriteError,
     atomic_save,
+    load_checkpoint,
     load_named_optimizer_state,
     merge_optimizer_states,
     named_optimizer_state,
@@ -91,6 +92,24 @@ def test_reading_something_else_says_what_it_is(tmp_path: Path) -> None:
         read_checkpoint(tmp_path / "plain.pt")
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         read_checkpoint(tmp_path / "missing.pt")
+
+
+def test_another_models_state_dict_with_an_extra_layer_is_refused_naming_it(
+        tmp_path: Path) -> None:
+    """Issue #19: only missing keys and shapes were checked, so a bigger model's file loaded
+    without a word."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    bigger = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
+    torch.save(bigger.state_dict(), tmp_path / "bigger.pt")
+    stage = nn.Sequential()  # this rank's stage: layer 0, under the model's names
+    stage.add_module("0", model[0])
+    before = model[0].weight.detach().clone()
+    keys = model.state_dict().keys()
+    with pytest.raises(CheckpointError, match=r"2 keys this model lacks: 3\.weight, 3\.bias"):
+        load_checkpoint(tmp_path / "bigger.pt", stage, model_keys=keys)
+    assert torch.equal(model[0].weight, before)
+    load_checkpoint(tmp_path / "bigger.pt", stage, model_keys=keys, strict=False)
+    assert torch.equal(model[0].weight, bigger[0].weight)
 
 
 @pytest.fixture(scope="module")
