@@ -1,0 +1,285 @@
+"""auto's regret: every candidate it ranked, built and timed beside its pick, on this CPU.
+
+For each case (a model and a number of ``"cpu"`` devices) the benchmark plans
+``partition(model, devices, example_inputs=(x,))`` (default ``strategy="auto"``), builds
+every candidate the search ranked (``plan.candidates``, up to 10), the plain 1F1B pipeline
+over all the devices and the unpartitioned model on one device, and times training steps of
+each (``zero_grad``, ``pm.step`` with a loss over the outputs, Adam step) in rounds, one
+step of each per round in a rotating order, so drift in the machine's load hits them alike;
+a step during which other processes kept more than ``--max-foreign`` of the cores busy is
+discarded and run again. Then ``partition(..., tune=True)`` plans the case again and its
+pick is looked up in the same table.
+
+Per case it prints each candidate's predicted and measured step time and their ratio, and:
+
+* auto's regret: the measured time of auto's pick / the measured fastest candidate - 1;
+* the same with ``tune=True``;
+* auto's pick against the plain 1F1B pipeline and against one device.
+
+At the end: the median measured / predicted per kind of plan (pipeline, tensor parallel,
+replicas, mixes) and the regrets' median and maximum.
+
+Run (a quiet machine; about 10 minutes for every case):
+    python benchmarks/regret.py
+    python benchmarks/regret.py --cases mlp,gpt --devices 2 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine_load import cpu_sample, foreign_share  # noqa: E402
+
+from examples.models import ResNetish, classifier, gpt, mlp  # noqa: E402
+from partitioner import partition  # noqa: E402
+from partitioner.api import build, plan_record, route  # noqa: E402
+from partitioner.planning.tune import synthetic_loss  # noqa: E402
+from partitioner.request import PlanRequest  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str
+    build: Callable[[], tuple[nn.Module, torch.Tensor]]
+
+
+class Encoder(nn.Module):
+    """A stack of ``nn.TransformerEncoderLayer`` (an encoder, BERT-like)."""
+
+    def __init__(self, layers: int = 4, d: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class ViT(nn.Module):
+    """A small vision transformer: 4 x 4 patches of 28 x 28 images (49 patches), 4 blocks."""
+
+    def __init__(self, d: int = 192, layers: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, 4, stride=4)
+        self.blocks = nn.Sequential(*[nn.TransformerEncoderLayer(
+            d, 3, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 49, d)
+        return self.head(self.norm(self.blocks(x)).mean(1))
+
+
+def _llama() -> tuple[nn.Module, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=128, use_cache=False)
+    return LlamaForCausalLM(config), torch.randint(0, 2048, (4, 64))
+
+
+CASES = [
+    Case("mlp", "the demo's residual MLP classifier",
+         lambda: (classifier(32, width=128, depth=6, classes=8), torch.randn(64, 32))),
+    Case("wide", "a wide MLP (tensor parallelism should win)",
+         lambda: (mlp([2048, 8192, 2048, 8192, 2048]), torch.randn(64, 2048))),
+    Case("narrow", "a deep narrow MLP on a large batch (replicas should win)",
+         lambda: (mlp([64] + [64] * 12 + [10]), torch.randn(1024, 64))),
+    Case("cnn", "a ResNet-style CNN on 32 x 32 images",
+         lambda: (ResNetish(widths=(32, 64, 128), blocks=2, classes=10, groups=8),
+                  torch.randn(32, 3, 32, 32))),
+    Case("encoder", "4 nn.TransformerEncoderLayer, d=256, batch 8 x 64",
+         lambda: (Encoder(), torch.randn(8, 64, 256))),
+    Case("vit", "a small vision transformer, 49 patches",
+         lambda: (ViT(), torch.randn(16, 3, 28, 28))),
+    Case("gpt", "a decoder (GPT, 4 blocks, d=256, 64 tokens)",
+         lambda: (gpt(4, 256, 4, 2048, 64), torch.randint(0, 2048, (8, 64)))),
+    Case("llama", "transformers' LlamaForCausalLM (GQA, rotary), 4 layers, d=256",
+         _llama),
+]
+
+
+def _kind(config: dict[str, int]) -> str:
+    parts = [name for name, key in (("replicas", "dp"), ("tensor parallel", "tp"),
+                                     ("pipeline", "pp")) if config[key] > 1]
+    return " x ".join(parts) if parts else "one device"
+
+
+class Contender:
+    """One way to run the case, with its training step."""
+
+    def __init__(self, label: str, kind: str, predicted: float, module: nn.Module,
+                 x: torch.Tensor) -> None:
+        self.label, self.kind, self.predicted = label, kind, predicted
+        self.module, self.x, self.times = module, x, []
+        self.optimizer = torch.optim.Adam(
+            [p for p in module.parameters() if p.requires_grad], lr=1e-6)
+        self.targets = torch.zeros(x.shape[0])
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if hasattr(self.module, "plan"):
+            self.module.step((self.x,), self.targets, synthetic_loss)
+        else:
+            synthetic_loss(self.module(self.x), self.targets).backward()
+        self.optimizer.step()
+
+    @property
+    def measured(self) -> float:
+        return statistics.median(self.times) if self.times else float("nan")
+
+
+def contenders(case: Case, devices: int) -> tuple[list[Contender], str, Any]:
+    """Every ranked candidate of auto's plan, the plain 1F1B pipeline and one device."""
+    torch.manual_seed(0)
+    model, x = case.build()
+    cpus = ["cpu"] * devices
+    pm = partition(model, cpus, example_inputs=(x,))
+    request = PlanRequest.make(cpus, "auto", example_inputs=(x,), local=True)
+    from partitioner.analysis import analyze
+    analysis = analyze(model, (x,), None)
+    out, picked = [], ""
+    for record in sorted(pm.plan.candidates, key=lambda r: r["rank"]):
+        try:
+            plan = plan_record(model, analysis, request, record)
+            module = build(model, analysis, route(model, analysis, plan, request), request)
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot run is reported
+            print(f"  {record['label']}: not built ({type(error).__name__}: {error})")
+            continue
+        out.append(Contender(record["label"], _kind(record["config"]), record["step_time"],
+                             module, x))
+        if record.get("chosen"):
+            picked = record["label"]
+    alone = pm.plan.candidates[0].get("search", {}).get("one_device", {})
+    out.append(Contender("one device (unpartitioned)", "one device",
+                         alone.get("step_time", float("nan")), model, x))
+    chunks = min(x.shape[0], 2 * devices)
+    try:
+        pipe = partition(model, cpus, strategy="pipeline", schedule="1f1b", chunks=chunks,
+                         checkpoint="never", example_inputs=(x,))
+        out.append(Contender(f"plain 1F1B pipeline m={chunks}", "pipeline",
+                             pipe.plan.predicted_step_time or float("nan"), pipe, x))
+    except Exception as error:  # noqa: BLE001
+        print(f"  plain 1F1B pipeline: not built ({type(error).__name__}: {error})")
+    pm.close()
+    return out, picked, (model, x)
+
+
+def time_all(runs: list[Contender], rounds: int, warmup: int, max_foreign: float,
+             attempts: int) -> int:
+    for run in runs:
+        for _ in range(warmup):
+            run.step()
+    discarded = 0
+    for attempt in range(attempts):
+        waiting = [r for r in runs if len(r.times) < rounds]
+        if not waiting:
+            break
+        k = attempt % len(waiting)
+        for run in waiting[k:] + waiting[:k]:
+            load = cpu_sample()
+            begin = time.perf_counter()
+            run.step()
+            seconds = time.perf_counter() - begin
+            if (foreign_share(load) or 0.0) > max_foreign:
+                discarded += 1
+                continue
+            run.times.append(seconds)
+    return discarded
+
+
+def report(case: Case, devices: int, runs: list[Contender], picked: str,
+           tuned: str) -> dict[str, Any]:
+    partitioned = [r for r in runs if r.kind != "one device"]
+    best = min(partitioned, key=lambda r: r.measured)
+    by_label = {r.label: r for r in runs}
+    print(f"\n{case.name} on {devices} devices: {case.kind}")
+    print(f"  {'candidate':46} {'kind':28} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for r in runs:
+        mark = (" <- auto" if r.label == picked else "") + (
+            " <- tune" if r.label == tuned else "")
+        print(f"  {r.label:46} {r.kind:28} {r.predicted * 1e3:8.2f}ms "
+              f"{r.measured * 1e3:8.2f}ms {r.measured / r.predicted:6.2f}{mark}")
+    auto = by_label[picked].measured if picked in by_label else float("nan")
+    tune = by_label[tuned].measured if tuned in by_label else float("nan")
+    pipe = next((r.measured for r in runs if r.label.startswith("plain 1F1B")), float("nan"))
+    one = by_label["one device (unpartitioned)"].measured
+    row = {"case": f"{case.name} x{devices}", "auto_regret": auto / best.measured - 1,
+           "tune_regret": tune / best.measured - 1, "vs_1f1b": auto / pipe,
+           "vs_one_device": auto / one, "best": best.label,
+           "ratios": [(r.kind, r.measured / r.predicted) for r in runs]}
+    print(f"  fastest: {best.label} ({best.measured * 1e3:.2f} ms); auto's regret "
+          f"{row['auto_regret']:+.1%}, with tune=True {row['tune_regret']:+.1%}; auto / plain "
+          f"1F1B = {row['vs_1f1b']:.2f}; auto / one device = {row['vs_one_device']:.2f}")
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> None:
+    print("\n| case | auto's regret | tune=True regret | auto / 1F1B | auto / one device |"
+          " measured fastest |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['auto_regret']:+.1%} | {r['tune_regret']:+.1%} | "
+              f"{r['vs_1f1b']:.2f} | {r['vs_one_device']:.2f} | {r['best']} |")
+    for key in ("auto_regret", "tune_regret"):
+        values = [r[key] for r in rows]
+        print(f"{key}: median {statistics.median(values):+.1%}, max {max(values):+.1%}")
+    kinds: dict[str, list[float]] = {}
+    for r in rows:
+        for kind, ratio in r["ratios"]:
+            kinds.setdefault(kind, []).append(ratio)
+    print("\nmeasured / predicted, median over the candidates of each kind:")
+    for kind, ratios in sorted(kinds.items()):
+        print(f"  {kind:32} {statistics.median(ratios):5.2f}  ({len(ratios)} candidates, "
+              f"{min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    parser.add_argument("--devices", default="2,4", help="device counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per candidate")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
+    parser.add_argument("--max-foreign", type=float, default=0.15,
+                        help="discard a step if other processes kept more than this share "
+                             "of the cores busy during it (1 keeps every step)")
+    parser.add_argument("--max-attempts", type=int, default=60)
+    args = parser.parse_args()
+    names = [n for n in args.cases.split(",") if n]
+    rows = []
+    for case in [c for c in CASES if not names or c.name in names]:
+        for devices in [int(d) for d in args.devices.split(",")]:
+            runs, picked, (model, x) = contenders(case, devices)
+            discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
+                                 args.max_attempts)
+            tuned = partition(model, ["cpu"] * devices, example_inputs=(x,), tune=True)
+            tuned_label = next(r["label"] for r in tuned.plan.candidates if r.get("chosen"))
+            tuned.close()
+            for run in runs:
+                if hasattr(run.module, "close") and hasattr(run.module, "plan"):
+                    run.module.close()
+            rows.append(report(case, devices, runs, picked, tuned_label))
+            if discarded:
+                print(f"  ({discarded} steps discarded: other processes were busy)")
+    summary(rows)
+
+
+if __name__ == "__main__":
+    main()
