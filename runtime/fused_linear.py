@@ -21,6 +21,12 @@ gradients (``W``), run later: inside :func:`deferring`, the forwards record a
 of running it; ``WeightGrads.run()`` is the ``W`` action. Other parameters (norms,
 embeddings) get their gradients in ``I``, as in the zero-bubble paper's implementation.
 
+A parameter that several threads accumulate into at once (a weight tied across two stages
+of a one-process pipeline, or one module called from two stages) is never fused
+(:func:`accumulate_concurrently`): the in-place ``addmm_`` of two stages' ``W`` (or ``I``)
+actions would race on one ``.grad`` and lose updates, whereas autograd's ``AccumulateGrad``
+adds under a lock of its own, which its other uses (an embedding) take too.
+
 Example:
     >>> layer = torch.nn.Linear(3, 2)
     >>> x = torch.randn(4, 3)
@@ -43,7 +49,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 __all__ = ["linear", "linear_module", "use_grad_buffer", "release_grad_buffer", "WeightGrads",
-           "deferring"]
+           "deferring", "accumulate_concurrently"]
 
 
 class WeightGrads:
@@ -99,8 +105,23 @@ def _plain_leaf(t: torch.Tensor | None) -> bool:
     return t is None or (t.is_leaf and t.requires_grad and not t._backward_hooks)
 
 
+#: Ids of the parameters several threads accumulate gradients into (never fused).
+_CONCURRENT: set[int] = set()
+
+
+def accumulate_concurrently(param: torch.Tensor) -> None:
+    """Mark ``param`` as accumulated into by several threads at once: its Linear layers
+    then leave the gradient to autograd (whose accumulation is locked) and queue none for
+    ``W`` (see the module doc). The mark lasts as long as the parameter."""
+    key = id(param)
+    if key not in _CONCURRENT:
+        _CONCURRENT.add(key)
+        weakref.finalize(param, _CONCURRENT.discard, key)
+
+
 def _fusable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (torch.is_grad_enabled() and _plain_leaf(weight) and _plain_leaf(bias)
+            and id(weight) not in _CONCURRENT and (bias is None or id(bias) not in _CONCURRENT)
             and not torch.is_autocast_enabled("cpu")
             and not (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")))
 

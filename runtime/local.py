@@ -52,6 +52,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import BackwardError, ChunksError, ScheduleError, StrategyError
 from partitioner.runtime.checkpointing import checkpoint_stop
+from partitioner.runtime.fused_linear import accumulate_concurrently
 from partitioner.runtime.interpreter import Interpreter
 from partitioner.runtime.loss_head import (
     LossHead,
@@ -120,6 +121,7 @@ class LocalPipeline:
         self.precision = check_precision(precision, scaled=False)
         self.runners = [StageRunner(k, gm, self.devices[k % p], precision=precision)
                         for k, gm in enumerate(stages)]
+        _mark_shared_parameters(stages)
         self.threads = threads
         self._budget = torch.get_num_threads()
         self._default = thread_default()
@@ -442,6 +444,18 @@ class _PipelineFunction(torch.autograd.Function):
         for split in ctx.input_split:
             result.append(_join_input_grad([g[split[0]] for g in input_grads], split[1]))
         return (None, None, None, None, *result)
+
+
+def _mark_shared_parameters(stages: Sequence[fx.GraphModule]) -> None:
+    """A parameter held by two stages (tied weights, a module called from both) gets
+    gradients from two worker threads at once: leave its accumulation to autograd's lock
+    (``partitioner.runtime.fused_linear.accumulate_concurrently``)."""
+    seen: set[int] = set()
+    for gm in stages:
+        for param in gm.parameters():
+            if id(param) in seen:
+                accumulate_concurrently(param)
+            seen.add(id(param))
 
 
 def _split_sizes(x: torch.Tensor, micro: list[list[Any]], k: int) -> tuple[int, bool]:
