@@ -45,6 +45,7 @@ from partitioner.passes.export_rules import export_rules
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 from partitioner.passes.guard_inputs import InputRules
+from partitioner.passes.unbake_dtypes import unbake_dtypes
 from partitioner.passes.unlift import unlift
 
 __all__ = ["Captured", "capture", "bind", "module_paths", "example_error", "describe_inputs",
@@ -332,6 +333,9 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     # Each nn.MultiheadAttention call export inlined becomes one call_module again, as
     # symbolic tracing keeps it (tensor parallelism splits it by heads).
     fold_attention(unlifted.graph_module, model, module_calls(program, unlifted.nodes))
+    # fp32 facts the capture baked in (dtype assertions, finfo(float32).min fills) would
+    # fail under a bf16/fp16 autocast.
+    unbake_dtypes(unlifted.graph_module)
     example = arrange(signature, program.call_spec.in_spec, args, kwargs)
     batched = [_dynamic_dim(v, batch) is not None for v in pytree.tree_leaves(example)]
     rules = export_rules(program, example, names, batched, batch)

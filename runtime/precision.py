@@ -42,7 +42,8 @@ import torch.utils._pytree as pytree
 from partitioner.errors import PrecisionError
 
 __all__ = ["PRECISIONS", "LossScaler", "autocast", "check_precision", "compute_dtype",
-           "loss_scale_problem", "make_scaler", "precision_problem", "upcast"]
+           "loss_scale_problem", "make_scaler", "masked_fill_saturated", "precision_problem",
+           "saturate", "upcast", "where_saturated"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``"fp32"``: no autocast; ``"bf16"``, ``"fp16"``: autocast to that dtype."""
@@ -109,6 +110,34 @@ def autocast(precision: str, device_type: str) -> contextlib.AbstractContextMana
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=compute_dtype(precision))
+
+
+def saturate(value: float, like: torch.Tensor) -> float:
+    """``value`` clamped to the finite range of ``like``'s dtype.
+
+    A graph captured in fp32 holds ``torch.finfo(torch.float32).min`` where the model wrote
+    ``torch.finfo(x.dtype).min``; under autocast ``x`` is bf16/fp16 and the constant does not
+    fit it. Clamped, it is what the model computes eagerly under autocast.
+
+    Example:
+        >>> saturate(torch.finfo(torch.float32).min, torch.zeros(1, dtype=torch.float16))
+        -65504.0
+    """
+    if not like.is_floating_point():
+        return value
+    info = torch.finfo(like.dtype)
+    return min(max(value, info.min), info.max)
+
+
+def masked_fill_saturated(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    """``x.masked_fill(mask, value)`` with ``value`` :func:`saturate`-d to ``x``'s dtype."""
+    return torch.ops.aten.masked_fill.Scalar(x, mask, saturate(value, x))
+
+
+def where_saturated(condition: torch.Tensor, x: torch.Tensor, value: float) -> torch.Tensor:
+    """``torch.where(condition, x, value)`` with ``value`` :func:`saturate`-d to ``x``'s
+    dtype."""
+    return torch.ops.aten.where.ScalarOther(condition, x, saturate(value, x))
 
 
 def upcast(values: Any) -> Any:
