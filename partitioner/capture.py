@@ -25,11 +25,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,7 +329,8 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     bound = signature.bind(*args, **kwargs)
     dynamic = {name: pytree.tree_map(lambda v: _dynamic_dim(v, batch), value)
                for name, value in bound.arguments.items()}
-    program = _export(model, args, kwargs, dynamic, signature)
+    with _without_cache(model, kwargs):
+        program = _export(model, args, kwargs, dynamic, signature)
     unlifted = unlift(program, type(model).__name__)
     # Each nn.MultiheadAttention call export inlined becomes one call_module again, as
     # symbolic tracing keeps it (tensor parallelism splits it by heads).
@@ -341,6 +343,26 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     rules = export_rules(program, example, names, batched, batch)
     return Exported(unlifted.graph_module, program.call_spec.in_spec, program.call_spec.out_spec,
                     rules, unlifted.writes)
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
+    """``model.config.use_cache`` off while exporting, unless the call passes ``use_cache``.
+
+    A transformers model with caching on (GPT-2's default) returns its key/value cache, an
+    object export cannot return and a pipeline has no use for: the graph is captured as
+    with ``use_cache=False``. The user's config is put back.
+    """
+    config = getattr(model, "config", None)
+    if "use_cache" not in kwargs or kwargs["use_cache"] is not None \
+            or not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
@@ -444,6 +466,11 @@ def _dynamic_dim(value: Any, batch: int | None) -> dict[int, Any] | None:
 
 
 def _trace_message(model: nn.Module, fx_error: BaseException, export_error: BaseException) -> str:
+    if _returns_cache(export_error):
+        return (f"could not capture {type(model).__name__}: forward returns a key/value cache "
+                f"({_cache_type(export_error)}), which a "
+                "pipeline cannot pass on; pass use_cache=False (in example_kwargs and in "
+                f"each call) or set model.config.use_cache = False before partitioning")
     where = (user_line(fx_error) or user_line(export_error)
              or user_line(export_error, modules=True) or "unknown line")
     return (f"could not capture {type(model).__name__}: first failing line {where}\n"
@@ -452,6 +479,18 @@ def _trace_message(model: nn.Module, fx_error: BaseException, export_error: Base
             f"{str(export_error).splitlines()[0] if str(export_error) else ''}\n"
             "Fix: remove data-dependent Python control flow from forward (use torch.where), "
             "or pass balance=/split_points= on an nn.Sequential of traceable children.")
+
+
+def _returns_cache(error: BaseException) -> bool:
+    """Whether export failed on a transformers cache object in the output."""
+    text = str(error)
+    return text.startswith("Found <class") and "Cache" in _cache_type(error) \
+        and "in output" in text
+
+
+def _cache_type(error: BaseException) -> str:
+    """``DynamicCache`` out of export's "Found <class '...DynamicCache'> in output"."""
+    return str(error).split(">")[0].split(".")[-1].strip("'")
 
 
 def user_line(error: BaseException, *, modules: bool = False) -> str | None:

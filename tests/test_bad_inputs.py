@@ -25,6 +25,7 @@ from partitioner.errors import (
     SpecError,
     StageCountError,
     StrategyError,
+    TraceError,
 )
 from partitioner.request import PlanRequest
 
@@ -207,3 +208,16 @@ def test_command_line_mistake_is_one_line_naming_the_value(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert names in err
+
+
+def test_a_transformers_cache_asked_for_is_refused_naming_use_cache() -> None:
+    """Regression: the refusal blamed data-dependent control flow."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 50, (4, 8))
+    with pytest.raises(TraceError) as info:
+        partition(transformers.GPT2LMHeadModel(config), CPU2, "pipeline", example_inputs=(ids,),
+                  example_kwargs={"use_cache": True}, chunks=2, calibrate=False)
+    assert "DynamicCache" in str(info.value)
+    assert "pass use_cache=False" in str(info.value)

@@ -211,3 +211,24 @@ def test_keyword_arguments_through_kwargs_are_held_to_the_example() -> None:
     with pytest.raises(StageExecutionError, match="fixed the batch"):
         pm(torch.randn(4, 4), double=True)  # **kwargs: torch.export keeps the batch static
     pm.close()
+
+
+def _gpt2_with_cache() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    assert config.use_cache  # the default: forward returns a DynamicCache
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_a_transformers_model_with_caching_on_is_captured_without_its_cache() -> None:
+    """Regression: GPT-2's default config returned a DynamicCache export could not return,
+    and the refusal talked about data-dependent control flow."""
+    model = _gpt2_with_cache()
+    ids = torch.randint(0, 100, (4, 8))
+    pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(ids,), chunks=2,
+                   calibrate=False)
+    assert model.config.use_cache  # the user's config is put back
+    torch.testing.assert_close(pm(ids).logits, model(ids, use_cache=False).logits)
+    pm.close()
+
