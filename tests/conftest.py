@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # same plans on every machine, and no rank of a multi-process test measures its CPU.
 # Tests of the measurement itself call partitioner.cost.measure.measure_cpu directly.
 os.environ["PARTITIONER_CPU_SPEC"] = "reference"
+# Tests never touch the user's calibration cache (~/.cache/partitioner, or the folder the
+# user's PARTITIONER_CACHE_DIR names): runs measured here, under the load of a test run,
+# would change the user's plans. A folder of this session's own, inherited by subprocesses
+# and the ranks of multi-process tests, removed when the session ends.
+os.environ["PARTITIONER_CACHE_DIR"] = tempfile.mkdtemp(prefix="partitioner-test-cache-")
+atexit.register(shutil.rmtree, os.environ["PARTITIONER_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ r"""The ``partitioner`` command: plan a model, show a plan, draw it, simulate it
     partitioner viz plan.json --model gpt -o graph.svg --timeline timeline.png
     partitioner simulate plan.json
     partitioner run --nproc-per-node 2 train.py --steps 100
+    partitioner calibrate --measure
 
 A model is a bundled example name (``partitioner plan --list``) or ``module:factory``, a
 function returning a model, or ``(model, example_inputs)``; ``--input 64x32`` (``:int64``
@@ -66,6 +67,14 @@ hand, or made without example inputs) is drawn by clock ticks instead.""",
 
 Everything after the script is passed to it; this only calls torch.distributed.run
 (torchrun) with the options given.""",
+    "calibrate": """examples:
+  partitioner calibrate                # the cache file, its runs and the spec they give
+  partitioner calibrate --measure      # measure the CPU now (kept if the machine was quiet)
+  partitioner calibrate --clear --measure   # start the cache afresh
+
+Plans for "cpu" devices use the median of the quiet calibration runs kept in
+$PARTITIONER_CACHE_DIR (else ~/.cache/partitioner). A run taken while other processes kept
+more than 15% of the cores busy is measured again, and never kept.""",
 }
 
 
@@ -80,6 +89,8 @@ _COMMANDS = {
     "viz": _Command("draw a plan's graph, timeline or HTML report", "viz_command"),
     "simulate": _Command("lay out a plan's pipeline schedule in time", "simulate_command"),
     "run": _Command("launch a training script with torchrun", "run_command"),
+    "calibrate": _Command("show this machine's CPU calibration, or measure it again",
+                          "calibrate_command"),
 }
 
 
@@ -186,6 +197,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rdzv-endpoint", help="rendezvous host:port for several nodes")
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    calibrate = sub.choices["calibrate"]
+    calibrate.add_argument("--measure", action="store_true",
+                           help="measure the CPU now and keep the run if it was quiet")
+    calibrate.add_argument("--clear", action="store_true",
+                           help="delete the cache file (before --measure, if both)")
     return parser
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from partitioner.cli.calibrate import calibrate_command
 from partitioner.cli.models import BUNDLED, load_model
 from partitioner.cli.progress import Progress
 from partitioner.errors import CommandError, PlanFormatError
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from partitioner.viz.timeline import Timeline
 
 __all__ = ["plan_command", "show_command", "viz_command", "simulate_command", "run_command",
-           "quiet_torch_logs", "writing", "ascii_timeline", "parameter_facts"]
+           "calibrate_command", "quiet_torch_logs", "writing", "ascii_timeline", "parameter_facts"]
 
 _PLAN_FILES = (".json", ".yaml", ".yml")
 

@@ -27,12 +27,9 @@ Example:
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
-import json
 import mmap
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -40,24 +37,34 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from partitioner.cost.calibration_cache import (
+    KEPT_RUNS,
+    Cached,
+    Run,
+    cache_file,
+    quiet_run,
+    read_runs,
+    report_problem,
+    runs_to_use,
+)
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.memory import optimizer_traffic
 from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.split_stages import split_stages
-from partitioner.runtime.host_memory import fresh_allocation_bytes, host_memory_kept
+from partitioner.runtime.host_memory import fresh_allocation_bytes
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.worker import Worker, shared_threads
 
-__all__ = ["CalibrationError", "measure_cpu", "calibrate_layers", "Progress"]
+__all__ = ["CalibrationError", "measure_cpu", "remeasure_cpu", "cached_cpu_spec", "kept_runs",
+           "median_spec", "cache_file", "KEPT_RUNS", "TIMING_KEYS", "calibrate_layers", "Progress"]
 
 
 def _typical(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
@@ -120,13 +127,19 @@ def measure_cpu(progress: bool = False) -> DeviceSpec:
 
     Each timing is the median of a few repetitions within a run (a plan predicts the step
     time the machine usually gives, not its best), and the spec takes, per timing, the
-    median of this run and the last
-    runs kept in the cache directory (``$PARTITIONER_CACHE_DIR``, else
-    ``~/.cache/partitioner``; one file per CPU model, core count, torch version and thread
-    count; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it). Not the best across runs: on a
-    shared VM memory-bound timings swing by 2x from run to run (an Adam step measured 16 ms in
-    one run and 35 ms in the next three), and a plan should expect the machine as it usually
-    is. Plans on one machine then agree from run to run.
+    median of this run and the last runs kept in the calibration cache
+    (:mod:`partitioner.cost.calibration_cache`: ``$PARTITIONER_CACHE_DIR``, else
+    ``~/.cache/partitioner``; ``PARTITIONER_CALIBRATION_CACHE=0`` disables it). Not the best
+    across runs: on a shared VM memory-bound timings swing by 2x from run to run (an Adam
+    step measured 16 ms in one run and 35 ms in the next three), and a plan should expect
+    the machine as it usually is. Plans on one machine then agree from run to run.
+
+    A run during which other processes kept more than 15% of the cores busy measures them,
+    not the machine: it is taken again (twice at most, each after waiting up to 3 s for a
+    quiet moment), and one still loaded is used by this process only, said on stderr, and
+    never written to the cache. Processes of one host measuring at once (``torchrun``'s
+    ranks) take turns on a lock beside the cache file, and one that finds a run taken since
+    it started (another rank's) uses that instead of measuring.
 
     Returns:
         A spec from float32 products of a ``1024 x 1024`` weight with 8, 64 and 256 rows (the
@@ -144,66 +157,43 @@ def measure_cpu(progress: bool = False) -> DeviceSpec:
     Args:
         progress: show a progress bar on stderr while measuring.
     """
-    runs = [_timings(Progress("partitioner: measuring the CPU", _PHASES, enabled=progress))]
+    return _calibrated(progress, share=True)
+
+
+def remeasure_cpu(progress: bool = False) -> DeviceSpec:
+    """Measure the CPU now, even if another process just did, and keep the run if it was
+    quiet (``partitioner calibrate --measure``); the spec as :func:`measure_cpu` makes it."""
+    return _calibrated(progress, share=False)
+
+
+def _calibrated(progress: bool, share: bool) -> DeviceSpec:
+    def run_once() -> dict[str, float]:
+        return _timings(Progress("partitioner: measuring the CPU", _PHASES, enabled=progress))
+    return median_spec(runs_to_use(cache_file(), lambda: quiet_run(run_once), TIMING_KEYS,
+                                   share=share))
+
+
+def kept_runs() -> Cached | None:
+    """What this machine's cache file holds, without measuring or saying anything (``None``:
+    the cache is disabled)."""
     path = cache_file()
-    if path is not None:
-        try:
-            kept = json.loads(path.read_text())
-            runs += [{k: float(run[k]) for k in runs[0]} for run in kept[-(_KEPT_RUNS - 1):]]
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            pass
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(runs[1:] + runs[:1]))  # oldest first
-        except OSError:
-            pass
-    return _spec({k: statistics.median(run[k] for run in runs) for k in runs[0]})
-
-
-_KEPT_RUNS = 9
+    return None if path is None else read_runs(path, TIMING_KEYS)
 
 
 def cached_cpu_spec() -> DeviceSpec | None:
     """The spec of the runs kept in this machine's cache (their median), without measuring;
-    ``None`` when there are none (or the cache is disabled)."""
-    path = cache_file()
-    if path is None:
+    ``None`` when there are none or the cache is disabled. An unusable cache file is said on
+    stderr (its runs are measured again)."""
+    cached = kept_runs()
+    if cached is None:
         return None
-    try:
-        kept = json.loads(path.read_text())
-        runs = [{k: float(v) for k, v in run.items()} for run in kept[-_KEPT_RUNS:]]
-        if not runs:
-            return None
-        return _spec({k: statistics.median(run[k] for run in runs) for k in runs[0]})
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
+    report_problem(cached)
+    return median_spec(cached.runs[-KEPT_RUNS:]) if cached.runs else None
 
 
-def cache_file() -> Path | None:
-    """Where this machine's calibration runs are kept (``None``: the cache is disabled)."""
-    if os.environ.get("PARTITIONER_CALIBRATION_CACHE", "1") == "0":
-        return None
-    root = os.environ.get("PARTITIONER_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "partitioner")
-    # "runs": a list of runs; "shared-by-size": stages running at once share the intra-op
-    # threads, timed for products of four sizes and element-wise streams; the Adam step is
-    # timed after a backward; "kept": whether freed memory stays in the process
-    # (partitioner.runtime.host_memory). Runs timed otherwise must not be mixed in.
-    key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
-           f"|runs|median|shared-by-size-1024|adam-after-backward|action|fresh"
-           f"|kept-{host_memory_kept()}")
-    return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def median_spec(runs: Sequence[Run]) -> DeviceSpec:
+    """The spec of the per-timing median of ``runs`` (at least one)."""
+    return _spec({k: statistics.median(run.timings[k] for run in runs) for k in TIMING_KEYS})
 
 
 def _peaks(rate: float) -> dict[str, float]:
@@ -217,6 +207,12 @@ _MOST = 1024  # rows of the largest products timed shared (as a transformer's at
 
 
 _PHASES = 7  # what _timings reports to its progress bar
+_COUNTS = {2: "two", 3: "three", 4: "four"}
+TIMING_KEYS = ("overhead", "few", "some", "many", "small", "add", "fill", "fresh", "adam",
+               "action", "alone", *_COUNTS.values(),
+               *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
+                 for name in ("alone", "two")))
+"""What one calibration run times (:func:`_timings`), each in seconds."""
 
 
 def _timings(progress: Progress) -> dict[str, float]:
@@ -282,8 +278,6 @@ def _products(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], N
             torch.mm(rows, w)
     return work
 
-
-_COUNTS = {2: "two", 3: "three", 4: "four"}
 
 
 def _shared_timings(work: Callable[[], None], counts: Sequence[int],

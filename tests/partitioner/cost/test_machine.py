@@ -8,6 +8,7 @@ import pytest
 
 import partitioner.cost.machine as machine
 import partitioner.cost.measure as measure
+from partitioner.cost.calibration_cache import Run, write_runs
 from partitioner.cost.devices import REFERENCE_CPU, DeviceSpec
 from partitioner.errors import DeviceError, PartitionError
 
@@ -38,12 +39,9 @@ def test_cached_runs_are_used_without_measuring(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))
     path = measure.cache_file()
     assert path is not None and path.parent == tmp_path
-    timings = {k: 1e-3 for k in ("overhead", "few", "some", "many", "small", "add", "fill",
-                                 "fresh", "adam", "action", "alone", "two", "three", "four",
-                                 *(f"{n}_{s}" for n in ("alone", "two")
-                                   for s in ("few", "many", "most", "mem")))}
+    timings = dict.fromkeys(measure.TIMING_KEYS, 1e-3)
     timings.update(few=1e-4, some=8e-4, many=3.2e-3, fresh=2e-3)
-    path.write_text(__import__("json").dumps([timings, timings]))
+    write_runs(path, [Run(timings, at=0.0, foreign=0.01)] * 2)
 
     def no_measuring(progress: bool = False) -> DeviceSpec:
         raise AssertionError("measured although the cache has runs")

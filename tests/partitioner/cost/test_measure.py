@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,13 @@ import partitioner.cost.measure
 from partitioner import partition
 from partitioner.analysis import analyze
 from partitioner.cost.devices import DeviceSpec
-from partitioner.cost.measure import CalibrationError, Progress, calibrate_layers, measure_cpu
+from partitioner.cost.measure import (
+    TIMING_KEYS,
+    CalibrationError,
+    Progress,
+    calibrate_layers,
+    measure_cpu,
+)
 
 SPEC = DeviceSpec("cpu", {"fp32": 100e9}, 16e9, 20e9, matmul_efficiency=1.0,
                   matmul_half_flops=1e3, memory_efficiency=1.0, op_overhead=3e-6)
@@ -46,8 +53,17 @@ class Repeated(nn.Module):
         return self.bn(self.head(x))
 
 
-def test_measured_cpu_spec_is_valid() -> None:
+def test_measured_cpu_spec_is_valid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))  # empty: this process measures
+    runs: list[dict[str, float]] = []
+    timings = partitioner.cost.measure._timings
+    monkeypatch.setattr(partitioner.cost.measure, "_timings",
+                        lambda progress: runs.append(timings(progress)) or runs[-1])
+    measure_cpu.cache_clear()
     spec = measure_cpu()
+    # A real run times what the cache checks a kept run for (else every kept run would read
+    # as corrupt, and every process would measure again).
+    assert runs and all(sorted(run) == sorted(TIMING_KEYS) for run in runs)
     assert spec.flops("fp32") > 1e8 and spec.memory_bandwidth > 1e8
     assert spec.shared_speedup[0] == 1.0 and len(spec.shared_speedup) == 4
     assert all(1 / n <= s <= n for n, s in enumerate(spec.shared_speedup, start=1))

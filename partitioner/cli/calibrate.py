@@ -1,0 +1,106 @@
+"""``partitioner calibrate``: this machine's calibration cache, shown, re-measured or cleared.
+
+Planning for ``"cpu"`` devices uses the median of the quiet calibration runs kept in a cache
+file (:mod:`partitioner.cost.calibration_cache`). This command says where that file is, how
+many runs it keeps and how quiet the machine was while they ran, and the spec they give;
+``--measure`` takes a run now (kept if quiet), ``--clear`` deletes the file.
+
+Example:
+    >>> from partitioner.cost.devices import REFERENCE_CPU
+    >>> print(spec_lines(REFERENCE_CPU)[0])
+      matmul rate (fp32)         200.0 GFLOP/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TYPE_CHECKING
+
+from partitioner.errors import CommandError
+
+if TYPE_CHECKING:
+    from partitioner.cost.calibration_cache import Cached
+    from partitioner.cost.devices import DeviceSpec
+
+__all__ = ["calibrate_command", "spec_lines", "runs_line"]
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    """``partitioner calibrate``: clear (``--clear``), measure (``--measure``), then show."""
+    from partitioner.cost import measure
+    from partitioner.cost.calibration_cache import read_runs
+
+    path = measure.cache_file()
+    if path is None:
+        raise CommandError("the calibration cache is disabled (PARTITIONER_CALIBRATION_CACHE=0);"
+                           " unset it to keep and show this machine's calibration runs")
+    if args.clear:
+        if path.exists():
+            path.unlink()
+            print(f"removed {path}")
+        else:
+            print(f"no calibration cache to remove at {path}")
+    started = time.time()
+    measured = measure.remeasure_cpu(progress=True) if args.measure else None
+    cached = read_runs(path, measure.TIMING_KEYS)
+    if measured is not None and not any(run.at >= started for run in cached.runs):
+        print("measured now, not kept (other processes kept the cores busy):")
+        print("\n".join(spec_lines(measured)))
+    _show(cached, measure.median_spec(cached.runs[-measure.KEPT_RUNS:]) if cached.runs
+          else None)
+    return 0
+
+
+def _show(cached: Cached, spec: DeviceSpec | None) -> None:
+    print(f"calibration cache: {cached.path}")
+    if cached.problem is not None:
+        print(f"  the file {cached.problem}; the next plan for \"cpu\" devices (or "
+              "partitioner calibrate --measure) measures again and rewrites it")
+    print(runs_line(cached))
+    if spec is None:
+        print("  the next plan for \"cpu\" devices measures the CPU (a few seconds); "
+              "partitioner calibrate --measure measures now")
+        return
+    print("spec (the median of the kept runs):")
+    print("\n".join(spec_lines(spec)))
+
+
+def runs_line(cached: Cached) -> str:
+    """How many runs ``cached`` keeps and how quiet the machine was while they ran."""
+    from partitioner.cost.calibration_cache import KEPT_RUNS, QUIET, is_quiet
+
+    runs = cached.runs[-KEPT_RUNS:]
+    if not runs:
+        return "runs kept: none"
+    loads = [run.foreign for run in runs if run.foreign is not None]
+    quiet = "all quiet" if all(is_quiet(run) for run in runs) else "NOT all quiet"
+    busiest = (f"others kept at most {max(loads):.0%} of the cores busy while they ran"
+               if loads else "the load while they ran is unknown")
+    return (f"runs kept: {len(runs)} (the newest {KEPT_RUNS} count), {quiet} "
+            f"(at most {QUIET:.0%} foreign load): {busiest}")
+
+
+def spec_lines(spec: DeviceSpec) -> list[str]:
+    """``spec``'s figures, one per line, with units."""
+    lines = [_figure("matmul rate (fp32)", spec.flops("fp32") / 1e9, "GFLOP/s"),
+             _figure("half rate at", spec.matmul_half_flops / 1e3, "kFLOP per product"),
+             _figure("weight repacking", spec.pack_bandwidth / 1e9, "GB/s"),
+             _figure("memory bandwidth", spec.memory_bandwidth / 1e9, "GB/s"),
+             _figure("optimizer step", spec.optimizer_bandwidth / 1e9, "GB/s"),
+             _figure("first touch", spec.fresh_bandwidth / 1e9,
+                     f"GB/s (tensors of {spec.fresh_threshold / 2**20:.0f} MiB and more)"),
+             _figure("op overhead", spec.op_overhead * 1e6, "us per op"),
+             _figure("action overhead", spec.action_overhead * 1e6, "us per stage action"),
+             _figure("memory", spec.memory_bytes / 2**30, "GiB")]
+    if spec.shared_speedup:
+        workers = ", ".join(str(n) for n in range(1, len(spec.shared_speedup) + 1))
+        lines.append(f"  stages sharing the cores (speed-up of {workers} workers at once):")
+        for flops, *gains in spec.shared_sizes or ((64.0, *spec.shared_speedup),):
+            work = f"products of {flops / 1e6:,.0f} MFLOP" if flops else "element-wise"
+            lines.append(f"    {work:<25}" + " ".join(f"{g:5.2f}" for g in gains))
+    return lines
+
+
+def _figure(label: str, value: float, unit: str) -> str:
+    return f"  {label:<24}{value:8.1f} {unit}"
