@@ -4,6 +4,8 @@ clears this machine's calibration cache (a temporary one here, never the user's)
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,11 @@ def test_spec_lines_give_units() -> None:
     assert lines[1].split()[-3:] == ["kFLOP", "per", "product"]
     assert lines[1].split()[3] == "2.2"
     assert ["element-wise", "1.00", "0.70", "0.60", "0.70"] in [line.split() for line in lines]
+
+
+def test_calibrate_help_does_not_import_torch() -> None:
+    code = ("import sys\nfrom partitioner.cli import main\ntry:\n    main(['calibrate', '--help'])"
+            "\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False"
