@@ -263,8 +263,8 @@ def example_error(model: nn.Module, args: tuple[Any, ...],
             f"example inputs do not fit {type(model).__name__}: calling it on "
             f"{describe_inputs(model, args, kwargs)} raises {type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}"
-            f"{f' (at {where})' if where else ''}; pass example_inputs=(...) shaped like one "
-            "real batch of the inputs forward takes")
+            f"{f' (at {where})' if where else ''}; pass example_inputs=(...) with the shapes and "
+            "dtypes of one real batch of the inputs forward takes")
     finally:
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -56,12 +57,38 @@ class _ShapeInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         try:
+            _check_operand_dtypes(self.module, n, self.fetch_args_kwargs_from_env(n)[0])
             result = super().run_node(n)
         except Exception as error:
             raise PassError(f"shape propagation failed at node {n.name} ({n.format_node()}): "
                             f"{type(error).__name__}: {error}") from error
         n.meta["val"] = result
         return result
+
+
+_PRODUCTS = {F.linear, torch.matmul, torch.mm, torch.bmm, F.conv1d, F.conv2d, F.conv3d,
+             torch.ops.aten.linear.default, torch.ops.aten.addmm.default,
+             torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.matmul.default, torch.ops.aten.conv1d.default,
+             torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
+             torch.ops.aten.convolution.default}
+
+
+def _check_operand_dtypes(root: torch.nn.Module, n: fx.Node, args: tuple[Any, ...]) -> None:
+    """Refuse a matrix product of an integer tensor with a floating one, as the real kernel
+    does ("mat1 and mat2 must have the same dtype"): the fake and meta kernels let it pass."""
+    operands = [a for a in args if isinstance(a, torch.Tensor)]
+    if n.op == "call_module":
+        module = root.get_submodule(str(n.target))
+        if not isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+            return
+        operands += [p for p in module.parameters(recurse=False)]
+    elif n.op != "call_function" or n.target not in _PRODUCTS:
+        return
+    floating = [t.dtype for t in operands if t.is_floating_point() or t.is_complex()]
+    other = [t.dtype for t in operands if not (t.is_floating_point() or t.is_complex())]
+    if floating and other:
+        raise TypeError(f"a matrix product of {other[0]} and {floating[0]} tensors")
 
 
 def _to_analysis(value: Any, mode: FakeTensorMode | None) -> Any:

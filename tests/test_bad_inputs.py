@@ -67,6 +67,8 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      ExampleInputsError, "Tensor"),
     ("inputs missing", lambda: partition(_model(), CPU2), ExampleInputsError,
      "example_inputs"),
+    ("inputs int64 into Linear", lambda: partition(_model(), CPU2, example_inputs=(X.long(),)),
+     ExampleInputsError, "(8, 4) int64"),
     ("kwargs a string", lambda: partition(_model(), CPU2, example_inputs=(X,),
                                           example_kwargs="x"),  # type: ignore[arg-type]
      ExampleInputsError, "example_kwargs='x'"),

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import partitioner.passes.shape_prop
 from partitioner.passes.base import PassError
 from partitioner.passes.shape_prop import propagate_shapes, tensor_bytes
+from partitioner.passes.unlift import unlift
 
 SEEN: list[object] = []
 
@@ -150,6 +151,18 @@ def test_propagate_shapes_names_the_node_whose_shapes_mismatch() -> None:
     with pytest.raises(PassError, match="shape propagation failed at node _2") as caught:
         propagate_shapes(gm, (torch.randn(3, 4),))
     assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_propagate_shapes_refuses_integers_into_a_linear_layer(capture: str) -> None:
+    """Regression: fake kernels let an int64 input meet a float weight; the real one fails
+    at call time."""
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randint(0, 5, (3, 4))
+    gm = fx.symbolic_trace(model) if capture == "fx" else \
+        unlift(torch.export.export(model, (x.float(),), strict=False)).graph_module
+    with pytest.raises(PassError, match="int64 and torch.float32"):
+        propagate_shapes(gm, (x,))
+    propagate_shapes(gm, (x.float(),))
 
 
 def test_propagate_shapes_rejects_a_wrong_number_of_inputs() -> None:
