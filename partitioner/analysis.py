@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from partitioner.capture import Captured, capture, example_error, module_paths
@@ -41,9 +42,9 @@ from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.split_stages import split_stages
 from partitioner.plans.plan import Plan
 from partitioner.runtime.materialize import MaterializerFactory, materialize_module
-from partitioner.runtime.microbatch import batch_size, scatter
+from partitioner.runtime.microbatch import MEAN, SUM, OutputHint, batch_size, scatter
 
-__all__ = ["Analysis", "analyze", "recapture", "build_stage_graphs", "Regroup"]
+__all__ = ["Analysis", "analyze", "recapture", "build_stage_graphs", "Regroup", "output_rows"]
 
 Regroup = Callable[[fx.GraphModule, tuple[Layer, ...]], tuple[Layer, ...]]
 
@@ -150,6 +151,46 @@ def _propagate_shapes(model: nn.Module, gm: fx.GraphModule, values: list[Any],
         if wrong is not None:
             raise wrong from error
         raise
+
+
+def output_rows(analysis: Analysis) -> list[OutputHint] | None:
+    """Per leaf of the captured graph's output, what joining micro-batches' and replicas'
+    outputs needs to know (``partitioner.runtime.microbatch.join_rules``): the rows of dim 0
+    per sample of the example batch, or for a tensor without a batch dimension (an
+    auxiliary loss, a per-expert load) ``"sum"`` if a ``sum`` over the batch made it, else
+    ``"mean"``; ``None`` where unknown (a non-tensor, no shapes). ``None`` without example
+    inputs or with a batch of one, where every dim 0 would count as batched.
+
+    A leaf whose dim 0 divides by the example batch by chance is caught by the runtime, as
+    it does not scale with the micro-batches.
+    """
+    batch = batch_size(analysis.inputs) if analysis.inputs is not None else None
+    if not batch or batch < 2:
+        return None
+    output = next(n for n in analysis.captured.graph_module.graph.nodes if n.op == "output")
+    rows: list[OutputHint] = []
+    for leaf in pytree.tree_leaves(output.args[0]):
+        value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            rows.append(None)
+        elif value.dim() > 0 and int(value.shape[0]) % batch == 0:
+            rows.append(int(value.shape[0]) // batch)
+        else:
+            rows.append(SUM if _sums_over_batch(leaf) else MEAN)
+    return rows
+
+
+_SUMS = {torch.sum, torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList}
+
+
+def _sums_over_batch(node: fx.Node) -> bool:
+    """Whether ``node`` is a ``sum`` over dim 0 (all dims, or a list holding 0)."""
+    if not (node.target in _SUMS or (node.op == "call_method" and node.target == "sum")):
+        return False
+    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if dims is None:
+        return True
+    return 0 in (dims if isinstance(dims, (list, tuple)) else [dims])
 
 
 def recapture(model: nn.Module, analysis: Analysis, training: bool,

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from partitioner.analysis import Analysis, build_stage_graphs, recapture
+from partitioner.analysis import Analysis, build_stage_graphs, output_rows, recapture
 from partitioner.errors import DeviceError, PartitionError, PrecisionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.group_layers import Layer
@@ -66,7 +66,8 @@ def build_pipeline(model: nn.Module, analysis: Analysis, plan: Plan,
                            plan.checkpoint, bind=captured.placeholder_values,
                            restructure=captured.restructure, schedule=plan.schedule,
                            virtual=getattr(plan, "virtual_stages", 1),
-                           precision=plan.precision, loss_scale=request.loss_scale)
+                           precision=plan.precision, loss_scale=request.loss_scale,
+                           output_rows=output_rows(analysis))
     # What partitioner.viz draws: the captured graph, its shapes and layers.
     pm.analysis = analysis  # type: ignore[assignment]
     return pm
@@ -123,7 +124,8 @@ def build_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: Pl
     else:
         replicas = _graph_replicas(model, analysis, plan, request, groups)
     module = ReplicatedModule(plan, replicas, [group[0] for group in groups],
-                              check_call=analysis.captured.placeholder_values)
+                              check_call=analysis.captured.placeholder_values,
+                              output_rows=output_rows(analysis))
     module.analysis = analysis  # type: ignore[assignment]
     return module
 
@@ -205,7 +207,8 @@ def _replica(module: nn.Module, graphs: GraphFactory, analysis: Analysis, plan: 
                             captured.placeholder_values, captured.restructure)
     return PartitionedModule(module, plan, graphs, group, plan.chunks, plan.checkpoint,
                              bind=captured.placeholder_values, restructure=captured.restructure,
-                             schedule=plan.schedule, virtual=plan.virtual_stages)
+                             schedule=plan.schedule, virtual=plan.virtual_stages,
+                             output_rows=output_rows(analysis))
 
 
 def _local_stage_graphs(analysis: Analysis, plan: Plan,
@@ -272,7 +275,8 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
     return TensorParallelModule(plan, stages, analysis.training, stage_factory,
                                 shard_plan.shardings, sources, unused, plan.chunks,
                                 plan.checkpoint, bind=captured.placeholder_values,
-                                restructure=captured.restructure, schedule=plan.schedule)
+                                restructure=captured.restructure, schedule=plan.schedule,
+                                output_rows=output_rows(analysis))
 
 
 def _merged_like(names: list[list[str]]) -> Any:

@@ -61,7 +61,14 @@ from partitioner.runtime.loss_head import (
     split_targets,
     to_device,
 )
-from partitioner.runtime.microbatch import batch_size, gather, scatter
+from partitioner.runtime.microbatch import (
+    OutputHint,
+    batch_size,
+    gather,
+    join_rules,
+    scatter,
+    split_grad,
+)
 from partitioner.runtime.precision import check_precision
 from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks, pipeline_depth
 from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
@@ -101,11 +108,17 @@ class LocalPipeline:
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the stages compute under autocast
             to it and :meth:`step` computes the loss in fp32
             (``partitioner.runtime.precision``).
+        output_rows: per leaf of the last stage's output, the rows of dim 0 per sample the
+            capture found (``0``: no batch dimension; ``None``: unknown): how a call joins
+            the micro-batches' outputs (``partitioner.runtime.microbatch.join_rules``:
+            batched leaves concatenated, floating-point ones without a batch dimension
+            averaged weighted by samples, others refused).
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
                  chunks: int = 1, checkpoint: str = "never", threads: int | None = None,
-                 schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32") -> None:
+                 schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32",
+                 output_rows: Sequence[OutputHint] | None = None) -> None:
         self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
         self.virtual = virtual
         self.devices = _pipeline_devices(len(stages), list(devices), virtual)
@@ -117,6 +130,7 @@ class LocalPipeline:
             raise ScheduleError("; ".join(problems))
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.output_rows = None if output_rows is None else list(output_rows)
         p = len(self.devices)
         self.precision = check_precision(precision, scaled=False)
         self.runners = [StageRunner(k, gm, self.devices[k % p], precision=precision)
@@ -212,7 +226,7 @@ class LocalPipeline:
             any(p.requires_grad for r in self.runners for p in r.graph_module.parameters())
             or any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves))
         if not grad:
-            return gather(self._forward(micro, grad=False))
+            return gather(self._forward(micro, grad=False), _sizes(micro), self.output_rows)
         tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         box: dict[str, Any] = {}
         phony = torch.empty(0, requires_grad=True)
@@ -404,12 +418,16 @@ class _PipelineFunction(torch.autograd.Function):
         per_micro = pipe._forward(micro, grad=True)
         ctx.generation = pipe._generation
         flat = [pytree.tree_flatten(out) for out in per_micro]
-        gathered = gather(per_micro)
+        sizes = _sizes(micro)
+        rules = join_rules(per_micro, sizes, pipe.output_rows)
+        gathered = gather(per_micro, sizes, rules=rules)
         leaves, spec = pytree.tree_flatten(gathered)
         positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         box.update(leaves=leaves, spec=spec, tensor_positions=positions)
         ctx.pipe = pipe
         ctx.positions = positions
+        ctx.samples = sizes
+        ctx.rules = [rules[k] for k in positions]
         ctx.sizes = [[leaves_i[k].shape[0] if leaves_i[k].dim() else 1 for k in positions]
                      for leaves_i, _ in flat]
         ctx.n_leaves = len(leaves)
@@ -435,8 +453,8 @@ class _PipelineFunction(torch.autograd.Function):
         n = len(ctx.sizes)
         per_micro: list[list[Any]] = [[None] * ctx.n_leaves for _ in range(n)]
         for position_index, (k, g) in enumerate(zip(ctx.positions, grad_outputs)):
-            sizes = [s[position_index] for s in ctx.sizes]
-            parts = torch.split(g, sizes) if n > 1 else (g,)
+            lengths = [s[position_index] for s in ctx.sizes]
+            parts = split_grad(g, ctx.rules[position_index], lengths, ctx.samples)
             for i in range(n):
                 per_micro[i][k] = parts[i]
         input_grads = ctx.pipe._backward(n, per_micro)
@@ -444,6 +462,11 @@ class _PipelineFunction(torch.autograd.Function):
         for split in ctx.input_split:
             result.append(_join_input_grad([g[split[0]] for g in input_grads], split[1]))
         return (None, None, None, None, *result)
+
+
+def _sizes(micro: list[list[Any]]) -> list[int]:
+    """The samples of each micro-batch (1 for one without a batch dimension)."""
+    return [batch_size(mb) or 1 for mb in micro]
 
 
 def _mark_shared_parameters(stages: Sequence[fx.GraphModule]) -> None:

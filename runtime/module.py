@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
+from partitioner.runtime.microbatch import OutputHint
 from partitioner.runtime.precision import LossScaler, make_scaler
 from partitioner.runtime.wrapper import ModelWrapper
 
@@ -60,6 +61,12 @@ class PartitionedModule(ModelWrapper):
         loss_scale: with fp16, ``"dynamic"`` or a fixed float: :meth:`step` scales the
             gradients by ``self.scaler.scale``; step the optimizer with
             ``pm.scaler.step(optimizer)`` then ``pm.scaler.update()``.
+        output_rows: per leaf of the last stage's output, the rows of dim 0 per sample the
+            capture found (``0``: no batch dimension), which decides how a call joins the
+            micro-batches' outputs: batched leaves are concatenated, floating-point ones
+            without a batch dimension (an ``aux_loss``) averaged weighted by the
+            micro-batches' samples, others refused
+            (``partitioner.runtime.microbatch.join_rules``).
     """
 
     inner = "module"
@@ -70,8 +77,10 @@ class PartitionedModule(ModelWrapper):
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] = _bind_positional,
                  restructure: Callable[[Any], Any] = lambda out: out,
                  schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32",
-                 loss_scale: float | str | None = None) -> None:
+                 loss_scale: float | str | None = None,
+                 output_rows: Sequence[OutputHint] | None = None) -> None:
         super().__init__(plan, module.training)
+        self.output_rows = output_rows
         #: The loss scaler of fp16 training (``None`` otherwise).
         self.scaler: LossScaler | None = make_scaler(precision, loss_scale)
         self.precision = precision
@@ -99,7 +108,8 @@ class PartitionedModule(ModelWrapper):
             self._pipelines[mode] = LocalPipeline(stages, self.devices, self.chunks,
                                                   self.checkpoint, schedule=self.schedule,
                                                   virtual=self.virtual,
-                                                  precision=self.precision)
+                                                  precision=self.precision,
+                                                  output_rows=self.output_rows)
         return self._pipelines[mode]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -57,7 +57,7 @@ from torch import nn
 
 from partitioner.errors import BackwardError, ReplicaError
 from partitioner.runtime.loss_head import LOSS_REDUCTIONS, check_loss
-from partitioner.runtime.microbatch import batch_size
+from partitioner.runtime.microbatch import OutputHint, batch_size, gather, join_rules, split_grad
 from partitioner.runtime.replica_copy import ReplicaTensors
 from partitioner.runtime.rng import use_generator
 from partitioner.runtime.transfer import move_leaves
@@ -90,12 +90,24 @@ def split_batch(values: Any, parts: int, batch: int) -> tuple[list[Any], list[bo
     return [pytree.tree_unflatten([p[r] for p in pieces], spec) for r in range(parts)], split
 
 
-def join_outputs(outputs: list[Any], device: torch.device) -> Any:
-    """The replicas' outputs joined on ``device``: tensor leaves concatenated along dim 0,
-    other leaves taken from replica 0.
+def join_outputs(outputs: list[Any], device: torch.device, sizes: Sequence[int] | None = None,
+                 rows: Sequence[OutputHint] | None = None,
+                 rules: Sequence[str] | None = None) -> Any:
+    """The replicas' outputs joined on ``device`` as micro-batches' are
+    (``partitioner.runtime.microbatch.gather``): batched tensor leaves concatenated along
+    dim 0, floating-point leaves without a batch dimension (an ``aux_loss``) averaged
+    weighted by the shares' samples, other leaves taken from replica 0.
+
+    Args:
+        outputs: one output per replica.
+        device: where the joined tensors go.
+        sizes: the samples of each replica's share.
+        rows: the capture's rows of dim 0 per sample of each output leaf (``0``: none).
+        rules: the join rules, if already decided (``join_rules``).
 
     Raises:
-        ReplicaError: the replicas returned different structures, or a 0-dim tensor.
+        ReplicaError: the replicas returned different structures.
+        OutputError: a leaf without a batch dimension that cannot be averaged.
     """
     flat = [pytree.tree_flatten(out) for out in outputs]
     spec = flat[0][1]
@@ -104,17 +116,11 @@ def join_outputs(outputs: list[Any], device: torch.device) -> Any:
         raise ReplicaError(f"replicas {differ} returned another structure than replica 0 "
                            f"({spec}); data-parallel replicas must return the same structure "
                            "for every share of the batch")
-    joined = []
-    for k, first in enumerate(flat[0][0]):
-        if not isinstance(first, torch.Tensor):
-            joined.append(first)
-            continue
-        if first.dim() == 0:
-            raise ReplicaError(f"output leaf {k} is a 0-dim tensor, which has no batch to "
-                               "join across data-parallel replicas; return batched outputs "
-                               "and compute the loss outside, or use step(x, y, loss_fn)")
-        joined.append(torch.cat([leaves[k].to(device) for leaves, _ in flat]))
-    return pytree.tree_unflatten(joined, spec)
+    if len(outputs) == 1:
+        leaves = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf
+                  for leaf in flat[0][0]]
+        return pytree.tree_unflatten(leaves, spec)
+    return gather(outputs, sizes, rows, device=device, rules=rules)
 
 
 class ReplicatedModule(ModelWrapper):
@@ -128,14 +134,17 @@ class ReplicatedModule(ModelWrapper):
         devices: per replica, the device its share of the inputs goes to (its first).
         check_call: checks a call's ``(args, kwargs)`` against the model's ``forward``
             (raising its error) before the batch is split.
+        output_rows: per output leaf, the rows of dim 0 per sample the capture found
+            (``0``: no batch dimension): how the replicas' outputs join
+            (:func:`join_outputs`).
     """
 
     inner = "module"
 
     def __init__(self, plan: Any, replicas: Sequence[nn.Module],
                  devices: Sequence[torch.device],
-                 check_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
-                 ) -> None:
+                 check_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None,
+                 output_rows: Sequence[OutputHint] | None = None) -> None:
         if not replicas or len(replicas) != len(devices):
             raise ValueError(f"{len(replicas)} replicas for {len(devices)} devices; pass one "
                              "device per replica (and at least one replica)")
@@ -155,6 +164,7 @@ class ReplicatedModule(ModelWrapper):
         # Checks a call's arguments against the model's forward before the batch is split
         # (a missing or extra argument is named as such, not as a batch problem).
         self._check_call = check_call
+        self.output_rows = output_rows
 
     def train(self, mode: bool = True) -> ReplicatedModule:
         """Set train/eval mode on every replica (the copies are not children)."""
@@ -247,7 +257,8 @@ class ReplicatedModule(ModelWrapper):
         self._prepare()
         if not self._needs_grad(values):
             results = self._run(lambda r, share: self._call(r, share, False), shares)
-            return join_outputs([out for _, out in results], self.devices[0])
+            return join_outputs([out for _, out in results], self.devices[0],
+                                _share_sizes(shares), self.output_rows)
         leaves = pytree.tree_leaves(values)
         tensors = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         box: dict[str, Any] = {"split": [split[k] for k in tensors], "leaf_index": tensors}
@@ -343,6 +354,11 @@ class ReplicatedModule(ModelWrapper):
                 replica.close()
 
 
+def _share_sizes(shares: list[Any]) -> list[int]:
+    """The samples of each replica's share (1 for one without a batch dimension)."""
+    return [batch_size(share) or 1 for share in shares]
+
+
 def _moved(flat: tuple[list[Any], Any], device: torch.device) -> tuple[list[Any], Any]:
     leaves, spec = flat
     return move_leaves(leaves, device, grad=False), spec
@@ -356,13 +372,17 @@ class _Replicated(torch.autograd.Function):
                 phony: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         results = owner._run(lambda r, share: owner._call(r, share, True), shares)
         outs = [out for _, out in results]
-        joined = join_outputs(outs, owner.devices[0])
+        sizes = _share_sizes(shares)
+        rules = join_rules(outs, sizes, owner.output_rows)
+        joined = join_outputs(outs, owner.devices[0], sizes, rules=rules)
         leaves, spec = pytree.tree_flatten(joined)
         positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         box.update(leaves=leaves, spec=spec, positions=positions)
         ctx.owner = owner
         ctx.moved = [moved for moved, _ in results]
         ctx.outs = [[pytree.tree_leaves(out)[k] for k in positions] for out in outs]
+        ctx.rules = [rules[k] for k in positions]
+        ctx.sizes = sizes
         ctx.split = box["split"]
         ctx.leaf_index = box["leaf_index"]
         ctx.devices = [x.device for x in inputs]
@@ -378,8 +398,9 @@ class _Replicated(torch.autograd.Function):
                                 "replicas' activations were freed by the first backward; "
                                 "run a forward before each backward")
         outs, ctx.outs = ctx.outs, None
-        parts = [torch.split(g, [o[k].shape[0] for o in outs]) if g is not None else None
-                 for k, g in enumerate(grads)]
+        parts = [split_grad(g, rule, [o[k].shape[0] if o[k].dim() else 1 for o in outs],
+                            ctx.sizes) if g is not None else None
+                 for k, (g, rule) in enumerate(zip(grads, ctx.rules))]
 
         def back(r: int, moved: list[Any]) -> list[Any]:
             pairs = [(out, cut[r].to(out.device)) for out, cut in zip(outs[r], parts)

@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
+from partitioner.runtime.microbatch import OutputHint
 from partitioner.runtime.tensor_parallel.sharding import (
     Sharding,
     TensorParallelError,
@@ -123,6 +124,8 @@ class TensorParallelModule(TensorParallelState):
         restructure: maps the last stage's output to what the model returns.
         schedule: the plan's schedule, which :meth:`step` runs (one virtual stage per
             device: the tensor-parallel front cuts no model chunks).
+        output_rows: how the micro-batches' outputs join, per output leaf (as
+            :class:`~partitioner.runtime.module.PartitionedModule`'s).
     """
 
     def __init__(self, plan: Any, stages: list[TensorParallelStage], training: bool,
@@ -131,8 +134,10 @@ class TensorParallelModule(TensorParallelState):
                  unused: dict[str, torch.Tensor], chunks: int = 1, checkpoint: str = "never",
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] | None = None,
                  restructure: Callable[[Any], Any] = lambda out: out,
-                 schedule: str = "gpipe") -> None:
+                 schedule: str = "gpipe",
+                 output_rows: Sequence[OutputHint] | None = None) -> None:
         super().__init__(shardings, sources, plan=plan, training=training)
+        self.output_rows = output_rows
         self.schedule = schedule
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -182,7 +187,8 @@ class TensorParallelModule(TensorParallelState):
                 stage.threads = threads
             self._pipelines[mode] = LocalPipeline(graphs, [s.devices[0] for s in stages],
                                                   self.chunks, self.checkpoint, threads,
-                                                  schedule=self.schedule)
+                                                  schedule=self.schedule,
+                                                  output_rows=self.output_rows)
         return self._pipelines[mode]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

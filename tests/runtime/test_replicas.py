@@ -163,19 +163,31 @@ def test_step_refuses_bad_losses_and_targets() -> None:
             pm.step(x, y[:3], nn.functional.mse_loss)
 
 
-def test_scalar_outputs_refused() -> None:
-    class Summed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(3, 3)
+class _Reduced(nn.Module):
+    def __init__(self, reduce: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.reduce = reduce
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.linear(x).sum()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y.sum() if self.reduce == "sum" else y.mean()
 
-    x = torch.randn(4, 3)
-    with replicated(Summed(), (x,), dp=2) as pm:
-        with pytest.raises(ReplicaError, match="0-dim tensor"):
-            pm(x)
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_scalar_outputs_are_the_whole_batchs(reduce: str) -> None:
+    """Issue #19: a 0-dim output was a ReplicaError; the capture says how it was reduced
+    over the batch, and the replicas' values are summed or averaged by samples alike."""
+    x = torch.randn(5, 3)
+    model = _Reduced(reduce)
+    reference = copy.deepcopy(model)
+    with replicated(model, (x,), dp=2) as pm:
+        out = pm(x)
+        expected = reference(x)
+        torch.testing.assert_close(out, expected)
+        out.backward()
+    expected.backward()
+    torch.testing.assert_close(model.linear.weight.grad, reference.linear.weight.grad)
 
 
 def test_second_backward_refused() -> None:

@@ -158,3 +158,37 @@ def test_a_loss_without_grad_is_refused_not_a_silent_no_op(kind: str) -> None:
         with pytest.raises(LossError, match="does not require grad"):
             wrapper.step(x, y, lambda out, target: nn.functional.mse_loss(out.detach(), target))
     assert all(p.grad is None for p in model.parameters())
+
+
+class _WithStatistics(nn.Module):
+    """Returns ``(logits, per_expert_load, aux_loss)``: the last two have no batch dimension
+    (and the load's 4 experts equal a micro-batch's 4 samples, to mislead a guess by size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.down(torch.relu(self.up(x)))  # (B, 4)
+        share = logits.softmax(-1)
+        return logits, share.mean(0), (share * share).sum(-1).mean()  # (B, 4), (4,), ()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_outputs_without_a_batch_dimension_are_the_whole_batchs(kind: str) -> None:
+    """Issue #19: a ``(E,)`` output was concatenated to ``(2E,)`` across micro-batches or
+    replicas, and a 0-dim one refused; both are averaged weighted by samples (the whole
+    batch's value of a mean over samples), their gradients too."""
+    torch.manual_seed(0)
+    model, x = _WithStatistics().eval(), torch.randn(8, 8)
+    reference = copy.deepcopy(model)
+    with _wrap(kind, model, x) as wrapper:
+        got = wrapper(x)
+        expected = reference(x)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+        (got[0].sum() + 3 * got[1].square().sum() + 5 * got[2]).backward()
+        grads = _grads(wrapper, model)
+    (expected[0].sum() + 3 * expected[1].square().sum() + 5 * expected[2]).backward()
+    for key, p in reference.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, atol=1e-5, rtol=1e-4, msg=key)
