@@ -56,6 +56,7 @@ __all__ = [
     "TensorParallelExecutionError",
     "ClosedError",
     "ReplicaError",
+    "OutputError",
     "PrecisionError",
     "InitError",
 ]
@@ -378,3 +379,12 @@ class InitError(PartitionError, TypeError):
 class TuneError(PartitionError, TypeError):
     """A ``tune=`` that is neither a bool nor a positive int, or tuning asked where nothing
     can be timed (no example inputs, a fixed split)."""
+
+
+# Raised by partitioner.runtime.microbatch and partitioner.runtime.replicas.
+
+
+class OutputError(PartitionError, ValueError):
+    """An output leaf of a model that micro-batches or replicas cannot join into the whole
+    batch's: no batch dimension and not a floating-point tensor to average, or shapes that
+    differ between micro-batches."""
