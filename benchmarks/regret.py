@@ -160,7 +160,7 @@ def contenders(case: Case, devices: int) -> tuple[list[Contender], str, Any]:
         try:
             plan = plan_record(model, analysis, request, record)
             module = build(model, analysis, route(model, analysis, plan, request), request)
-        except Exception as error:  # noqa: BLE001 - a candidate that cannot run is reported
+        except Exception as error:
             print(f"  {record['label']}: not built ({type(error).__name__}: {error})")
             continue
         out.append(Contender(record["label"], _kind(record["config"]), record["step_time"],
@@ -176,7 +176,7 @@ def contenders(case: Case, devices: int) -> tuple[list[Contender], str, Any]:
                          checkpoint="never", example_inputs=(x,))
         out.append(Contender(f"plain 1F1B pipeline m={chunks}", "pipeline",
                              pipe.plan.predicted_step_time or float("nan"), pipe, x))
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         print(f"  plain 1F1B pipeline: not built ({type(error).__name__}: {error})")
     pm.close()
     return out, picked, (model, x)

@@ -96,6 +96,13 @@ class DeviceSpec:
             micro-batch's forward or backward on one stage: handing it to the stage's
             worker, its stash, autograd bookkeeping), beyond the ops themselves. Measured
             for ``"cpu"`` devices; 0 for the presets.
+        thread_latency: seconds per step of a collective between worker threads of one
+            process (``"cpu"`` devices' tensor parallelism: a rendezvous, two thread
+            wake-ups per rank; ``partitioner.cost.runtime_paths``); the in-process link's
+            latency. 0: unmeasured (20 microseconds assumed).
+        replica_overhead: seconds one data-parallel replica in one process adds to a
+            training step beyond its compute (the split, the hand-offs to and from its
+            worker thread, the gradient sum and weight check); 0 for the presets.
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -116,6 +123,8 @@ class DeviceSpec:
     action_overhead: float = 0.0
     fresh_bandwidth: float = 0.0
     fresh_threshold: float = 0.0
+    thread_latency: float = 0.0
+    replica_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -136,7 +145,8 @@ class DeviceSpec:
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
         for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
-                     "fresh_bandwidth", "fresh_threshold"):
+                     "fresh_bandwidth", "fresh_threshold", "thread_latency",
+                     "replica_overhead"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0
@@ -314,7 +324,8 @@ REFERENCE_CPU = DeviceSpec(
                   (2.0 * 64 * 2**20, 1.0, 1.2, 1.1, 1.2),
                   (2.0 * 256 * 2**20, 1.0, 1.05, 0.95, 1.05),
                   (2.0 * 1024 * 2**20, 1.0, 1.0, 0.9, 1.0)),
-    action_overhead=1.5e-4, fresh_bandwidth=3.5e9, fresh_threshold=32 * 2**20)
+    action_overhead=1.5e-4, fresh_bandwidth=3.5e9, fresh_threshold=32 * 2**20,
+    thread_latency=3e-5, replica_overhead=2.5e-4)
 """A fixed 2-core CPU (this project's CI machine, measured with ``measure_cpu`` and the
 sharing gains of ``docs/design/003-cost-model.md``): what tests plan with, so plans do not
 depend on the machine's timings (``PARTITIONER_CPU_SPEC=reference``)."""
@@ -429,7 +440,8 @@ class Cluster:
             raise DeviceError(f"{len(specs)} specs for {len(parsed)} devices; pass one per "
                               "device")
         kinds = {d.type for d in parsed}
-        link = LinkSpec("in process", specs[0].achievable_bandwidth, 20e-6) if kinds == {"cpu"} \
+        link = LinkSpec("in process", specs[0].achievable_bandwidth,
+                        specs[0].thread_latency or 20e-6) if kinds == {"cpu"} \
             else LINKS["pcie4"]
         return cls(specs[0], 1, len(parsed), link, None, 1, tuple(str(d) for d in parsed),
                    specs if len(set(specs)) > 1 else ())

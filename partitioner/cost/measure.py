@@ -56,6 +56,7 @@ from partitioner.cost.calibration_cache import (
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.memory import optimizer_traffic
+from partitioner.cost.runtime_paths import replica_step_seconds, thread_collective_seconds
 from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.split_stages import split_stages
@@ -209,7 +210,7 @@ _MOST = 1024  # rows of the largest products timed shared (as a transformer's at
 _PHASES = 7  # what _timings reports to its progress bar
 _COUNTS = {2: "two", 3: "three", 4: "four"}
 TIMING_KEYS = ("overhead", "few", "some", "many", "small", "add", "fill", "fresh", "adam",
-               "action", "alone", *_COUNTS.values(),
+               "action", "collective", "replica", "alone", *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
 """What one calibration run times (:func:`_timings`), each in seconds."""
@@ -239,7 +240,8 @@ def _timings(progress: Progress) -> dict[str, float]:
     found["adam"] = _adam_step()
     progress.step("optimizer step")
     found["action"] = _action_overhead()
-    progress.step("pipeline actions")
+    found.update(collective=thread_collective_seconds(2), replica=replica_step_seconds())
+    progress.step("pipeline actions, thread collectives and replicas")
     # What stages computing at once get done: products of 8 to 1024 rows with weights
     # streamed from memory (the smaller, the more sharing gains), and element-wise streams
     # (each worker its own tensors; the memory bus is shared).
@@ -421,7 +423,9 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     fresh = _COPY * 4 / max(t["fresh"] - t["fill"], 1e-9) if threshold else 0.0
     return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
                       1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"],
-                      fresh, threshold or 0.0)
+                      fresh, threshold or 0.0,
+                      # A two-rank all-reduce between threads is a ring of 2 steps.
+                      thread_latency=t["collective"] / 2, replica_overhead=t["replica"])
 
 
 def _total_memory() -> float:

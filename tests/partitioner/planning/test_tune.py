@@ -27,9 +27,15 @@ def _model() -> nn.Sequential:
                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
-def _mesh_of(module: nn.Module) -> tuple[int, int, int]:
-    mesh = module.plan.mesh
-    return (mesh.dp, mesh.pp, mesh.tp)
+def _key_of(module: nn.Module) -> tuple[object, ...]:
+    plan = module.plan
+    return (plan.mesh.dp, plan.mesh.pp, plan.mesh.tp, plan.chunks, plan.schedule,
+            plan.checkpoint)
+
+
+def _key_of_record(record: dict) -> tuple[object, ...]:
+    c = record["config"]
+    return (c["dp"], c["pp"], c["tp"], c["chunks"], c["schedule"], c["checkpoint"])
 
 
 @pytest.mark.parametrize("tune, count", [(True, 4), (False, 0), (None, 0), (1, 1), (7, 7)])
@@ -95,24 +101,22 @@ def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
     state = {k: v.clone() for k, v in model.state_dict().items()}
     untuned = partition(model, ["cpu"] * 2, example_inputs=(x,))
     ranked = sorted(untuned.plan.candidates, key=lambda r: r["rank"])[:3]
-    meshes = [(r["config"]["dp"], r["config"]["pp"], r["config"]["tp"]) for r in ranked]
-    labels = [r["label"] for r in ranked]
-    assert len(set(meshes)) >= 2, labels  # the test needs candidates of different meshes
-    target = max(range(3), key=lambda i: (meshes[i] != meshes[0], i))
-    timed: list[tuple[int, int, int]] = []
+    keys = [_key_of_record(r) for r in ranked]
+    assert len(set(keys)) == 3, keys
+    timed: list[tuple[object, ...]] = []
 
     def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int) -> float:
         real = time_training_steps(module, inputs, kwargs, batch, steps=1, warmup=0)
         assert real > 0
         if not hasattr(module, "plan"):
             return 10.0  # the unpartitioned model on one device
-        timed.append(_mesh_of(module))
-        return 1.0 if _mesh_of(module) == meshes[target] else 2.0
+        timed.append(_key_of(module))
+        return 1.0 if _key_of(module) == keys[2] else 2.0
 
     monkeypatch.setattr(api, "time_training_steps", fake)
     pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=3)
-    assert _mesh_of(pm) == meshes[target]
-    assert len(timed) == 3
+    assert _key_of(pm) == keys[2]  # the third-ranked, measured fastest, is what runs
+    assert sorted(timed) == sorted(keys)
     records = pm.plan.candidates
     chosen = [r for r in records if r.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["measured_step_time"] == 1.0

@@ -1,0 +1,110 @@
+"""What the one-process runtimes pay beyond the layers' compute, measured on this machine.
+
+Several ``"cpu"`` devices in one process are worker threads. Two of the runtime's paths cost
+far more than bytes over memory bandwidth, and the cost model charges what these functions
+time (``partitioner.cost.measure`` runs them in each calibration):
+
+* a tensor-parallel collective between threads (``runtime/tensor_parallel/collectives.py``,
+  :class:`~partitioner.runtime.tensor_parallel.collectives.ThreadGroup`) is a rendezvous:
+  every rank deposits its tensor, waits for the others, sums, and waits again. Its fixed
+  cost is two thread wake-ups per rank, tens to hundreds of microseconds on a busy host,
+  where a copy of a small activation takes a few;
+* data-parallel replicas (``runtime/replicas.py``) split the batch, hand each share to a
+  worker thread, run the backward there, add the copies' gradients into the master's and
+  compare and copy the weights back before the next call: a fixed cost per replica and per
+  step besides the bytes.
+
+Example:
+    >>> thread_collective_seconds(rounds=20) > 0
+    True
+    >>> replica_step_seconds(rounds=5) >= 0
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from partitioner.runtime.replica_copy import GraphReplica
+from partitioner.runtime.replicas import ReplicatedModule
+from partitioner.runtime.tensor_parallel.collectives import ThreadCommunicator, ThreadGroup
+from partitioner.runtime.worker import Worker, shared_threads
+
+__all__ = ["thread_collective_seconds", "replica_step_seconds"]
+
+
+def thread_collective_seconds(ranks: int = 2, rounds: int = 200) -> float:
+    """Seconds per all-reduce of a tiny tensor among ``ranks`` worker threads (the median of
+    three runs of ``rounds`` back-to-back collectives), as the tensor-parallel runtime runs
+    them."""
+    cpu = torch.device("cpu")
+    group = ThreadGroup([cpu] * ranks, timeout=60.0)
+    threads = shared_threads([cpu] * ranks)
+    workers = [Worker(cpu, threads) for _ in range(ranks)]
+    comms = [ThreadCommunicator(group, r) for r in range(ranks)]
+    x = torch.ones(16)
+
+    def loop(comm: ThreadCommunicator) -> None:
+        for _ in range(rounds):
+            comm.all_reduce(x, "forward")
+    times = []
+    try:
+        for _ in range(4):
+            start = time.perf_counter()
+            for future in [w.submit(lambda c=c: loop(c)) for w, c in zip(workers, comms)]:
+                future.result()
+            times.append((time.perf_counter() - start) / rounds)
+    finally:
+        for w in workers:
+            w.close()
+    return statistics.median(times[1:])
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.float().mean()
+
+
+def replica_step_seconds(rounds: int = 30) -> float:
+    """Seconds two replicas of a tiny model add to a training step over the model called
+    directly, per replica: the split, the hand-off to and back from each worker thread, the
+    gradient sum and the weight check before the call (the median of ``rounds`` steps)."""
+    torch.manual_seed(0)
+    model, copy = _Tiny(), _Tiny()
+    graphs = [fx.symbolic_trace(m) for m in (model, copy)]
+    replicas = [GraphReplica(m, lambda training, g=g: g, lambda args, kwargs: list(args),
+                             lambda out: out) for m, g in zip((model, copy), graphs)]
+    pm = ReplicatedModule(None, replicas, [torch.device("cpu")] * 2)
+    x, target = torch.randn(8, 8), torch.zeros(8)
+
+    def replicated() -> None:
+        pm.step((x,), target, _loss)
+        model.zero_grad(set_to_none=True)
+
+    def direct() -> None:
+        _loss(model(x), target).backward()
+        model.zero_grad(set_to_none=True)
+    try:
+        together, alone = [], []
+        for _ in range(rounds + 3):  # in turn: load drifting skews neither
+            for fn, times in ((replicated, together), (direct, alone)):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+        return max(statistics.median(together[3:]) - statistics.median(alone[3:]), 0.0) / 2
+    finally:
+        pm.close()
