@@ -36,6 +36,7 @@ __all__ = [
     "TensorParallelError",
     "TensorParallelRuleError",
     "PlanFormatError",
+    "PlanWriteError",
     "SpecError",
     "SuffixError",
     "GraphvizNotFound",
@@ -239,6 +240,11 @@ class TensorParallelRuleError(TensorParallelError):
 
 class PlanFormatError(PartitionError, ValueError):
     """A plan (or plan file) is malformed."""
+
+
+class PlanWriteError(PartitionError, ValueError, OSError):
+    """A plan file cannot be written (missing folder, no permission); also an ``OSError``,
+    what ``Path.write_text`` raised before."""
 
 
 # Raised by partitioner.plans.spec.

@@ -4,6 +4,7 @@ whose message names the offending value, never a raw exception or a silent resul
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,18 +17,21 @@ from partitioner.distributed import partition_distributed
 from partitioner.errors import (
     BalanceError,
     CallError,
+    CheckpointError,
     ChunksError,
     DeviceError,
     ExampleInputsError,
     MemoryLimitError,
     ModelError,
     PlanFormatError,
+    PlanWriteError,
     SpecError,
     StageCountError,
     StrategyError,
     TraceError,
 )
 from partitioner.request import PlanRequest
+from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, read_checkpoint
 
 
 def _model() -> nn.Module:
@@ -158,6 +162,8 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      "chunks"),
     ("spec unknown key", lambda: load_plan({"stagez": []}), SpecError, "stagez"),
     ("spec not a mapping", lambda: load_plan(["a", "b"]), PartitionError, "list"),
+    ("plan saved into a missing folder", lambda: make_plan(_model(), ["cpu"], balance=[5])
+     .save("no/such/folder/plan.json"), PlanWriteError, "'no/such/folder'"),
 ]
 
 
@@ -223,3 +229,27 @@ def test_a_transformers_cache_asked_for_is_refused_naming_use_cache() -> None:
                   example_kwargs={"use_cache": True}, chunks=2, calibrate=False)
     assert "DynamicCache" in str(info.value)
     assert "pass use_cache=False" in str(info.value)
+
+
+def _half_written(tmp_path: Path) -> Path:
+    path = tmp_path / "model.pt"
+    torch.save(nn.Linear(64, 64).state_dict(), path)
+    path.write_bytes(path.read_bytes()[:8000])  # the mmap read fails with an OSError here
+    return path
+
+
+@pytest.mark.parametrize("kind", ["truncated", "folder"])
+def test_an_unreadable_checkpoint_is_refused_naming_it(kind: str, tmp_path: Path) -> None:
+    """Regression: a truncated file raised a raw OSError, a folder IsADirectoryError."""
+    path = _half_written(tmp_path) if kind == "truncated" else tmp_path
+    for read in (lambda: load_checkpoint(path, nn.Linear(64, 64)),
+                 lambda: read_checkpoint(path)):
+        with pytest.raises(CheckpointError) as info:
+            read()
+        assert str(path) in str(info.value) and "; pass " in str(info.value)
+
+
+def test_a_plan_that_cannot_be_written_is_still_an_os_error(tmp_path: Path) -> None:
+    plan = make_plan(_model(), ["cpu"], balance=[5])
+    with pytest.raises(OSError, match="cannot save the plan"):
+        plan.save(tmp_path)  # a folder

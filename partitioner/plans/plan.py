@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import PlanFormatError
+from partitioner.errors import PlanFormatError, PlanWriteError
 from partitioner.plans.documents import check_document, parse_json, read_text
 from partitioner.plans.explain import explain, format_bytes
 from partitioner.plans.fingerprint import Fingerprint
@@ -321,8 +321,24 @@ class Plan:
         return readable_json(self.to_dict()) + "\n"
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as indented JSON (see :meth:`to_json`)."""
-        Path(path).write_text(self.to_json())
+        """Write the plan as indented JSON (see :meth:`to_json`).
+
+        Raises:
+            PlanWriteError: naming the path, when its folder is missing, it is a folder,
+                or it cannot be written.
+        """
+        target = Path(path)
+        if not target.parent.is_dir():
+            raise PlanWriteError(f"cannot save the plan to {str(path)!r}: folder "
+                                 f"{str(target.parent)!r} does not exist; create it first "
+                                 f"(os.makedirs({str(target.parent)!r})) or pass a path in "
+                                 "an existing folder")
+        try:
+            target.write_text(self.to_json())
+        except OSError as error:
+            raise PlanWriteError(f"cannot save the plan to {str(path)!r}: "
+                                 f"{error.strerror or error}; pass a writable file path") \
+                from error
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -289,6 +289,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as error:
         raise CheckpointError(f"no checkpoint at {path}; pass the path save() wrote") from error
+    except Exception as error:  # a folder, a truncated file, not a torch.save file
+        raise CheckpointError(f"cannot read {path} as a checkpoint ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); pass "
+                              "the file save() wrote") from error
     return _checked(data, path)
 
 

@@ -76,12 +76,17 @@ def read_weights(path: str | os.PathLike[str]) -> Any:
     if not Path(path).exists():
         raise CheckpointError(f"no weights file at {path}; pass the path save() or "
                               "torch.save(model.state_dict(), path) wrote")
+    if Path(path).is_dir():
+        raise CheckpointError(f"{path} is a folder, not a weights file; pass the file save() "
+                              "or torch.save(model.state_dict(), path) wrote")
     if str(path).endswith(".safetensors"):
         return SafetensorsState(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:
-        pass  # a legacy (non-zip) torch.save file cannot be memory-mapped: read it whole
+    except (RuntimeError, OSError):
+        # A legacy (non-zip) torch.save file cannot be memory-mapped: read it whole. A
+        # truncated one fails both ways (an OSError here), and is named below.
+        pass
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
