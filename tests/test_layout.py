@@ -28,7 +28,9 @@ ALLOWED = {
     "partitioner.passes": {"partitioner.errors", "partitioner.runtime"},
     "partitioner.cost": {"partitioner.errors", "partitioner.runtime", "partitioner.passes"},
     "partitioner.plans": {"partitioner.errors", "partitioner.runtime"},
-    "partitioner.viz": {"partitioner.errors", "partitioner.runtime", "partitioner.plans"},
+    # A predicted timeline is the planner's simulation of the plan, drawn (one predictor).
+    "partitioner.viz": {"partitioner.errors", "partitioner.runtime", "partitioner.plans",
+                        "partitioner.planning.simulate"},
     "partitioner.planning": {"partitioner.errors", "partitioner.runtime", "partitioner.passes",
                              "partitioner.cost", "partitioner.plans", "partitioner.analysis",
                              "partitioner.request"},

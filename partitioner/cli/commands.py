@@ -274,23 +274,25 @@ def simulate_command(args: argparse.Namespace) -> int:
     """``partitioner simulate``: the plan's step laid out in time, as text (and a picture)."""
     from partitioner.planning.simulate import simulate
     from partitioner.viz import check_output, write_timeline
-    from partitioner.viz.timeline import Timeline, predicted_timeline
+    from partitioner.viz.timeline import predicted_timeline, simulated_timeline
 
     cluster = _cluster(args.cluster)
     if args.out:
         check_output(args.out, "timeline")
     plan, _, _ = _plan_and_analysis(args)
     if plan.candidates:
-        timeline = Timeline.of(simulate(plan, cluster), "s", "simulated")
+        # The predictor the plan's own step time came from: on its cluster they agree.
+        result = simulate(plan, cluster)
+        timeline = simulated_timeline(result)
         how = f"simulated on {args.cluster or 'the cluster it was planned for'}"
+        step = f"  step {result.step_time * 1e3:.2f} ms, bubble {result.bubble:.0%}"
     else:
         timeline = predicted_timeline(plan)
         how = "clock ticks (the plan has no cost records to simulate)"
+        step = f"  step {timeline.makespan:g} ticks, bubble {timeline.bubble:.0%}"
     print(plan.table())
     print(f"\n{how}:")
-    print(f"  step {timeline.makespan * 1e3:.2f} ms, bubble {timeline.bubble:.0%}"
-          if timeline.unit == "s" else
-          f"  step {timeline.makespan:g} ticks, bubble {timeline.bubble:.0%}")
+    print(step)
     print(ascii_timeline(timeline))
     if args.out:
         with writing(args.out) as out:
@@ -300,7 +302,8 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def ascii_timeline(timeline: Timeline, width: int = 72) -> str:
-    """One text row per stage: ``F`` forward, ``B`` backward, ``#`` other work, ``.`` idle."""
+    """One text row per stage: ``F`` forward, ``B`` backward (either half of a split one),
+    ``#`` other work (the gradient all-reduce, the optimizer step), ``.`` idle."""
     scale = width / timeline.makespan
     rows = []
     for j in timeline.stages:
@@ -309,7 +312,7 @@ def ascii_timeline(timeline: Timeline, width: int = 72) -> str:
             lo = round(b.start * scale)
             hi = max(round(b.end * scale), lo + 1)
             for k in range(lo, min(hi, width)):
-                line[k] = b.phase if b.phase in "FB" else "#"
+                line[k] = "F" if b.phase == "F" else "B" if b.phase in "BIW" else "#"
         rows.append(f"  stage {j:<2d} |{''.join(line)}|")
     return "\n".join(rows)
 

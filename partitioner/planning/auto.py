@@ -10,7 +10,9 @@ predicted (:func:`partitioner.planning.predict.predict`, which runs the exact st
 solver) in order of their bound, a branch and bound that stops when no
 bound beats the best prediction, or when the planning budget (5 s by default) runs out --
 then the best found is returned with its gap to the smallest bound not yet explored. The
-order is deterministic: equal inputs give equal plans.
+order is deterministic: equal inputs give equal plans. The candidates kept are then costed
+by the one predictor of a step, :func:`partitioner.planning.simulate.predict_step`, and
+ranked by it: the step times a plan shows are the ones it was ranked by.
 
 When the plan will run here, only configurations the runtime can execute are chosen:
 :func:`executable` is that predicate, and :data:`LOCAL_RUNTIME` says what the one-process
@@ -50,7 +52,7 @@ from partitioner.planning.predict import (
     replayed,
 )
 from partitioner.planning.records import to_record
-from partitioner.planning.simulate import refine
+from partitioner.planning.simulate import predict_steps, refine
 from partitioner.plans.explain import format_bytes
 from partitioner.runtime.checkpointing import ALWAYS, EXCEPT_LAST, NEVER
 from partitioner.runtime.schedule_registry import (
@@ -409,6 +411,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
         del ranked[keep:]
     if not ranked:
         raise _nothing_fits(workload, cluster, [c for _, _, c in queue], cap, not_executable)
+    ranked = list(predict_steps(ranked, cluster, key=lambda p: _key(p.config)))
     best = ranked[0]
     lowest = min((b for b, _, _ in queue), default=best.step_time)
     gap = best.step_time / frontier - 1 if timed_out else 0.0

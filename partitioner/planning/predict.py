@@ -206,6 +206,11 @@ class Prediction:
         optimizer_times: per device, seconds of its optimizer step.
         samples_per_second: the whole cluster's throughput.
         reason: why it cannot run (no split fits the memory), else empty.
+        breakdown: the step's parts in seconds (compute, pipeline, gradient all-reduce,
+            optimizer).
+        simulated: whether the step time, pipeline time and bubble are the simulation's
+            (:func:`partitioner.planning.simulate.predict_step`, what plans record) rather
+            than this module's closed forms (what the search ranks with).
     """
 
     config: Config
@@ -220,6 +225,7 @@ class Prediction:
     samples_per_second: float
     reason: str = ""
     breakdown: dict[str, float] = field(default_factory=dict, compare=False)
+    simulated: bool = field(default=False, compare=False)
 
     @property
     def fits(self) -> bool:

@@ -26,6 +26,12 @@ registered schedule); an action starts when the device is free and its inputs ha
 With equal stages and free communication GPipe's bubble comes out as ``(p - 1) / (m + p - 1)``
 exactly.
 
+This is the one predictor of a plan's step (``docs/design/003-cost-model.md``, "One
+predictor"): :func:`predict_step` gives the step time, pipeline time and bubble every plan
+records, and so shows in its header, its notes, ``Plan.explain()``, ``partitioner simulate``
+and the predicted timeline. :func:`partitioner.planning.predict.predict`'s closed forms only
+rank configurations inside the search, where they are fast enough to cost thousands.
+
 Example:
     >>> from partitioner.cost.devices import Cluster
     >>> from partitioner.planning.predict import Config, predict
@@ -43,8 +49,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from partitioner.cost.devices import Cluster
@@ -53,7 +59,13 @@ from partitioner.planning.predict import INPUT_SHARE, Prediction, StageProfile, 
 from partitioner.runtime.schedule import Action, Phase
 from partitioner.runtime.schedule_registry import make_schedule
 
-__all__ = ["SimulationError", "SimulationResult", "simulate", "refine"]
+__all__ = ["SimulationError", "SimulationResult", "simulate", "predict_step", "predict_steps",
+           "refine", "REDUCE", "OPTIMIZER"]
+
+REDUCE = "all-reduce"
+"""The kind of a device's gradient all-reduce (or replica sum) in ``SimulationResult.updates``."""
+OPTIMIZER = "optimizer"
+"""The kind of a device's optimizer step in ``SimulationResult.updates``."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,8 @@ class SimulationResult:
         timeline: every forward and backward as ``(action, start, end)``, ``action.stage``
             being the virtual stage; in start order.
         transfers: every message, all-reduce and optimizer step as ``(label, start, end)``.
+        updates: what follows each device's last backward, as ``(device, kind, start, end)``
+            with ``kind`` :data:`REDUCE` or :data:`OPTIMIZER`; the last end is ``step_time``.
     """
 
     step_time: float
@@ -76,6 +90,7 @@ class SimulationResult:
     peak_memory: tuple[float, ...]
     timeline: tuple[tuple[Action, float, float], ...]
     transfers: tuple[tuple[str, float, float], ...]
+    updates: tuple[tuple[int, str, float, float], ...] = field(default=())
 
 
 class _Host:
@@ -141,6 +156,7 @@ class _Simulation:
         self.last_backward: dict[int, tuple[float, float]] = {}
         self.remaining_b = [sum(1 for a in acts if a.phase.frees) for acts in self.order]
         self.tags: dict[int, tuple[str, Any]] = {}
+        self.updates: list[tuple[int, str, float, float]] = []
 
     def gain(self, j: int, n: int) -> float:
         """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
@@ -201,10 +217,14 @@ class _Simulation:
                                                              if checkpointed else 0.0))
 
     def run_on_host(self, j: int, work: float, tag: tuple[str, Any]) -> None:
+        self.tags[j] = tag
+        if not self.shared:
+            # A device alone on its host runs at its own speed: its end is known now.
+            self.push(self.now + work, "done", j)
+            return
         host = self.hosts[self.host_of[j]]
         host.advance(self.now)
         host.running[j] = work
-        self.tags[j] = tag
         host.version += 1
         self.schedule_host(self.host_of[j])
 
@@ -276,6 +296,7 @@ class _Simulation:
             ready = start + (b + 1) / buckets * (end - start) if overlap else end
             free = max(free, ready) + seconds / buckets
         self.transfers.append((f"all-reduce grads device {j}", begin, free))
+        self.updates.append((j, REDUCE, begin, free))
         self.push(free, "optimizer", j)
 
     def run(self) -> SimulationResult:
@@ -286,22 +307,17 @@ class _Simulation:
         while self.events:
             time, _, kind, payload = heapq.heappop(self.events)
             self.now = time
-            if kind == "host":
-                h, version = payload
-                host = self.hosts[h]
-                if version != host.version:
+            if kind in ("host", "done"):
+                j = payload if kind == "done" else self.host_finish(*payload)
+                if j is None:
                     continue
-                host.advance(self.now)
-                _, j = host.next_finish()  # type: ignore[misc]
-                del host.running[j]
-                host.version += 1
-                self.schedule_host(h)
                 tag, what = self.tags.pop(j)
                 if tag == "compute":
                     pipeline_end = max(pipeline_end, self.now)
                     self.finish_compute(j, what)
                 else:
                     self.transfers.append((f"optimizer device {j}", what, self.now))
+                    self.updates.append((j, OPTIMIZER, what, self.now))
                     finished[j] = self.now
             elif kind == "link":
                 key, arrival = payload
@@ -317,11 +333,24 @@ class _Simulation:
                     for j in range(self.config.pp):
                         end = begin + self.p.optimizer_times[j]
                         self.transfers.append((f"optimizer device {j}", begin, end))
+                        self.updates.append((j, OPTIMIZER, begin, end))
                         finished[j], begin = end, end
             else:
                 self.run_on_host(payload, self.p.optimizer_times[payload],
                                  ("optimizer", self.now))
         return self.result(finished, pipeline_end)
+
+    def host_finish(self, h: int, version: int) -> int | None:
+        """The device whose work on shared host ``h`` ends now (``None``: a stale event)."""
+        host = self.hosts[h]
+        if version != host.version:
+            return None
+        host.advance(self.now)
+        _, j = host.next_finish()  # type: ignore[misc]
+        del host.running[j]
+        host.version += 1
+        self.schedule_host(h)
+        return j
 
     def result(self, finished: dict[int, float], pipeline_end: float) -> SimulationResult:
         stuck = [j for j in range(self.config.pp) if self.next_index[j] < len(self.order[j])]
@@ -335,7 +364,8 @@ class _Simulation:
         self.timeline.sort(key=lambda entry: (entry[1], entry[0].stage))
         return SimulationResult(max(finished.values(), default=pipeline_end), pipeline_end,
                                 bubble, tuple(s + peak for s, peak in zip(static, self.peak)),
-                                tuple(self.timeline), tuple(self.transfers))
+                                tuple(self.timeline), tuple(self.transfers),
+                                tuple(sorted(self.updates, key=lambda u: (u[2], u[0]))))
 
 
 def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:
@@ -370,12 +400,54 @@ def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:
     return _Simulation(prediction, cluster).run()
 
 
+def predict_step(prediction: Prediction, cluster: Cluster) -> Prediction:
+    """The one predictor of a step: ``prediction`` with its step time, pipeline time, bubble
+    and throughput from the simulation of its own schedule's action lists.
+
+    Every plan's recorded step time comes from here (its header, notes, ``explain()``), and
+    :func:`simulate` replays the same events for ``partitioner simulate`` and the timeline,
+    so they all agree. The phase times are the prediction's: per stage its forward,
+    backward, replay and send (:class:`~partitioner.planning.predict.StageProfile`), per
+    device its gradient all-reduce and optimizer step.
+
+    Example:
+        >>> from partitioner.cost.devices import Cluster
+        >>> from partitioner.planning.predict import Config, predict
+        >>> from partitioner.cost.transformer_model import GPTShape, gpt_workload
+        >>> cluster = Cluster.preset("A100-80GB")
+        >>> p = predict(gpt_workload(GPTShape(4, 256, 4, 128, 1000), 16), cluster,
+        ...             Config(dp=4, pp=2, chunks=4))
+        >>> step = predict_step(p, cluster)
+        >>> step.step_time == simulate(p, cluster).step_time, step.simulated
+        (True, True)
+    """
+    if prediction.simulated:
+        return prediction
+    result = _Simulation(prediction, cluster).run()
+    step = result.step_time
+    breakdown = {**prediction.breakdown, "pipeline": result.pipeline_time}
+    return replace(prediction, step_time=step, pipeline_time=result.pipeline_time,
+                   bubble=result.bubble, breakdown=breakdown, simulated=True,
+                   samples_per_second=prediction.samples_per_second
+                   * prediction.step_time / step if step > 0 else math.inf)
+
+
+def predict_steps(predictions: Sequence[Prediction], cluster: Cluster,
+                  key: Callable[[Prediction], Any] = lambda p: p.step_time
+                  ) -> tuple[Prediction, ...]:
+    """Each of ``predictions`` through :func:`predict_step`, fastest first (``key`` breaks
+    ties): what a search records, so the ranking shown and the step times shown agree."""
+    return tuple(sorted((predict_step(p, cluster) for p in predictions),
+                        key=lambda p: (p.step_time, key(p))))
+
+
 def refine(prediction: Prediction, cluster: Cluster, max_actions: int = 20_000) -> Prediction:
-    """``prediction`` with its step time, pipeline time and bubble from the simulation.
+    """:func:`predict_step` where the search needs it to rank, if not too long to simulate.
 
     Used where the closed forms are weakest: devices sharing one host's cores, whose
     contention depends on which stages happen to overlap. Plans with more than
-    ``max_actions`` forward and backward actions are returned unchanged.
+    ``max_actions`` forward and backward actions are returned unchanged (the search passes
+    the ones it keeps through :func:`predict_steps` at the end).
 
     Example:
         >>> from partitioner.cost.devices import Cluster
@@ -390,8 +462,4 @@ def refine(prediction: Prediction, cluster: Cluster, max_actions: int = 20_000) 
     c = prediction.config
     if 2 * c.stages * c.chunks > max_actions:
         return prediction
-    result = _Simulation(prediction, cluster).run()
-    return replace(prediction, step_time=result.step_time,
-                   pipeline_time=result.pipeline_time, bubble=result.bubble,
-                   samples_per_second=prediction.samples_per_second
-                   * prediction.step_time / result.step_time)
+    return predict_step(prediction, cluster)

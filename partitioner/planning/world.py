@@ -46,7 +46,7 @@ from partitioner.planning.auto import (
 )
 from partitioner.planning.planner import plan_from
 from partitioner.planning.predict import Config, Prediction, predict
-from partitioner.planning.simulate import refine
+from partitioner.planning.simulate import predict_steps, refine
 from partitioner.plans.explain import explain
 from partitioner.plans.plan import Plan
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
@@ -334,8 +334,9 @@ def _fixed_search(workload: Workload, cluster: Cluster, degrees: Degrees, *,
                                f"{reason or 'every one needs more memory'}; fix fewer sizes "
                                "or use more or larger devices")
     fitting.sort(key=lambda p: p.step_time)
-    best = fitting[0]
-    return SearchResult(best, tuple(fitting[:10]), len(wanted), evaluated,
+    kept = predict_steps(fitting[:10], cluster)  # what the plan records: the one predictor
+    best = kept[0]
+    return SearchResult(best, kept, len(wanted), evaluated,
                         len(wanted) - len(runnable), not_fitting, best.step_time, 0.0,
                         time.perf_counter() - start, timed_out, tuple(excluded[:5]), 0)
 

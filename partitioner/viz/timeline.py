@@ -6,11 +6,12 @@ give one:
 
 - a measured run: ``pm.pipeline().timeline``, recorded by the last forward and backward
   (:func:`measured_timeline`);
-- a simulator returning such a list (``partitioner.planning.simulate`` when it exists);
-- :func:`predicted_timeline`: the plan's schedule in ``partitioner.runtime.schedule``'s clock-tick
-order,
-  each action lasting its stage's predicted time (a third forward, two thirds backward,
-  transfers free), or unit ticks when the plan has no predictions.
+- :func:`predicted_timeline`: the plan's step as ``partitioner.planning.simulate`` plays it
+  (:func:`simulated_timeline`), the one predictor the plan's step time comes from, so the
+  timeline ends where the plan's header says; a row per device, its gradient all-reduce
+  (``R``) and optimizer step (``O``) after its last backward. A plan without cost records
+  is laid out in ``partitioner.runtime.schedule``'s clock-tick order instead, each action
+  lasting its stage's predicted time (a third forward, two thirds backward) or unit ticks.
 
 :func:`timeline_dot` draws it with Graphviz's ``neato`` (boxes pinned at their times): idle
 stretches stay grey, so the bubble shows, and the title gives its share.
@@ -34,14 +35,23 @@ from partitioner.runtime.schedule import Action, Phase, clock_ticks
 from partitioner.runtime.schedule_registry import make_schedule
 from partitioner.viz.dot import device_color, quote
 
-__all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "measured_timeline",
+__all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "simulated_timeline",
+           "measured_timeline", "COMPUTE_PHASES", "UPDATE_PHASES",
            "timeline_dot", "timeline_heading", "bar_color", "format_span", "nice_step", "darker",
            "bar_tip"]
 
 
+COMPUTE_PHASES = "FBIW"
+"""Bar phases that are a stage's forward or backward work (what the bubble is measured on)."""
+UPDATE_PHASES = {"all-reduce": "R", "optimizer": "O"}
+"""Bar phases of what follows a device's last backward, by the simulation's kind."""
+
+
 @dataclass(frozen=True)
 class Bar:
-    """One action on the timeline: ``phase`` is ``"F"`` or ``"B"`` (or a simulator's letter)."""
+    """One action on the timeline: ``phase`` is ``"F"`` or ``"B"`` (or a simulator's letter:
+    ``I``/``W`` halves of a backward, ``R`` gradient all-reduce, ``O`` optimizer step, whose
+    ``microbatch`` is -1)."""
 
     stage: int
     phase: str
@@ -51,7 +61,7 @@ class Bar:
 
     @property
     def label(self) -> str:
-        return f"{self.phase}{self.microbatch}"
+        return f"{self.phase}{self.microbatch}" if self.microbatch >= 0 else self.phase
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,17 @@ class Timeline:
     @classmethod
     def of(cls, events: Any, unit: str = "s", source: str = "measured") -> Timeline:
         """Read a timeline from a list of ``(action, start, end)`` (or objects with
-        ``action``, ``start`` and ``end``, or a result with a ``timeline`` attribute).
+        ``action``, ``start`` and ``end``, or a result with a ``timeline`` attribute; a
+        simulation's result is read by :func:`simulated_timeline`).
 
         Raises:
             PartitionError: an entry without stage, phase and micro-batch.
         """
         if isinstance(events, Timeline):
             return events
+        if getattr(events, "updates", None) is not None:
+            return simulated_timeline(events, source="simulated" if source == "measured"
+                                      else source)
         events = getattr(events, "timeline", events)
         bars = []
         for item in events:
@@ -102,20 +116,30 @@ class Timeline:
 
     @property
     def bubble(self) -> float:
-        """Idle share of the rows over the makespan."""
-        busy = sum(b.end - b.start for b in self.bars)
-        return 1 - busy / (len(self.stages) * self.makespan) if self.makespan else 0.0
+        """Idle share of the rows from the first forward to the last backward (what a
+        plan's predicted bubble measures; the all-reduces and optimizer steps after it do
+        not count)."""
+        work = [b for b in self.bars if b.phase in COMPUTE_PHASES] or list(self.bars)
+        span = max(b.end for b in work)
+        busy = sum(b.end - b.start for b in work)
+        return 1 - busy / (len(self.stages) * span) if span else 0.0
 
 
 def predicted_timeline(plan: Plan) -> Timeline:
-    """The plan's schedule laid out in time from its stages' predicted times.
+    """The plan's step laid out in time, ending at its predicted step time.
 
-    The order of actions is ``partitioner.runtime.schedule.clock_ticks``'s; each then starts as
-    soon as
-    its stage is free and its inputs are done (``F(j, i)`` after ``F(j-1, i)``, ``B(j, i)``
-    after ``B(j+1, i)``), lasting a third (forward) or two thirds (backward) of its stage's
-    predicted time. Without predictions every stage takes unit ticks, F = 1 and B = 2.
+    A plan made by the planner carries its chosen candidate's stage costs: its step is
+    simulated (``partitioner.planning.simulate.simulate``, the predictor its step time came
+    from) and drawn by :func:`simulated_timeline`. Otherwise the order of actions is
+    ``partitioner.runtime.schedule.clock_ticks``'s; each then starts as soon as its stage is
+    free and its inputs are done (``F(j, i)`` after ``F(j-1, i)``, ``B(j, i)`` after
+    ``B(j+1, i)``), lasting a third (forward) or two thirds (backward) of its stage's
+    predicted time; without predictions every stage takes unit ticks, F = 1 and B = 2.
     """
+    if plan.candidates and "stages" in plan.candidates[0]:
+        from partitioner.planning.simulate import simulate
+
+        return simulated_timeline(simulate(plan), source="predicted")
     n, m = len(plan.stages), plan.chunks
     schedule = make_schedule(plan.schedule, n, m)
     order = list(dict.fromkeys(a for tick in clock_ticks(schedule) for a in tick if a))
@@ -132,6 +156,39 @@ def predicted_timeline(plan: Plan) -> Timeline:
         finish[a] = free[a.stage] = start + per_stage[a.stage] * (1 if forward else 2) / 3
         events.append((a, start, finish[a]))
     return Timeline.of(events, "s" if costed else "tick", "predicted")
+
+
+def simulated_timeline(result: Any, devices: int | None = None, source: str = "simulated"
+                       ) -> Timeline:
+    """A simulated step (``partitioner.planning.simulate.SimulationResult``) as a timeline:
+    a row per pipeline device (``devices``, by default one per entry of
+    ``result.peak_memory``; virtual stage ``k`` on row ``k % devices``), then each device's
+    gradient all-reduce (the part after its last backward) and optimizer step, so the
+    timeline ends at ``result.step_time``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from partitioner.runtime.schedule import Action
+        >>> done = SimpleNamespace(peak_memory=[0.0],
+        ...     timeline=[(Action.parse("0F0"), 0.0, 1.0), (Action.parse("0B0"), 1.0, 3.0)],
+        ...     updates=[(0, "all-reduce", 2.0, 3.5), (0, "optimizer", 3.5, 4.0)])
+        >>> [b.label for b in simulated_timeline(done).bars]
+        ['F0', 'B0', 'R', 'O']
+    """
+    devices = devices or len(result.peak_memory)
+    bars, last = [], [0.0] * devices
+    for action, start, end in result.timeline:
+        j = action.stage % devices
+        bars.append(Bar(j, getattr(action.phase, "value", str(action.phase)), action.microbatch,
+                        start, end))
+        last[j] = max(last[j], end)
+    for j, kind, start, end in result.updates:
+        start = max(start, last[j]) if kind == "all-reduce" else start
+        if end > start or kind == "optimizer":
+            bars.append(Bar(j, UPDATE_PHASES[kind], -1, start, end))
+    if not bars:
+        raise TimelineError("the simulation ran no actions")
+    return Timeline(tuple(sorted(bars, key=lambda b: (b.start, b.stage))), "s", source)
 
 
 def measured_timeline(pm: Any) -> Timeline:
@@ -192,7 +249,7 @@ def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = No
 def timeline_heading(t: Timeline) -> str:
     """``"measured timeline: 3 stages, 4 micro-batches, 12.1 ms; bubble (grey) 38%"``."""
     return (f"{t.source} timeline: {len(t.stages)} stages, "
-            f"{len({b.microbatch for b in t.bars})} micro-batches, "
+            f"{len({b.microbatch for b in t.bars if b.microbatch >= 0})} micro-batches, "
             f"{format_span(t.makespan, t.unit)}; bubble (grey) {t.bubble:.0%}")
 
 

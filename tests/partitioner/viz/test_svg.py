@@ -54,7 +54,8 @@ def test_svg_files_are_drawn_without_graphviz(tmp_path: Path, no_graphviz: None)
     assert len(_groups(graph, "cluster")) == 3
     timeline = visualize_timeline(plan, tmp_path / "t.svg").read_text()
     bars = _groups(timeline, "node")
-    assert len(bars) == 2 * 3 * 4  # forward and backward, per stage, per micro-batch
+    # forward and backward, per stage, per micro-batch; then each device's optimizer step
+    assert len(bars) == 2 * 3 * 4 + 3
     assert all(b.findtext(f"{SVG}title", "").startswith(f"bar{k}:") for k, b in enumerate(bars))
     assert ">F3<" in timeline and "bubble (grey)" in timeline
     with pytest.raises(GraphvizNotFound, match="apt-get install graphviz.*\\.svg or \\.html"):
@@ -74,7 +75,7 @@ def test_timeline_svg_puts_bars_at_their_times() -> None:
     scale = widths[0] / (t.bars[0].end - t.bars[0].start)
     for bar, x, w in zip(t.bars, xs, widths):
         assert x - xs[0] == pytest.approx((bar.start - t.bars[0].start) * scale, abs=0.05)
-        assert w == pytest.approx((bar.end - bar.start) * scale, abs=0.05)
+        assert w == pytest.approx(max((bar.end - bar.start) * scale, 0.5), abs=0.05)  # visible
 
 
 def test_doctests() -> None:
