@@ -531,7 +531,8 @@ def one_device_record(workload: Workload, cluster: Cluster, capacity: float | No
         return None
     one = local_cluster([cluster.local[0]])
     try:
-        prediction = predict(workload, one, Config(), capacity=capacity)
+        # The one predictor, as the plan's own step time (compared in explain()).
+        prediction = predict_step(predict(workload, one, Config(), capacity=capacity), one)
     except PartitionError:
         return None
     return {"device": cluster.local[0], "step_time": prediction.step_time,
