@@ -308,9 +308,10 @@ class _Simulation:
             time, _, kind, payload = heapq.heappop(self.events)
             self.now = time
             if kind in ("host", "done"):
-                j = payload if kind == "done" else self.host_finish(*payload)
-                if j is None:
+                ended = payload if kind == "done" else self.host_finish(*payload)
+                if ended is None:
                     continue
+                j = ended
                 tag, what = self.tags.pop(j)
                 if tag == "compute":
                     pipeline_end = max(pipeline_end, self.now)
