@@ -546,7 +546,10 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         ranks = [(j * config.dp + r) * config.tp for r in range(config.dp)]
         grads = sum(s.grad_bytes for s in mine)
         if config.dp > 1 and cluster.is_local:
-            reduce = replica_sync_time(grads, params, config.dp, cluster.intra_node.bandwidth)
+            # Replicas in one process: the copies' sums and weight checks, plus each
+            # replica's fixed cost per step (split, hand-offs, per-tensor ops), measured.
+            reduce = replica_sync_time(grads, params, config.dp, cluster.intra_node.bandwidth) \
+                + (config.dp * cluster.spec(j).replica_overhead if j == 0 else 0.0)
         else:
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
                 if config.dp > 1 else 0.0
@@ -562,11 +565,13 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         dp_times.append(reduce)
         opt_times.append(optimizer)
     # Devices sharing a host are stepped by one process's optimizer, one after another.
-    step = max(ends) + (config.dp * config.tp * sum(opt_times) if shared else 0.0)
+    # One process steps the master's parameters only (replicas copy them), each tensor-
+    # parallel shard once: tp x the pipeline devices' steps, one after another.
+    stepped = config.tp * sum(opt_times) * (1 if cluster.is_local else config.dp)
+    step = max(ends) + (stepped if shared else 0.0)
     breakdown = {"compute": m * max(per_device), "pipeline": pipeline,
                  "dp_all_reduce": max(dp_times),
-                 "optimizer": config.dp * config.tp * sum(opt_times) if shared
-                 else max(opt_times)}
+                 "optimizer": stepped if shared else max(opt_times)}
     return Prediction(config, stages, step, pipeline, bubble, tuple(memory), capacity,
                       tuple(dp_times), tuple(opt_times),
                       workload.batch / step if step > 0 else math.inf, reason, breakdown)

@@ -134,6 +134,9 @@ class _Simulation:
         spec = cluster.spec(0)
         shared = cluster.is_local and bool(spec.shared_speedup) and c.pp > 1
         self.shared = shared
+        # One process steps each tensor-parallel shard of a stage, one after another (and
+        # the replicas' master only); ranks of a cluster step their own at once.
+        self.shards = c.tp if cluster.is_local else 1
         self.stepped: set[int] = set()
         self.spec = spec
         self.hosts = [_Host(self.gain)] if shared else [_Host(lambda j, n: float(n))
@@ -332,12 +335,12 @@ class _Simulation:
                 if len(self.stepped) == self.config.pp:
                     begin = max(self.now, pipeline_end)
                     for j in range(self.config.pp):
-                        end = begin + self.p.optimizer_times[j]
+                        end = begin + self.shards * self.p.optimizer_times[j]
                         self.transfers.append((f"optimizer device {j}", begin, end))
                         self.updates.append((j, OPTIMIZER, begin, end))
                         finished[j], begin = end, end
             else:
-                self.run_on_host(payload, self.p.optimizer_times[payload],
+                self.run_on_host(payload, self.shards * self.p.optimizer_times[payload],
                                  ("optimizer", self.now))
         return self.result(finished, pipeline_end)
 
