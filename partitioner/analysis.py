@@ -95,6 +95,10 @@ def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         raise ExampleInputsError("planning needs example_inputs to cost the layers; pass "
                                  "example_inputs=(x,) with one batch, or fix the split with "
                                  "balance= or split_points=")
+    if example_inputs is not None and batch_size((tuple(example_inputs), example_kwargs)) == 0:
+        raise ExampleInputsError("example_inputs hold an empty batch (dim 0 of the first "
+                                 "tensor has size 0); pass one real batch, with at least as "
+                                 "many samples as chunks")
     captured = capture(model, tuple(example_inputs) if example_inputs is not None else None,
                        example_kwargs)
     gm = captured.graph_module

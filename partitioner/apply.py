@@ -49,6 +49,7 @@ from partitioner.analysis import Analysis, analyze
 from partitioner.build import TensorParallelSetup
 from partitioner.cost.devices import parse_devices
 from partitioner.errors import (
+    BalanceError,
     ExampleInputsError,
     PartitionError,
     PlanFormatError,
@@ -64,7 +65,8 @@ from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
 from partitioner.tensor_parallel import plan_tensor_parallel
 
-__all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "Resolved", "check_runnable_spec"]
+__all__ = ["PlanMismatchError", "load_plan", "resolve_plan", "Resolved", "check_runnable_spec",
+           "layers_problem"]
 
 PlanSource = str | Path | Plan | Spec | dict[str, Any]
 
@@ -179,15 +181,42 @@ def _apply(model: nn.Module, plan: Plan, request: PlanRequest) -> Resolved:
                                        kwargs)
         return Resolved(setup.analysis, plan, settled, setup)
     analysis = analyze(model, inputs, kwargs, need_costs=False)
-    names = analysis.layer_names
-    if names != list(plan.layers):
-        missing = [n for n in plan.layers if n not in names]
-        extra = [n for n in names if n not in plan.layers]
-        raise PlanMismatchError(
-            f"the plan's layers are not this model's: missing here {missing[:8]}, not in the "
-            f"plan {extra[:8]}{'' if missing or extra else ' (same names, other order)'}; "
-            "re-plan the model")
+    problem = layers_problem(analysis.layer_names, plan)
+    if problem is not None:
+        raise PlanMismatchError(problem)
     return Resolved(analysis, plan, settled)
+
+
+def layers_problem(names: Sequence[str], plan: Plan) -> str | None:
+    """Why ``plan``'s stages do not hold the model's layers ``names`` in order, or ``None``.
+
+    Example:
+        >>> from torch import nn
+        >>> from partitioner import make_plan
+        >>> plan = make_plan(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), ["cpu"], balance=[2])
+        >>> layers_problem(["0", "1"], plan) is None
+        True
+        >>> print(layers_problem(["0", "2"], plan))  # doctest: +NORMALIZE_WHITESPACE
+        the plan's layers are not this model's: the plan has ['1'], which this model lacks,
+        and lacks ['2'], which it has; re-plan the model
+    """
+    if list(names) == list(plan.layers):
+        return None
+    missing = [n for n in plan.layers if n not in names]
+    extra = [n for n in names if n not in plan.layers]
+    if not missing and not extra and len(names) == len(plan.layers):
+        held = "; ".join(f"stage {s.index} holds {list(s.layers)[:4]}"
+                         + (" ..." if len(s.layers) > 4 else "") for s in plan.stages)
+        return (f"the plan's stages hold this model's layers out of order ({held}) but the "
+                f"model runs them as {list(names)[:8]}{' ...' if len(names) > 8 else ''}; "
+                "give each stage the layers that follow the previous stage's, in the "
+                "model's order (stage 0 first), or re-plan the model")
+    return (f"the plan's layers are not this model's: the plan has {missing[:8]}, which this "
+            f"model lacks, and lacks {extra[:8]}, which it has; re-plan the model")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _replan_tensor_parallel(model: nn.Module, plan: Plan, devices: Sequence[str],
@@ -357,7 +386,16 @@ def _compile(model: nn.Module, spec: Spec, request: PlanRequest
                                memory_reserve=request.memory_reserve)
     # A spec's tensor-parallel rules are recorded, not searched over: auto keeps tp = 1
     # (and may still choose data-parallel replicas, run like a fresh plan's).
-    made = plan_request(analysis, settled, tp_degrees=())
+    try:
+        made = plan_request(analysis, settled, tp_degrees=())
+    except BalanceError as error:
+        if cuts is None or balance is None:
+            raise
+        # The spec's stages, not a balance= the caller never wrote, are what does not fit.
+        stages, devices = len(balance), len(settled.devices)
+        raise SpecError(f"stages: the spec cuts the model into {_count(stages, 'stage')} but "
+                        f"there are {_count(devices, 'device')}; write {devices} stages into "
+                        f"the spec or pass {_count(stages, 'device')}") from error
     chosen_mesh = made.mesh or Mesh(1, len(made.devices), 1)
     mesh = Mesh(spec.mesh.get("dp", chosen_mesh.dp), chosen_mesh.pp, spec.mesh.get("tp", 1))
     made = replace(made, strategy="spec" if spec.fixes_split else made.strategy,

@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze, build_stage_graphs
+from partitioner.apply import layers_problem
 from partitioner.cost.devices import Cluster
 from partitioner.distributed_plan import AutoOptions, choose_plan, describe_cluster, local_batch
 from partitioner.errors import ScheduleError, StageCountError, StrategyError
@@ -262,7 +263,7 @@ def partition_distributed(
     made = _on_mesh(replace(made, schedule=schedule, precision=precision), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
-    _check_layers(analysis, made)
+    _check_layers(analysis, made, given is not None)
     home = model_device(model)
     here = tuple(replace(s, device=str(home)) for s in made.stages)  # as devices must say
     # Cut as a flat pipeline of P v stages: virtual stage k is graph k.
@@ -478,13 +479,23 @@ def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
                               "made for")
 
 
-def _check_layers(analysis: Analysis, plan: Plan) -> None:
+def _check_layers(analysis: Analysis, plan: Plan, given: bool) -> None:
+    """Refuse a plan whose layers are not this rank's model's. Without a plan file the plan
+    is rank 0's (or made alike on every rank): then the ranks built different models."""
+    problem = layers_problem(analysis.layer_names, plan)
+    if problem is None:
+        return
+    if given:
+        raise StrategyError(problem)
     names = analysis.layer_names
-    if names != list(plan.layers):
-        missing = [n for n in plan.layers if n not in names]
-        extra = [n for n in names if n not in plan.layers]
-        raise StrategyError(f"the plan's layers are not this model's: missing here "
-                            f"{missing[:8]}, not in the plan {extra[:8]}; re-plan the model")
+    missing = [n for n in plan.layers if n not in names]
+    extra = [n for n in names if n not in plan.layers]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise StrategyError(
+        f"ranks disagree on the model: rank 0 planned layers {list(plan.layers)[:8]} but "
+        f"rank {rank}'s model has {list(names)[:8]} (rank {rank} lacks {missing[:8]}, has "
+        f"{extra[:8]} besides); build the same model (code, config, sizes) on every rank, "
+        "e.g. from one seed and the same arguments")
 
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,

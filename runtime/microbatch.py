@@ -81,6 +81,10 @@ def scatter(values: list[Any], chunks: int) -> list[list[Any]]:
             raise ChunksError(f"chunks={chunks} but no input tensor has a batch dimension to "
                               "split; pass chunks=1 or batched inputs")
         return [list(values)]
+    if batch == 0:
+        raise ChunksError(f"the batch is empty (dim 0 of the inputs has size 0) and "
+                          f"chunks={chunks} micro-batches need at least one sample each; "
+                          f"call with a batch of {chunks} or more samples")
     if chunks > batch:
         raise ChunksError(f"chunks={chunks} is larger than the batch size {batch}; pass "
                           f"chunks <= {batch}")

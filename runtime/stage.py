@@ -115,7 +115,23 @@ class StageRunner:
             where = f", node {node}" if node else ""
             raise StageExecutionError(
                 f"stage {self.index} (micro-batch {i}{where}) raised "
-                f"{type(error).__name__}: {error}", self.index, i, node) from error
+                f"{type(error).__name__}: {error}{self._dtype_hint(error, inputs)}",
+                self.index, i, node) from error
+
+    def _dtype_hint(self, error: Exception, inputs: list[Any]) -> str:
+        """A fix for a dtype clash between floating inputs and the stage's parameters
+        (float64 inputs to a model planned and kept in float32), else ``""``."""
+        if "dtype" not in str(error) and "scalar type" not in str(error):
+            return ""
+        params = {p.dtype for p in self.graph_module.parameters() if p.is_floating_point()}
+        given = {leaf.dtype for leaf in pytree.tree_leaves(inputs)
+                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+        if len(params) != 1 or not given - params:
+            return ""
+        want = str(next(iter(params))).removeprefix("torch.")
+        got = ", ".join(sorted(str(d).removeprefix("torch.") for d in given - params))
+        return (f"; the inputs are {got} but the model's parameters are {want}: pass {want} "
+                f"inputs (x.to(torch.{want})), or convert the model and partition it again")
 
     def forward(self, i: int, inputs: list[Any], *, grad: bool, checkpoint: bool,
                 split: bool = False) -> Any:

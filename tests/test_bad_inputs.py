@@ -24,9 +24,11 @@ from partitioner.errors import (
     MemoryLimitError,
     ModelError,
     PlanFormatError,
+    PlanMismatchError,
     PlanWriteError,
     SpecError,
     StageCountError,
+    StageExecutionError,
     StrategyError,
     TraceError,
 )
@@ -162,6 +164,15 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      "chunks"),
     ("spec unknown key", lambda: load_plan({"stagez": []}), SpecError, "stagez"),
     ("spec not a mapping", lambda: load_plan(["a", "b"]), PartitionError, "list"),
+    ("inputs an empty batch", lambda: partition(_model(), CPU2, example_inputs=(X[:0],),
+                                                chunks=2),
+     ExampleInputsError, "empty batch"),
+    ("call an empty batch", lambda: _pm()(X[:0]), ChunksError, "the batch is empty"),
+    ("spec one stage for three devices", lambda: partition(
+        _model(), ["cpu"] * 3, plan={"stages": [{"layers": "*"}]}), SpecError,
+     "1 stage but there are 3 devices"),
+    ("plan stages swapped", lambda: partition(_model(), CPU2, plan=_swapped()),
+     PlanMismatchError, "stage 0 holds ['3', '4']; stage 1 holds ['0', '1', '2']"),
     ("plan saved into a missing folder", lambda: make_plan(_model(), ["cpu"], balance=[5])
      .save("no/such/folder/plan.json"), PlanWriteError, "'no/such/folder'"),
 ]
@@ -169,6 +180,14 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
 
 def _plan_dict() -> dict[str, Any]:
     return make_plan(_model(), ["cpu"], balance=[5]).to_dict()
+
+
+def _swapped() -> dict[str, Any]:
+    """A plan whose two stages' layers were exchanged by hand."""
+    plan = make_plan(_model(), CPU2, balance=[3, 2]).to_dict()
+    first, second = plan["stages"]
+    return {**plan, "stages": [{**first, "layers": second["layers"]},
+                               {**second, "layers": first["layers"]}]}
 
 
 def _pm() -> Any:
@@ -253,3 +272,11 @@ def test_a_plan_that_cannot_be_written_is_still_an_os_error(tmp_path: Path) -> N
     plan = make_plan(_model(), ["cpu"], balance=[5])
     with pytest.raises(OSError, match="cannot save the plan"):
         plan.save(tmp_path)  # a folder
+
+
+def test_a_call_in_another_float_dtype_than_the_model_says_what_to_pass() -> None:
+    """Regression: float64 inputs to a float32 model gave torch's message and no fix."""
+    with pytest.raises(StageExecutionError) as info:
+        _pm()(X.double())
+    assert "the inputs are float64 but the model's parameters are float32" in str(info.value)
+    assert "pass float32 inputs (x.to(torch.float32))" in str(info.value)
