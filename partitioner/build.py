@@ -276,7 +276,10 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
                                 shard_plan.shardings, sources, unused, plan.chunks,
                                 plan.checkpoint, bind=captured.placeholder_values,
                                 restructure=captured.restructure, schedule=plan.schedule,
-                                output_rows=output_rows(analysis))
+                                output_rows=output_rows(analysis),
+                                originals={key: tensor for key, tensor
+                                           in model.state_dict(keep_vars=True).items()
+                                           if key in sources})
 
 
 def _merged_like(names: list[list[str]]) -> Any:

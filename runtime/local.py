@@ -150,6 +150,9 @@ class LocalPipeline:
         self.peak_in_flight: list[int] = [0] * p
         self._origin = time.perf_counter()
         self._lock = threading.Lock()
+        # One call at a time (a second caller waits): two threads' actions would mix in the
+        # stages' stashes and the tensor-parallel collectives (wrong outputs, or a hang).
+        self._call_lock = threading.RLock()
         # Which forward with autograd the stages' stashes belong to, and whether its backward
         # ran: only the latest such forward can be back-propagated, once.
         self._generation = 0
@@ -219,7 +222,14 @@ class LocalPipeline:
             self._consumed = False
 
     def run(self, values: list[Any]) -> Any:
-        """Run one mini-batch; ``values`` has one entry per placeholder of stage 0."""
+        """Run one mini-batch; ``values`` has one entry per placeholder of stage 0.
+
+        Calls from several threads run one after another (as :meth:`step` and the
+        backward of an output do)."""
+        with self._call_lock:
+            return self._run(values)
+
+    def _run(self, values: list[Any]) -> Any:
         micro = scatter(values, self.chunks)
         leaves = pytree.tree_leaves(values)
         grad = torch.is_grad_enabled() and (
@@ -267,6 +277,13 @@ class LocalPipeline:
         problem = loss_reduction_problem(loss_reduction)
         if problem is not None:
             raise StrategyError(problem)
+        with self._call_lock:
+            return self._step(values, targets, loss_fn, loss_reduction, restructure,
+                              grad_scale)
+
+    def _step(self, values: list[Any], targets: Any, loss_fn: Callable[[Any, Any], Any],
+              loss_reduction: str, restructure: Callable[[Any], Any],
+              grad_scale: float) -> float:
         micro = scatter(values, self.chunks)
         m = len(micro)
         heads_device = self.devices[(self.n_stages - 1) % len(self.devices)]
@@ -439,6 +456,11 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        with ctx.pipe._call_lock:
+            return _PipelineFunction._backward(ctx, grad_outputs)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_outputs: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         pipe = ctx.pipe
         if ctx.generation != pipe._generation or pipe._consumed:
             why = ("its backward already ran" if ctx.generation == pipe._generation

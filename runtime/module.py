@@ -6,6 +6,9 @@ It owns the user's model as ``.module`` (the seeds' habit from ``DataParallel``)
 partitioned and the unpartitioned model (the :class:`~partitioner.runtime.wrapper.ModelWrapper`
 base strips and adds the ``module.`` prefix). It starts in the model's train/eval mode;
 calling it runs the pipeline built for the current mode (built once per mode, on first use).
+The stages compute with the model's own parameters: weights loaded into the model after
+partitioning are used, and an optimizer over ``model.parameters()`` steps what trains.
+Calls from several threads run one after another.
 
 Example:
     >>> import torch
@@ -29,7 +32,7 @@ from torch import nn
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.microbatch import OutputHint
 from partitioner.runtime.precision import LossScaler, make_scaler
-from partitioner.runtime.wrapper import ModelWrapper
+from partitioner.runtime.wrapper import BUILD_LOCK, ModelWrapper
 
 __all__ = ["PartitionedModule"]
 
@@ -104,13 +107,16 @@ class PartitionedModule(ModelWrapper):
         mode = self.training if training is None else training
         if mode not in self._pipelines:
             self._ensure_open("run the pipeline")
-            stages = self._stage_factory(mode)
-            self._pipelines[mode] = LocalPipeline(stages, self.devices, self.chunks,
-                                                  self.checkpoint, schedule=self.schedule,
-                                                  virtual=self.virtual,
-                                                  precision=self.precision,
-                                                  output_rows=self.output_rows)
+            with BUILD_LOCK:  # two threads' first calls: one pipeline
+                if mode not in self._pipelines:
+                    self._pipelines[mode] = self._make_pipeline(mode)
         return self._pipelines[mode]
+
+    def _make_pipeline(self, mode: bool) -> LocalPipeline:
+        stages = self._stage_factory(mode)
+        return LocalPipeline(stages, self.devices, self.chunks, self.checkpoint,
+                             schedule=self.schedule, virtual=self.virtual,
+                             precision=self.precision, output_rows=self.output_rows)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._bind(args, kwargs)

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -50,7 +51,11 @@ from partitioner.errors import ClosedError, StrategyError
 from partitioner.runtime.loss_head import check_loss, loss_reduction_problem
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
-__all__ = ["ModelWrapper", "NormCombiner", "local_norms", "GroupNorms"]
+__all__ = ["ModelWrapper", "NormCombiner", "local_norms", "GroupNorms", "BUILD_LOCK"]
+
+#: Held while a wrapper builds what a mode needs on its first call (a pipeline): two threads
+#: calling a fresh wrapper at once must get one pipeline, whose own lock then orders them.
+BUILD_LOCK = threading.RLock()
 
 #: Combines this process's partial gradient norm with its peers': given the partial value
 #: (float64: a sum of p-th powers, or a largest absolute value) and ``"sum"`` or ``"max"``,

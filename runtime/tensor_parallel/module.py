@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.microbatch import OutputHint
+from partitioner.runtime.originals import Originals
 from partitioner.runtime.tensor_parallel.sharding import (
     Sharding,
     TensorParallelError,
@@ -43,6 +44,7 @@ from partitioner.runtime.tensor_parallel.sharding import (
 from partitioner.runtime.tensor_parallel.stage import TensorParallelStage
 from partitioner.runtime.tensor_parallel.state import TensorParallelState
 from partitioner.runtime.worker import shared_threads
+from partitioner.runtime.wrapper import BUILD_LOCK
 
 __all__ = ["TensorParallelModule", "ShardStore", "Source"]
 
@@ -126,6 +128,19 @@ class TensorParallelModule(TensorParallelState):
             device: the tensor-parallel front cuts no model chunks).
         output_rows: how the micro-batches' outputs join, per output leaf (as
             :class:`~partitioner.runtime.module.PartitionedModule`'s).
+        originals: by state-dict key, the original model's tensors the ranks copied: a
+            write to them after partitioning, or an optimizer stepping them, is refused
+            (``partitioner.runtime.originals``).
+
+    Unlike a pipeline, this module does not compute with the original model's tensors: its
+    parameters are the ranks' slices (and copies), which ``parameters()``,
+    ``state_dict()``/``load_state_dict()`` and ``clip_grad_norm_`` work on. Build the
+    optimizer over ``tp.parameters()`` and load weights with ``tp.load_state_dict``;
+    loading into the original model afterwards, or an optimizer over
+    ``model.parameters()``, raises a
+    :class:`~partitioner.errors.TensorParallelError` (the next call, or that optimizer's
+    ``step()``) instead of being silently ignored. Calls from several threads run one after
+    another.
     """
 
     def __init__(self, plan: Any, stages: list[TensorParallelStage], training: bool,
@@ -135,9 +150,12 @@ class TensorParallelModule(TensorParallelState):
                  bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]] | None = None,
                  restructure: Callable[[Any], Any] = lambda out: out,
                  schedule: str = "gpipe",
-                 output_rows: Sequence[OutputHint] | None = None) -> None:
+                 output_rows: Sequence[OutputHint] | None = None,
+                 originals: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(shardings, sources, plan=plan, training=training)
         self.output_rows = output_rows
+        self._originals = (Originals(originals, type(self).__name__) if originals
+                           else None)
         self.schedule = schedule
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -179,25 +197,36 @@ class TensorParallelModule(TensorParallelState):
         mode = self.training if training is None else training
         if mode not in self._pipelines:
             self._ensure_open("run the pipeline")
-            stages = self._build(mode)
-            graphs: list[fx.GraphModule] = stages  # type: ignore[assignment]
-            # Every rank of every stage computes on its own thread: they share the cores.
-            threads = shared_threads([d for s in stages for d in s.devices])
-            for stage in stages:
-                stage.threads = threads
-            self._pipelines[mode] = LocalPipeline(graphs, [s.devices[0] for s in stages],
-                                                  self.chunks, self.checkpoint, threads,
-                                                  schedule=self.schedule,
-                                                  output_rows=self.output_rows)
+            with BUILD_LOCK:  # two threads' first calls: one pipeline
+                if mode not in self._pipelines:
+                    self._pipelines[mode] = self._make_pipeline(mode)
         return self._pipelines[mode]
 
+    def _make_pipeline(self, mode: bool) -> LocalPipeline:
+        stages = self._build(mode)
+        graphs: list[fx.GraphModule] = stages  # type: ignore[assignment]
+        # Every rank of every stage computes on its own thread: they share the cores.
+        threads = shared_threads([d for s in stages for d in s.devices])
+        for stage in stages:
+            stage.threads = threads
+        return LocalPipeline(graphs, [s.devices[0] for s in stages], self.chunks,
+                             self.checkpoint, threads, schedule=self.schedule,
+                             output_rows=self.output_rows)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_originals()
         return self._restructure(self.pipeline().run(self._bind(args, kwargs)))
+
+    def _check_originals(self) -> None:
+        """Raises a ``TensorParallelError`` if the original model's weights were written."""
+        if self._originals is not None:
+            self._originals.check()
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], *,
              loss_reduction: str = "mean", kwargs: dict[str, Any] | None = None) -> float:
         """One training step in the plan's schedule, as
         :meth:`partitioner.runtime.module.PartitionedModule.step`; returns the loss."""
+        self._check_originals()
         return self._pipeline_step(self.pipeline(), self._bind, self._restructure, inputs,
                                    targets, loss_fn, loss_reduction, kwargs)
 
@@ -232,6 +261,8 @@ class TensorParallelModule(TensorParallelState):
         for pipe in self._pipelines.values():
             pipe.close()
         self._pipelines.clear()
+        if self._originals is not None:
+            self._originals.release()
         for mode in list(self.stages):
             for stage in self._stages(mode):
                 stage.close()

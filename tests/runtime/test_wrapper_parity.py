@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 from tp_models import batch_for, gpt2
 
 from partitioner import make_plan, partition
-from partitioner.errors import ClosedError, LossError
+from partitioner.errors import ClosedError, LossError, TensorParallelError
 from partitioner.plans.plan import Mesh, Plan
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.replicas import ReplicatedModule
@@ -192,3 +193,57 @@ def test_outputs_without_a_batch_dimension_are_the_whole_batchs(kind: str) -> No
     (expected[0].sum() + 3 * expected[1].square().sum() + 5 * expected[2]).backward()
     for key, p in reference.named_parameters():
         torch.testing.assert_close(grads[key], p.grad, atol=1e-5, rtol=1e-4, msg=key)
+
+
+#: Whether the wrapper computes with the original model's parameters (else it refuses
+#: changes to them and optimizers over them: tensor-parallel ranks hold their own slices).
+SHARES = {"pipeline": True, "tensor_parallel": False, "replicas": True,
+          "replicas_pipeline": True, "replicas_tp": False}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_models_own_parameters_are_shared_or_refused_never_ignored(kind: str) -> None:
+    """Issue #19: a tensor-parallel module ignored weights loaded into the model after
+    partitioning, and an optimizer over ``model.parameters()`` silently did nothing."""
+    model, x, y = _model().eval(), torch.randn(6, 8), torch.randn(6, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _wrap(kind, model, x) as wrapper:
+        wrapper.step(x, y, nn.functional.mse_loss)
+        before = copy.deepcopy(model.state_dict())
+        if SHARES[kind]:
+            optimizer.step()
+            assert not torch.equal(model.state_dict()["0.weight"], before["0.weight"])
+            model.load_state_dict({k: torch.zeros_like(v) for k, v in before.items()})
+            with torch.no_grad():
+                assert bool((wrapper(x) == 0).all())
+        else:
+            with pytest.raises(TensorParallelError, match="wrapper's parameters"):
+                optimizer.step()
+            model.load_state_dict({k: torch.zeros_like(v) for k, v in before.items()})
+            with pytest.raises(TensorParallelError, match="changed after partitioning"):
+                wrapper(x)
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "tensor_parallel"])
+def test_calls_from_two_threads_run_one_after_another(kind: str) -> None:
+    model, x = _model().eval(), torch.randn(6, 8)
+    inputs = [torch.randn(6, 8) for _ in range(2)]
+    with torch.no_grad():
+        expected = [model(v) for v in inputs]
+    problems: list[str] = []
+
+    def call(k: int) -> None:
+        try:
+            for _ in range(20):
+                torch.testing.assert_close(wrapper(inputs[k]).detach(), expected[k])
+        except Exception as error:  # reported below, with the thread's index
+            problems.append(f"thread {k}: {type(error).__name__}: {error}")
+
+    with _wrap(kind, model, x) as wrapper:
+        threads = [threading.Thread(target=call, args=(k,), daemon=True) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads), "a call hung"
+    assert not problems, problems[0]
