@@ -61,7 +61,9 @@ def writing(path: str | Path) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield path
     except OSError as error:
-        raise CommandError(f"cannot write {path}: {error.strerror or error}; pass a path in "
+        # Plan.save's PlanWriteError is an OSError wrapping the system's.
+        cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
+        raise CommandError(f"cannot write {path}: {cause.strerror or cause}; pass a path in "
                            "a folder you can write to") from error
 
 

@@ -161,8 +161,9 @@ class LayerCost:
         return self.param_bytes - self.split_param_bytes + self.split_param_bytes / tp
 
     def activations_on(self, tp: int) -> float:
-        """Activation bytes per sample one tensor-parallel rank keeps."""
-        return self.activation_bytes - self.split_activation_bytes \
+        """Activation bytes per sample one tensor-parallel rank keeps (never below 0: a
+        small head's split activations, counted at its input, can exceed what it keeps)."""
+        return max(self.activation_bytes - self.split_activation_bytes, 0.0) \
             + self.split_activation_bytes / tp
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from partitioner import Plan, make_plan, partition
+from partitioner.cost.devices import REFERENCE_CPU
+from partitioner.cost.machine import pinned_cpu_spec
 from partitioner.errors import ExampleInputsError, PlanMismatchError, SpecError
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.replicas import ReplicatedModule
@@ -105,10 +108,16 @@ def test_a_replicas_plan_round_trips(inputs: bool, tmp_path: Path) -> None:
     assert make_plan(model, None, plan=path, **given) == saved
 
 
+# A CPU whose replicas cost nothing beyond their compute: auto then picks replicas for a
+# small model (with the reference CPU's measured cost per replica it picks tp=2).
+_FREE_REPLICAS = replace(REFERENCE_CPU, replica_overhead=0.0, thread_latency=0.0)
+
+
 def test_a_fresh_replicas_choice_of_auto_round_trips(tmp_path: Path) -> None:
     """What ``strategy="auto"`` returns and saves applies again to the same module kind."""
     model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), torch.randn(6, 8)
-    first = partition(model, ["cpu"] * 2, example_inputs=(x,))
+    with pinned_cpu_spec(_FREE_REPLICAS):
+        first = partition(model, ["cpu"] * 2, example_inputs=(x,))
     assert isinstance(first, ReplicatedModule)  # small layers: replicas beat a pipeline
     first.plan.save(tmp_path / "auto.json")
     again = partition(model, None, plan=tmp_path / "auto.json")
@@ -235,10 +244,12 @@ def test_a_spec_that_auto_plans_as_replicas_runs_as_replicas() -> None:
     """Regression: a spec compiled to auto's replicas choice kept dp=1 in its mesh, and
     partition ran one replica's pipeline on the first device alone."""
     model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), torch.randn(6, 8)
-    direct = make_plan(model, ["cpu"] * 2, example_inputs=(x,))
-    assert direct.mesh is not None and direct.mesh.dp == 2
-    spec = {"devices": ["cpu", "cpu"]}
-    assert make_plan(model, None, plan=spec, example_inputs=(x,)).mesh == direct.mesh
-    with partition(model, None, plan=spec, example_inputs=(x,)) as pm:
+    with pinned_cpu_spec(_FREE_REPLICAS):
+        direct = make_plan(model, ["cpu"] * 2, example_inputs=(x,))
+        assert direct.mesh is not None and direct.mesh.dp == 2
+        spec = {"devices": ["cpu", "cpu"]}
+        assert make_plan(model, None, plan=spec, example_inputs=(x,)).mesh == direct.mesh
+        pm = partition(model, None, plan=spec, example_inputs=(x,))
+    with pm:
         assert isinstance(pm, ReplicatedModule) and pm.dp == 2
         _transparent(pm, model, x)

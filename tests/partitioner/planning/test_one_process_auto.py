@@ -230,3 +230,11 @@ def test_virtual_stage_plans_load_and_older_plans_default_to_one() -> None:
              virtual_stages=2)
     with pytest.raises(PlanFormatError, match="3 stages but 2 devices x virtual_stages=2"):
         Plan("p", ("cpu", "cpu"), stages[:3], virtual_stages=2)
+
+
+def test_a_small_head_split_by_tensor_parallelism_plans() -> None:
+    """Regression: a 32 -> 4 head's split activations exceeded what it keeps, its memory
+    came out negative at tp=2 and auto crashed with a ProblemError."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    plan = make_plan(model, ["cpu"] * 2, example_inputs=(torch.randn(256, 32),))
+    assert plan.mesh is not None and plan.mesh.dp * plan.mesh.pp * plan.mesh.tp == 2
