@@ -70,6 +70,7 @@ from partitioner.runtime.microbatch import (
     split_grad,
 )
 from partitioner.runtime.precision import check_precision
+from partitioner.runtime.rng import current_generator
 from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks, pipeline_depth
 from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
 from partitioner.runtime.stage import StageRunner
@@ -211,7 +212,12 @@ class LocalPipeline:
             restore_thread_default(self._default)
 
     def _reset(self, grad: bool) -> None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        # From the generator the caller's thread installed (a data-parallel replica's, seeded
+        # per call), else torch's global one: replicas drawing from the global generator at
+        # once got their seeds in thread order, and a run did not repeat under manual_seed.
+        installed = current_generator()
+        seed = int(torch.randint(0, 2**62, (1,), generator=installed,
+                                 device=installed.device if installed else None).item())
         for k, runner in enumerate(self.runners):
             if grad:
                 runner.reset(seed + k)

@@ -24,8 +24,7 @@ Rules the user can rely on:
   broadcasts them on every call (``partitioner.runtime.replica_copy``).
 - Dropout: each replica draws its own masks, from a generator seeded per call from torch's
   global generator (plus the replica's index), so runs repeat under ``torch.manual_seed``.
-  Replicas that are pipelines seed their stages themselves, from the global generator: their
-  masks still differ per replica, but which replica gets which seed follows thread timing.
+  Replicas that are pipelines seed their stages from that generator too.
 - Batch norm: in training mode each replica normalizes with its own share's statistics, and
   the running statistics are replica 0's (the others' updates are overwritten by the next
   copy), as with ``nn.DataParallel``.

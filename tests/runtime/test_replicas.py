@@ -119,6 +119,22 @@ def test_dropout_masks_differ_per_replica_and_repeat_under_manual_seed() -> None
     assert not torch.equal(first, other)
 
 
+def test_replicas_that_are_pipelines_repeat_under_manual_seed() -> None:
+    """Regression: each replica's pipeline drew its stages' seed from torch's global
+    generator on its own thread, so which replica got which seed followed thread timing
+    (tests/runtime/test_local.py::test_same_seed_same_result_across_runs failed at random)."""
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 8)).double().train()
+    x = torch.randn(12, 8, dtype=torch.float64)
+    with replicated(model, (x,), dp=2, chunks=3) as pm:
+        assert type(pm.replicas[1]).__name__ == "PartitionedModule"
+        runs = []
+        for _ in range(12):  # the first call in a mode runs the replicas one at a time
+            torch.manual_seed(7)
+            runs.append(pm(x))
+    for run in runs[1:]:
+        same(run, runs[0])
+
+
 def test_batch_norm_statistics_come_from_replica_0() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double().train()
     reference = copy.deepcopy(model)
