@@ -111,7 +111,7 @@ def main() -> None:
     dpm.save(args.out, optimizer)
     if leader:
         plain = classifier(features, width=128, depth=6, classes=classes)
-        plain.load_state_dict(torch.load(args.out)["model"])
+        plain.load_state_dict(torch.load(args.out, weights_only=True)["model"])
         with torch.no_grad():
             logits = plain(held_out.tensors[0])
         accuracy = (logits.argmax(dim=1) == held_out.tensors[1]).float().mean().item()

@@ -9,9 +9,10 @@ replica 0, shard 0; the other replicas hold the same values) and writes one file
      "optimizer": {"state": {key: {...}}, "param_groups": [{..., "params": [key, ...]}]},
      "extra": {...}}                               # e.g. the step counter, the plan
 
-``torch.load(path)["model"]`` loads into the unpartitioned model; the optimizer state is keyed
-by parameter name, so it loads into any partitioned run of the model (same plan or not),
-each rank taking its own parameters' entries, and training resumes exactly.
+``torch.load(path, weights_only=True)["model"]`` loads into the unpartitioned model; the
+optimizer state is keyed by parameter name, so it loads into any partitioned run of the
+model (same plan or not), each rank taking its own parameters' entries, and training resumes
+exactly.
 
 The file is written atomically: to a temporary file in the same directory, flushed and
 fsynced, then renamed over the target with ``os.replace``. A crash leaves the previous file
@@ -25,7 +26,7 @@ Example:
     >>> import tempfile, torch, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
     >>> atomic_save({"w": torch.ones(2)}, path)
-    >>> torch.load(path)["w"].tolist()
+    >>> torch.load(path, weights_only=True)["w"].tolist()
     [1.0, 1.0]
 """
 

@@ -360,8 +360,8 @@ class DistributedModel(ModelWrapper):
              optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None) -> None:
         """Write one consolidated checkpoint from rank 0 (collective; all ranks call it).
 
-        ``torch.load(path)["model"]`` loads into the unpartitioned model; :meth:`load`
-        resumes a partitioned run from it.
+        ``torch.load(path, weights_only=True)["model"]`` loads into the unpartitioned model;
+        :meth:`load` resumes a partitioned run from it.
         """
         contributes = self.mesh.replica == 0 and self.mesh.shard == 0
         base = ({k: None if v.is_meta else v for k, v in self._model.state_dict().items()}
