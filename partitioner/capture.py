@@ -353,7 +353,7 @@ def _without_cache(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
     object export cannot return and a pipeline has no use for: the graph is captured as
     with ``use_cache=False``. The user's config is put back.
     """
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if "use_cache" not in kwargs or kwargs["use_cache"] is not None \
             or not getattr(config, "use_cache", False):
         yield
