@@ -44,14 +44,21 @@ from torch import nn
 from partitioner.analysis import Analysis, analyze, build_stage_graphs
 from partitioner.apply import layers_problem
 from partitioner.cost.devices import Cluster
-from partitioner.distributed_plan import AutoOptions, choose_plan, describe_cluster, local_batch
-from partitioner.errors import ScheduleError, StageCountError, StrategyError
+from partitioner.distributed_plan import (
+    AutoOptions,
+    choose_plan,
+    describe_cluster,
+    local_batch,
+    tuned_choice,
+)
+from partitioner.errors import ScheduleError, StageCountError, StrategyError, TuneError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.planning.given_mesh import mesh_degrees
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
+from partitioner.planning.tune import tune_count
 from partitioner.planning.world import Degrees
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
@@ -104,7 +111,8 @@ def partition_distributed(
         memory_reserve: float | None = None,
         virtual_stages: int | None = None,
         optimizer_sharding: bool | None = None, precision: str | None = None,
-        mesh: PlanMesh | None = None, init_fn: InitFn | None = None) -> DistributedModel:
+        mesh: PlanMesh | None = None, init_fn: InitFn | None = None,
+        tune: bool | int = False) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -179,6 +187,11 @@ def partition_distributed(
         init_fn: for a meta-built model: ``init_fn(module)`` fills one module's own
             tensors (default: the module's ``reset_parameters()``), run with the random
             generator seeded from ``seed`` and the module's name.
+        tune: with ``strategy="auto"``: ``True`` builds the 4 best-ranked candidates of
+            rank 0's search (``n``: that many) on every rank, times a few training steps
+            of each (the slowest rank's median), restores the model's tensors and runs the
+            measured fastest; ``plan.candidates`` and ``plan.explain()`` show the predicted
+            and measured step times (``partitioner.planning.tune``).
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -191,6 +204,10 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
+    count = tune_count(tune)
+    if count and strategy != "auto":
+        raise TuneError(f"tune={tune!r} with strategy={strategy!r}: tuning times the "
+                        "candidates of strategy='auto'; pass strategy='auto' or drop tune=")
     if optimizer_sharding is not None:
         check_sharding(optimizer_sharding, None)
     pp, dp, tp = mesh_degrees(mesh, pp=pp, dp=dp, tp=tp)
@@ -216,12 +233,18 @@ def partition_distributed(
         fuse_weight_grads=fuse_weight_grads, strategy=strategy,
         cluster=describe_cluster(cluster), memory_reserve=memory_reserve,
         virtual_stages=virtual_stages, optimizer_sharding=optimizer_sharding,
-        precision=precision))
+        precision=precision, tune=count))
     chosen: Plan | None = None
     if auto is not None:
         auto = replace(auto, precision=precision, optimizer_sharding=optimizer_sharding)
         auto.degrees.check(info.world_size)
         chosen = choose_plan(model, example_inputs, example_kwargs, auto, info.device)
+        if count:
+            chosen = tuned_choice(model, chosen, count, lambda fixed: partition_distributed(
+                model, **fixed, tensor_parallel=tensor_parallel if fixed["tp"] > 1 else None,
+                loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
+                failure=failure, fuse_weight_grads=fuse_weight_grads, backend=backend,
+                precision=precision, init_fn=init_fn), example_inputs, example_kwargs)
         assert chosen.mesh is not None, "the search records the mesh it chose"
         pp, dp, tp = chosen.mesh.pp, chosen.mesh.dp, chosen.mesh.tp
         chunks, schedule, checkpoint = chosen.chunks, chosen.schedule, chosen.checkpoint

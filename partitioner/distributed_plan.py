@@ -15,8 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import math
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +35,13 @@ from partitioner.planning.auto import SearchResult
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
+from partitioner.planning.tune import (
+    restore_state,
+    run_trials,
+    snapshot_state,
+    time_training_steps,
+    tuned_records,
+)
 from partitioner.planning.world import (
     DEFAULT_RESERVE,
     Check,
@@ -45,13 +53,14 @@ from partitioner.planning.world import (
     world_cluster,
     world_plan,
 )
+from partitioner.plans.explain import tuned_line
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
 from partitioner.runtime.distributed.comm_failure import communicating
-from partitioner.runtime.microbatch import scatter
+from partitioner.runtime.microbatch import batch_size, scatter
 
 __all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
-           "tensor_parallel_check"]
+           "tensor_parallel_check", "tuned_choice", "fixed_options"]
 
 
 @dataclass(frozen=True)
@@ -232,3 +241,63 @@ def local_batch(example_inputs: tuple[Any, ...] | None,
         return inputs, example_kwargs
     keys = list(example_kwargs)
     return inputs, dict(zip(keys, scatter([example_kwargs[k] for k in keys], dp)[0]))
+
+
+def tuned_choice(model: nn.Module, chosen: Plan, count: int,
+                 build: Callable[[dict[str, Any]], Any],
+                 example_inputs: tuple[Any, ...] | None,
+                 example_kwargs: dict[str, Any] | None) -> Plan:
+    """``partition_distributed(..., tune=count)``: build the ``count`` best-ranked
+    candidates of rank 0's ``chosen`` plan with ``build(options)`` (every rank, one after
+    another), time a few training steps of each (the slowest rank's median counts, agreed by
+    an all-reduce), and return the measured fastest's plan with every candidate's predicted
+    and measured step time (``partitioner.planning.tune``). The model's tensors are restored
+    afterwards.
+
+    A candidate that fails on a rank is skipped on every rank (the failure is agreed); one
+    that fails inside a collective of its build on one rank only would stop the world at
+    the watchdog's timeout, as any build does.
+    """
+    plans: dict[int, Plan] = {}
+
+    def measure(index: int, record: dict[str, Any]) -> float:
+        c = record["config"]
+        inputs, kwargs = local_batch(example_inputs, example_kwargs, c["dp"])
+        seconds, error = math.inf, ""
+        try:
+            dpm = build(fixed_options(c, inputs, kwargs))
+            try:
+                seconds = time_training_steps(dpm, tuple(inputs or ()), kwargs,
+                                              batch_size([inputs, kwargs]) or 1)
+                plans[index] = dpm.plan
+            finally:
+                dpm.close()
+        except Exception as failure:  # agreed below: every rank skips it together
+            error = f"{type(failure).__name__}: {failure}"
+        agreed = torch.tensor([seconds if not error else math.inf])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if error or not math.isfinite(float(agreed)):
+            raise RuntimeError(error or "failed on another rank")
+        return float(agreed)
+
+    records = list(chosen.candidates)
+    saved = snapshot_state(model)
+    try:
+        trials = run_trials(records, count, lambda r: measure(records.index(r), r))
+    finally:
+        restore_state(model, saved)
+    tuned = tuned_records(records, trials)
+    index = next(i for i, r in enumerate(tuned) if r.get("chosen"))
+    base = chosen if index == 0 or index not in plans else plans[index]
+    notes = tuple(n for n in chosen.notes if not n.startswith(("chosen:", "tuned:")))
+    return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
+
+
+def fixed_options(config: dict[str, Any], inputs: Any, kwargs: Any) -> dict[str, Any]:
+    """``partition_distributed`` keywords that run exactly one candidate's configuration."""
+    virtual = config.get("virtual", 1)
+    return dict(example_inputs=inputs, example_kwargs=kwargs, pp=config["pp"],
+                dp=config["dp"], tp=config["tp"], chunks=config["chunks"],
+                schedule=config["schedule"], checkpoint=config["checkpoint"],
+                virtual_stages=virtual if virtual > 1 else None,
+                optimizer_sharding=bool(config.get("optimizer_sharding", False)))

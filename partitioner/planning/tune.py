@@ -93,8 +93,12 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
     module) and an Adam step over the trainable parameters. The caller restores the weights
     afterwards (:func:`snapshot_state`).
     """
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=1e-6)
+    plan = getattr(module, "plan", None)
+    if getattr(plan, "optimizer_sharding", False) and hasattr(module, "make_optimizer"):
+        optimizer = module.make_optimizer(torch.optim.Adam, lr=1e-6)  # ZeRO-1: its own
+    else:
+        optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad],
+                                     lr=1e-6)
     targets = torch.zeros(batch)
     times = []
     for k in range(warmup + steps):

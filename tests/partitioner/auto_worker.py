@@ -88,7 +88,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     model, loss_fn, batches = build(name), loss_for(name), data(case["model"], batch, steps)
     expected, ref_losses = reference(model, batches, loss_fn)
     dpm = partition_distributed(model, (batches[0][0],), strategy="auto", failure=POLICY,
-                                **case.get("fixed", {}))
+                                tune=case.get("tune", False), **case.get("fixed", {}))
     mesh = dpm.plan.mesh
     local = batch // mesh.dp
     rows = slice(dpm.mesh.replica * local, (dpm.mesh.replica + 1) * local)
@@ -107,7 +107,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                   checkpoint=dpm.plan.checkpoint, balance=list(dpm.plan.balance),
                   plan_hash=hashlib.sha256(json.dumps(plan, sort_keys=True, default=repr)
                                            .encode()).hexdigest(),
-                  explain=dpm.plan.explain().splitlines()[-1])
+                  explain=dpm.plan.explain().splitlines()[-1],
+                  measured=[r.get("measured_step_time") for r in dpm.plan.candidates],
+                  chosen=[bool(r.get("chosen")) for r in dpm.plan.candidates])
     dpm.close()
     return record
 

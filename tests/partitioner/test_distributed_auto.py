@@ -29,6 +29,7 @@ TWO = [
     dict(model="gpt", batch=8),
     dict(model="mlp", batch=16, fixed=dict(pp=2)),
     dict(model="gpt", batch=8, fixed=dict(pp=2, schedule="1f1b", chunks=2)),
+    dict(model="mlp", batch=16, tune=2),  # tuned: the measured fastest of 2, weights restored
 ]
 FOUR = [
     dict(model="mlp", batch=16),
@@ -62,7 +63,15 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int, world: int) -> None
         assert value == size, (axis, value, size)
     assert records[0]["schedule"] in schedule_names([Runtime.MULTI_PROCESS])
     assert case["batch"] % (dp * records[0]["chunks"]) == 0
-    assert records[0]["explain"].startswith("chosen: ")
+    if case.get("tune"):
+        # Every rank times the same candidates and agrees on the measured fastest.
+        measured = records[0]["measured"]
+        assert sum(m is not None for m in measured) == case["tune"], measured
+        chosen = records[0]["chosen"].index(True)
+        assert measured[chosen] == min(m for m in measured if m is not None)
+        assert records[0]["explain"].startswith("tuned: timed 2 candidates")
+    else:
+        assert records[0]["explain"].startswith("chosen: ")
     for r in records:
         assert r["max_diff"] < TOLERANCE, (r["rank"], r["max_diff"])
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOLERANCE, abs=TOLERANCE)

@@ -188,3 +188,11 @@ def test_tune_with_a_saved_plan_or_a_fixed_split_is_refused(tmp_path) -> None:
         partition(model, ["cpu"] * 2, example_inputs=(x,), balance=[4, 3], tune=True)
     with pytest.raises(TuneError, match="tune='fast'"):
         partition(model, ["cpu"] * 2, example_inputs=(x,), tune="fast")
+
+
+def test_partition_distributed_tunes_only_auto() -> None:
+    from partitioner.distributed import partition_distributed
+    with pytest.raises(TuneError, match="tune=True with strategy=None.*strategy='auto'"):
+        partition_distributed(_model(), (torch.randn(8, 16),), pp=2, tune=True)
+    with pytest.raises(TuneError, match="tune=0"):
+        partition_distributed(_model(), (torch.randn(8, 16),), strategy="auto", tune=0)
