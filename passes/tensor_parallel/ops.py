@@ -91,6 +91,7 @@ from partitioner.passes.tensor_parallel.shape_ops import (
 )
 from partitioner.passes.tensor_parallel.sites import Site
 from partitioner.runtime import rng
+from partitioner.runtime.precision import masked_fill_saturated, where_saturated
 from partitioner.runtime.tensor_parallel import ops as tpops
 
 __all__ = ["ATTENTION_PRODUCTS", "decide", "pointwise", "reduction", "norm", "matmul",
@@ -112,8 +113,9 @@ _POINTWISE_FUNCTIONS: set[Any] = {
     torch.randn_like, F.relu, F.relu6, F.gelu, F.silu, F.mish, F.tanh, F.sigmoid,
     F.leaky_relu, F.elu, F.selu, F.celu, F.softplus, F.hardtanh, F.hardswish, F.hardsigmoid,
     F.logsigmoid, F.dropout, torch.dropout, rng.dropout, rng.dropout_module,
-    tpops.sharded_dropout, tpops.sharded_dropout_module,
-    aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    tpops.sharded_dropout, tpops.sharded_dropout_module, masked_fill_saturated,
+    where_saturated, aten.dropout.default, aten.clone.default, aten.contiguous.default,
+    aten.alias.default,
     aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
     aten._to_copy.default, aten.zeros_like.default, aten.ones_like.default,
     aten.empty_like.default, aten.full_like.default, aten.__and__.Tensor,

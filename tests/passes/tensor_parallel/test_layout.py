@@ -69,6 +69,23 @@ def test_shard_through_view(a: tuple[int, ...], b: tuple[int, ...], dim: int,
     assert shard_through_view(a, b, dim) == expected
 
 
+def test_a_saturating_fill_keeps_the_split_as_masked_fill_does() -> None:
+    """Regression: unbake_dtypes's masked_fill_saturated (an export graph's masked_fill with
+    finfo(float32).min) had no rule and gathered the split tensor."""
+    from partitioner.runtime.precision import masked_fill_saturated
+
+    graph = fx.Graph()
+    x, mask = graph.placeholder("x"), graph.placeholder("mask")
+    graph.output(graph.call_function(masked_fill_saturated,
+                                     (x, mask, torch.finfo(torch.float32).min)))
+    gm = fx.GraphModule(nn.Module(), graph)
+    propagate_shapes(gm, (torch.randn(2, 3, 8), torch.rand(2, 3, 8) > 0.5))
+    ctx = RuleContext(gm, 2, {}, {})
+    ctx.layouts.update({"x": Shard(2), "mask": Shard(2)})
+    fill = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert decide(fill, ctx).out == Shard(2)
+
+
 def test_pointwise_keeps_the_split_and_broadcasts_whole_operands() -> None:
     decisions, _ = layouts_of(lambda x, m: F.gelu(x) * 2 + m, (torch.randn(2, 3, 8),
                                                                 torch.randn(3, 1)),
