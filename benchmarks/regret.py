@@ -27,6 +27,7 @@ Run (a quiet machine; about 10 minutes for every case):
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -46,6 +47,7 @@ from machine_load import cpu_sample, foreign_share  # noqa: E402
 
 from examples.models import ResNetish, classifier, gpt, mlp  # noqa: E402
 from partitioner import partition  # noqa: E402
+from partitioner.analysis import analyze  # noqa: E402
 from partitioner.api import build, plan_record, route  # noqa: E402
 from partitioner.planning.tune import synthetic_loss  # noqa: E402
 from partitioner.request import PlanRequest  # noqa: E402
@@ -151,15 +153,17 @@ def contenders(case: Case, devices: int) -> tuple[list[Contender], str, Any]:
     torch.manual_seed(0)
     model, x = case.build()
     cpus = ["cpu"] * devices
-    pm = partition(model, cpus, example_inputs=(x,))
+    pm = partition(copy.deepcopy(model), cpus, example_inputs=(x,))
     request = PlanRequest.make(cpus, "auto", example_inputs=(x,), local=True)
-    from partitioner.analysis import analyze
-    analysis = analyze(model, (x,), None)
     out, picked = [], ""
     for record in sorted(pm.plan.candidates, key=lambda r: r["rank"]):
         try:
-            plan = plan_record(model, analysis, request, record)
-            module = build(model, analysis, route(model, analysis, plan, request), request)
+            # Each its own copy: a tensor-parallel module refuses optimizers over the
+            # original's parameters, which the pipelines here would share.
+            own = copy.deepcopy(model)
+            analysis = analyze(own, (x,), None)
+            plan = plan_record(own, analysis, request, record)
+            module = build(own, analysis, route(own, analysis, plan, request), request)
         except Exception as error:
             print(f"  {record['label']}: not built ({type(error).__name__}: {error})")
             continue
@@ -169,11 +173,11 @@ def contenders(case: Case, devices: int) -> tuple[list[Contender], str, Any]:
             picked = record["label"]
     alone = pm.plan.candidates[0].get("search", {}).get("one_device", {})
     out.append(Contender("one device (unpartitioned)", "one device",
-                         alone.get("step_time", float("nan")), model, x))
+                         alone.get("step_time", float("nan")), copy.deepcopy(model), x))
     chunks = min(x.shape[0], 2 * devices)
     try:
-        pipe = partition(model, cpus, strategy="pipeline", schedule="1f1b", chunks=chunks,
-                         checkpoint="never", example_inputs=(x,))
+        pipe = partition(copy.deepcopy(model), cpus, strategy="pipeline", schedule="1f1b",
+                         chunks=chunks, checkpoint="never", example_inputs=(x,))
         out.append(Contender(f"plain 1F1B pipeline m={chunks}", "pipeline",
                              pipe.plan.predicted_step_time or float("nan"), pipe, x))
     except Exception as error:
@@ -269,7 +273,8 @@ def main() -> None:
             runs, picked, (model, x) = contenders(case, devices)
             discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
                                  args.max_attempts)
-            tuned = partition(model, ["cpu"] * devices, example_inputs=(x,), tune=True)
+            tuned = partition(copy.deepcopy(model), ["cpu"] * devices, example_inputs=(x,),
+                              tune=True)
             tuned_label = next(r["label"] for r in tuned.plan.candidates if r.get("chosen"))
             tuned.close()
             for run in runs:

@@ -92,6 +92,12 @@ def spec_lines(spec: DeviceSpec) -> list[str]:
                      f"GB/s (tensors of {spec.fresh_threshold / 2**20:.0f} MiB and more)"),
              _figure("op overhead", spec.op_overhead * 1e6, "us per op"),
              _figure("action overhead", spec.action_overhead * 1e6, "us per stage action"),
+             _figure("thread latency", spec.thread_latency * 1e6,
+                     "us per step of a collective between threads"),
+             _figure("replica overhead", spec.replica_overhead * 1e6,
+                     "us per replica per step (one process)"),
+             _figure("optimizer per tensor", spec.optimizer_tensor_overhead * 1e6,
+                     "us per parameter tensor (Adam)"),
              _figure("memory", spec.memory_bytes / 2**30, "GiB")]
     if spec.shared_speedup:
         workers = ", ".join(str(n) for n in range(1, len(spec.shared_speedup) + 1))

@@ -117,6 +117,8 @@ class LayerCost:
         tp_all_reduces: all-reduces of the output per forward (and per backward) under TP.
         signature: equal for layers that cost the same (repeated blocks).
         time_scale: measured over predicted time (``calibrate=True``); scales every phase.
+        param_tensors: how many parameter tensors it holds (an optimizer's fixed cost is
+            per tensor).
     """
 
     name: str
@@ -130,6 +132,7 @@ class LayerCost:
     tp_all_reduces: int = 0
     signature: str = ""
     time_scale: float = 1.0
+    param_tensors: int = 0
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
@@ -415,7 +418,17 @@ def _layer_cost(gm: fx.GraphModule, index: int, layer: Layer, nodes: dict[str, f
     output = tensor_bytes(members[-1].meta.get("val")) / batch
     return LayerCost(layer.name, tuple(ops), params, sum(c.buffer_bytes for c in node_costs),
                      kept, min(split, params), kept_split, output,
-                     math.ceil(weight_products / 2), _signature(gm, members))
+                     math.ceil(weight_products / 2), _signature(gm, members),
+                     param_tensors=sum(_parameter_tensors(gm, n) for n in owned))
+
+
+def _parameter_tensors(gm: fx.GraphModule, node: fx.Node) -> int:
+    """Parameter tensors a node holds: a ``get_attr`` of one, or a module's own."""
+    if node.op == "get_attr" and node.meta["cost"].param_bytes > 0:
+        return 1
+    if node.op == "call_module":
+        return sum(1 for _ in gm.get_submodule(str(node.target)).parameters())
+    return 0
 
 
 def _signature(gm: fx.GraphModule, members: list[fx.Node]) -> str:

@@ -103,6 +103,9 @@ class DeviceSpec:
         replica_overhead: seconds one data-parallel replica in one process adds to a
             training step beyond its compute (the split, the hand-offs to and from its
             worker thread, the gradient sum and weight check); 0 for the presets.
+        optimizer_tensor_overhead: seconds the optimizer spends per parameter tensor beyond
+            the bytes it streams (``torch.optim.Adam``'s loop: kernel calls and Python per
+            tensor); 0 for the presets (GPU optimizers run fused or multi-tensor).
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -125,6 +128,7 @@ class DeviceSpec:
     fresh_threshold: float = 0.0
     thread_latency: float = 0.0
     replica_overhead: float = 0.0
+    optimizer_tensor_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -146,7 +150,7 @@ class DeviceSpec:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
         for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
                      "fresh_bandwidth", "fresh_threshold", "thread_latency",
-                     "replica_overhead"):
+                     "replica_overhead", "optimizer_tensor_overhead"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0
@@ -325,7 +329,7 @@ REFERENCE_CPU = DeviceSpec(
                   (2.0 * 256 * 2**20, 1.0, 1.05, 0.95, 1.05),
                   (2.0 * 1024 * 2**20, 1.0, 1.0, 0.9, 1.0)),
     action_overhead=1.5e-4, fresh_bandwidth=3.5e9, fresh_threshold=32 * 2**20,
-    thread_latency=3e-5, replica_overhead=2.5e-4)
+    thread_latency=6.6e-5, replica_overhead=4.3e-4, optimizer_tensor_overhead=3.6e-5)
 """A fixed 2-core CPU (this project's CI machine, measured with ``measure_cpu`` and the
 sharing gains of ``docs/design/003-cost-model.md``): what tests plan with, so plans do not
 depend on the machine's timings (``PARTITIONER_CPU_SPEC=reference``)."""

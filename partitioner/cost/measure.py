@@ -56,7 +56,11 @@ from partitioner.cost.calibration_cache import (
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.memory import optimizer_traffic
-from partitioner.cost.runtime_paths import replica_step_seconds, thread_collective_seconds
+from partitioner.cost.runtime_paths import (
+    optimizer_tensor_seconds,
+    replica_step_seconds,
+    thread_collective_seconds,
+)
 from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.split_stages import split_stages
@@ -210,7 +214,7 @@ _MOST = 1024  # rows of the largest products timed shared (as a transformer's at
 _PHASES = 7  # what _timings reports to its progress bar
 _COUNTS = {2: "two", 3: "three", 4: "four"}
 TIMING_KEYS = ("overhead", "few", "some", "many", "small", "add", "fill", "fresh", "adam",
-               "action", "collective", "replica", "alone", *_COUNTS.values(),
+               "action", "collective", "replica", "adam_tensor", "alone", *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
 """What one calibration run times (:func:`_timings`), each in seconds."""
@@ -240,7 +244,8 @@ def _timings(progress: Progress) -> dict[str, float]:
     found["adam"] = _adam_step()
     progress.step("optimizer step")
     found["action"] = _action_overhead()
-    found.update(collective=thread_collective_seconds(2), replica=replica_step_seconds())
+    found.update(collective=thread_collective_seconds(2), replica=replica_step_seconds(),
+                 adam_tensor=optimizer_tensor_seconds())
     progress.step("pipeline actions, thread collectives and replicas")
     # What stages computing at once get done: products of 8 to 1024 rows with weights
     # streamed from memory (the smaller, the more sharing gains), and element-wise streams
@@ -425,7 +430,8 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
                       1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"],
                       fresh, threshold or 0.0,
                       # A two-rank all-reduce between threads is a ring of 2 steps.
-                      thread_latency=t["collective"] / 2, replica_overhead=t["replica"])
+                      thread_latency=t["collective"] / 2, replica_overhead=t["replica"],
+                      optimizer_tensor_overhead=t["adam_tensor"])
 
 
 def _total_memory() -> float:

@@ -14,7 +14,13 @@ time (``partitioner.cost.measure`` runs them in each calibration):
   compare and copy the weights back before the next call: a fixed cost per replica and per
   step besides the bytes.
 
+The optimizer has a fixed cost per parameter tensor too (``torch.optim.Adam``'s loop over
+the tensors: about ten kernel calls and Python bookkeeping each), which for a model of many
+small tensors outweighs the bytes it streams: :func:`optimizer_tensor_seconds`.
+
 Example:
+    >>> optimizer_tensor_seconds(rounds=5) > 0
+    True
     >>> thread_collective_seconds(rounds=20) > 0
     True
     >>> replica_step_seconds(rounds=5) >= 0
@@ -35,7 +41,7 @@ from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.collectives import ThreadCommunicator, ThreadGroup
 from partitioner.runtime.worker import Worker, shared_threads
 
-__all__ = ["thread_collective_seconds", "replica_step_seconds"]
+__all__ = ["thread_collective_seconds", "replica_step_seconds", "optimizer_tensor_seconds"]
 
 
 def thread_collective_seconds(ranks: int = 2, rounds: int = 200) -> float:
@@ -108,3 +114,19 @@ def replica_step_seconds(rounds: int = 30) -> float:
         return max(statistics.median(together[3:]) - statistics.median(alone[3:]), 0.0) / 2
     finally:
         pm.close()
+
+
+def optimizer_tensor_seconds(tensors: int = 32, rounds: int = 20) -> float:
+    """Seconds ``torch.optim.Adam`` (its default, single-tensor path on CPU) spends per
+    parameter tensor beyond the bytes it streams: the median step over ``tensors`` tiny
+    tensors, divided by their count."""
+    weights = [nn.Parameter(torch.randn(64)) for _ in range(tensors)]
+    for w in weights:
+        w.grad = torch.randn(64)
+    optimizer = torch.optim.Adam(weights, lr=1e-6)
+    times = []
+    for _ in range(rounds + 3):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) / tensors

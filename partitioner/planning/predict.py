@@ -556,9 +556,13 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         # The sharded optimizer's reduce-scatter starts after the last backward.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
             and not cluster.is_local and not config.optimizer_sharding else 0
+        # Plus a fixed cost per parameter tensor (one flat buffer when sharded).
+        tensors = 1 if config.optimizer_sharding else sum(
+            lay.param_tensors for s in mine for lay in workload.layers[s.first:s.last])
         optimizer = params / element / config.optimizer_shards * traffic \
             / cluster.spec(j).optimizer_rate \
-            + _fresh_temporaries(workload, config, mine, cluster.spec(j))
+            + _fresh_temporaries(workload, config, mine, cluster.spec(j)) \
+            + tensors * cluster.spec(j).optimizer_tensor_overhead
         ends.append(pipeline - drained + max(reduce - window, 0.0)
                     + (0.0 if shared else optimizer))
         drained += stages[j].backward + share * stages[j].replay

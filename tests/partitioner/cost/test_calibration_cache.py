@@ -162,7 +162,8 @@ BAD_FILES: dict[str, Callable[[], str]] = {
 SAID = {"not JSON": "is corrupt (not JSON", "the old format": "no format",
         "another format": "has format 99, not 2", "another torch": "torch 1.0.0, not",
         "a run without a timing":
-            f"no timing action, adam, add and {len(measure.TIMING_KEYS) - 4} more",
+            "no timing " + ", ".join(sorted(set(measure.TIMING_KEYS) - {"few"})[:3])
+            + f" and {len(measure.TIMING_KEYS) - 4} more",
         "a negative timing": "add=-1.0"}
 
 
