@@ -1,0 +1,143 @@
+"""auto's regret across processes: ``partition_distributed(strategy="auto")`` on gloo ranks.
+
+Each case starts a world of ``--ranks`` processes on this machine (gloo, one intra-op thread
+each, as torchrun would), and every rank calls ``partition_distributed(model, (x,),
+strategy="auto", tune=N)`` with ``N`` = every candidate rank 0's search ranked: each
+candidate is built on every rank and timed (the slowest rank's median of 3 steps after a
+warm-up: forward, backward in the plan's schedule, Adam), which is the measurement this
+benchmark reports. From the plan's records:
+
+* auto's regret: the measured time of its rank-1 pick / the measured fastest - 1;
+* ``tune=True``'s regret: the measured fastest of the 4 best-ranked / the fastest - 1;
+* measured / predicted per candidate, and its median per kind of plan.
+
+Run (a quiet machine; about a minute a case):
+    python benchmarks/regret_distributed.py
+    python benchmarks/regret_distributed.py --cases mlp --ranks 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cases() -> dict[str, Any]:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from examples.models import classifier, gpt, mlp
+    return {
+        "mlp": lambda: (classifier(32, width=128, depth=6, classes=8), torch.randn(64, 32)),
+        "wide": lambda: (mlp([1024, 4096, 1024, 4096, 1024]), torch.randn(32, 1024)),
+        "gpt": lambda: (gpt(4, 256, 4, 2048, 64), torch.randint(0, 2048, (8, 64))),
+    }
+
+
+def rank_main(case: str) -> None:
+    """One rank: plan and tune with every candidate timed; rank 0 prints the records."""
+    import torch
+    import torch.distributed as dist
+
+    from partitioner.distributed import partition_distributed
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = _cases()[case]()
+    dpm = partition_distributed(model, (x,), strategy="auto", tune=64, backend="gloo")
+    if dist.get_rank() == 0:
+        print("RECORDS " + json.dumps([{k: r.get(k) for k in (
+            "label", "rank", "step_time", "measured_step_time", "tune_error", "config")}
+            for r in dpm.plan.candidates]), flush=True)
+    dpm.close()
+
+
+def launch(case: str, ranks: int, timeout: float) -> list[dict[str, Any]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-of", case], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"a rank failed ({p.returncode}): {err[-2000:]}")
+    line = next(ln for ln in outs[0][0].splitlines() if ln.startswith("RECORDS "))
+    return json.loads(line.removeprefix("RECORDS "))
+
+
+def _kind(c: dict[str, Any]) -> str:
+    parts = [n for n, k in (("replicas", "dp"), ("tensor parallel", "tp"), ("pipeline", "pp"))
+             if c[k] > 1]
+    return " x ".join(parts) or "one device"
+
+
+def report(case: str, ranks: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    ranked = sorted(records, key=lambda r: r["rank"])
+    timed = [r for r in ranked if r.get("measured_step_time")]
+    best = min(timed, key=lambda r: r["measured_step_time"])
+    tuned = min((r for r in timed if r["rank"] <= 4), key=lambda r: r["measured_step_time"])
+    print(f"\n{case} on {ranks} gloo ranks")
+    print(f"  {'candidate':46} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for r in ranked:
+        measured = r.get("measured_step_time")
+        text = (f"{measured * 1e3:8.2f}ms {measured / r['step_time']:6.2f}" if measured
+                else f"{'failed' if r.get('tune_error') else '-':>10}")
+        mark = " <- auto" if r is ranked[0] else ""
+        print(f"  {r['label']:46} {r['step_time'] * 1e3:8.2f}ms {text}{mark}")
+    row = {"case": f"{case} x{ranks} ranks",
+           "auto_regret": ranked[0]["measured_step_time"] / best["measured_step_time"] - 1
+           if ranked[0].get("measured_step_time") else float("nan"),
+           "tune_regret": tuned["measured_step_time"] / best["measured_step_time"] - 1,
+           "best": best["label"],
+           "ratios": [(_kind(r["config"]), r["measured_step_time"] / r["step_time"])
+                      for r in timed]}
+    print(f"  fastest: {best['label']}; auto's regret {row['auto_regret']:+.1%}, with "
+          f"tune=True {row['tune_regret']:+.1%}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="mlp,wide,gpt")
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_of:
+        rank_main(args.rank_of)
+        return
+    rows = []
+    for case in args.cases.split(","):
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            rows.append(report(case, ranks, launch(case, ranks, args.timeout)))
+    print("\n| case | auto's regret | tune=True regret | measured fastest |")
+    print("|---|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['auto_regret']:+.1%} | {r['tune_regret']:+.1%} | "
+              f"{r['best']} |")
+    kinds: dict[str, list[float]] = {}
+    for r in rows:
+        for kind, ratio in r["ratios"]:
+            kinds.setdefault(kind, []).append(ratio)
+    print("\nmeasured / predicted, median over the candidates of each kind:")
+    for kind, ratios in sorted(kinds.items()):
+        print(f"  {kind:32} {statistics.median(ratios):5.2f}  ({len(ratios)} candidates)")
+
+
+if __name__ == "__main__":
+    main()
