@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -81,6 +83,18 @@ class _Tiny(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _graph_of(graph: fx.GraphModule) -> Callable[[bool], fx.GraphModule]:
+    return lambda training: graph
+
+
+def _positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    return list(args)
+
+
+def _same(out: Any) -> Any:
+    return out
+
+
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return out.float().mean()
 
@@ -92,8 +106,8 @@ def replica_step_seconds(rounds: int = 30) -> float:
     torch.manual_seed(0)
     model, copy = _Tiny(), _Tiny()
     graphs = [fx.symbolic_trace(m) for m in (model, copy)]
-    replicas = [GraphReplica(m, lambda training, g=g: g, lambda args, kwargs: list(args),
-                             lambda out: out) for m, g in zip((model, copy), graphs)]
+    replicas = [GraphReplica(m, _graph_of(g), _positional, _same)
+                for m, g in zip((model, copy), graphs)]
     pm = ReplicatedModule(None, replicas, [torch.device("cpu")] * 2)
     x, target = torch.randn(8, 8), torch.zeros(8)
 
@@ -105,7 +119,8 @@ def replica_step_seconds(rounds: int = 30) -> float:
         _loss(model(x), target).backward()
         model.zero_grad(set_to_none=True)
     try:
-        together, alone = [], []
+        together: list[float] = []
+        alone: list[float] = []
         for _ in range(rounds + 3):  # in turn: load drifting skews neither
             for fn, times in ((replicated, together), (direct, alone)):
                 start = time.perf_counter()

@@ -94,8 +94,10 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
     afterwards (:func:`snapshot_state`).
     """
     plan = getattr(module, "plan", None)
-    if getattr(plan, "optimizer_sharding", False) and hasattr(module, "make_optimizer"):
-        optimizer = module.make_optimizer(torch.optim.Adam, lr=1e-6)  # ZeRO-1: its own
+    make_optimizer = getattr(module, "make_optimizer", None)
+    optimizer: torch.optim.Optimizer
+    if getattr(plan, "optimizer_sharding", False) and callable(make_optimizer):
+        optimizer = make_optimizer(torch.optim.Adam, lr=1e-6)  # ZeRO-1: its own
     else:
         optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad],
                                      lr=1e-6)

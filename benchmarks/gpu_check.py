@@ -1,0 +1,147 @@
+"""The prepared GPU check: one command, a few minutes on one GPU, one table to paste.
+
+Run it first whenever a session is lent a GPU (with the torch already on that machine)::
+
+    pip install --no-deps --no-build-isolation -e . && python benchmarks/gpu_check.py
+
+It runs, in order:
+
+1. the GPU-marked tests (``python -m pytest -m gpu``);
+2. a GPT-2-small-shaped model (12 blocks, d=768, 12 heads, 1024 tokens of context, batch
+   8 x 256) built on ``cuda:0``: unpartitioned, as a 2-stage pipeline in bf16 (1F1B, 4
+   micro-batches), as tensor parallelism over 2 ``cuda:0`` ranks and as 2 data-parallel
+   replicas (both fp32: the one-process tensor-parallel and replica runtimes run fp32),
+   each timed over ``--steps`` training steps (forward, backward, Adam) beside the plan's
+   predicted step time;
+3. one markdown table of the results for ``docs/benchmarks.md``.
+
+Without CUDA it says so and exits 0 (the test suite runs it that way); ``--dry-run`` lists
+what it would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("one device", "pipeline bf16", "tensor parallel", "replicas")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--skip-tests", action="store_true", help="skip the GPU-marked tests")
+    parser.add_argument("--dry-run", action="store_true", help="list the steps and exit")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.batch < 2 or args.seq < 1:
+        parser.error("--steps >= 1, --warmup >= 0, --batch >= 2 and --seq >= 1")
+    return args
+
+
+def gpu_tests() -> int:
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                            "no:cacheprovider"], cwd=ROOT)
+
+
+def _timed(step: Callable[[], None], steps: int, warmup: int) -> float:
+    import torch
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_case(name: str, args: argparse.Namespace) -> tuple[float | None, float]:
+    """(predicted, measured) seconds per step of one case."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    from examples.models import gpt
+    from partitioner import Mesh, partition
+    torch.manual_seed(0)
+    model = gpt(12, 768, 12, 50257, 1024).to("cuda:0")
+    x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda:0")
+    y = torch.randint(0, 50257, (args.batch, args.seq), device="cuda:0")
+
+    def loss_fn(out: Any, target: Any) -> Any:
+        return F.cross_entropy(out.float().flatten(0, 1), target.flatten())
+    if name == "one device":
+        module: Any = model
+        predicted = None
+    else:
+        options: dict[str, Any] = {
+            "pipeline bf16": dict(strategy="pipeline", chunks=4, schedule="1f1b",
+                                  precision="bf16"),
+            "tensor parallel": dict(mesh=Mesh(dp=1, pp=1, tp=2)),
+            "replicas": dict(mesh=Mesh(dp=2, pp=1, tp=1)),
+        }[name]
+        module = partition(model, ["cuda:0"] * 2, example_inputs=(x,), **options)
+        predicted = module.plan.predicted_step_time
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-5)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if hasattr(module, "step"):
+            module.step(x, y, loss_fn)
+        else:
+            loss_fn(module(x), y).backward()
+        optimizer.step()
+    try:
+        return predicted, _timed(step, args.steps, args.warmup)
+    finally:
+        if hasattr(module, "close"):
+            module.close()
+
+
+def table(rows: list[tuple[str, float | None, float]], device: str) -> str:
+    lines = [f"GPU check on {device} (GPT-2 small shape, `python benchmarks/gpu_check.py`):",
+             "", "| case | predicted | measured | measured / predicted |", "|---|---:|---:|---:|"]
+    for name, predicted, measured in rows:
+        ratio = f"{measured / predicted:.2f}" if predicted else "-"
+        pred = f"{predicted * 1e3:.1f} ms" if predicted else "-"
+        lines.append(f"| {name} | {pred} | {measured * 1e3:.1f} ms | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.dry_run:
+        print("would run: the GPU-marked tests; then " + ", ".join(CASES))
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_check: skipped, no CUDA device here (run it on a machine with a GPU)")
+        return 0
+    failed = 0 if args.skip_tests else gpu_tests()
+    rows = []
+    for name in CASES:
+        try:
+            predicted, measured = run_case(name, args)
+        except Exception as error:
+            print(f"{name}: failed ({type(error).__name__}: {error})")
+            failed = 1
+            continue
+        rows.append((name, predicted, measured))
+    print(table(rows, torch.cuda.get_device_name(0)))
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The prepared GPU check (``benchmarks/gpu_check.py``) runs where it can without a GPU: its
+arguments, its table, and a clear skip without CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def _module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bad_arguments_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _module().parse(["--steps", "0"])
+    assert info.value.code == 2 and "--steps >= 1" in capsys.readouterr().err
+
+
+def test_the_table_has_a_row_per_case_with_its_ratio() -> None:
+    text = _module().table([("one device", None, 0.1), ("pipeline bf16", 0.05, 0.06)], "H200")
+    assert "| pipeline bf16 | 50.0 ms | 60.0 ms | 1.20 |" in text
+    assert "| one device | - | 100.0 ms | - |" in text and "H200" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: runs for real")
+def test_without_cuda_it_says_so_and_exits_0() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--skip-tests"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skipped, no CUDA device" in done.stdout
+    dry = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
+                         text=True, timeout=120)
+    assert dry.returncode == 0 and "tensor parallel" in dry.stdout
