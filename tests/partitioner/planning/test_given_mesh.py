@@ -241,7 +241,11 @@ def test_llama3_405b_shape_on_1024_h100_nodes_with_the_papers_mesh() -> None:
     assert record["fits"] and record["peak_memory"] <= record["capacity"]
     # Auto's best may be slower when its search's 5 s budget runs out (the line says so).
     assert record["auto_best"]["step_time"] > 0
-    assert "given mesh dp=64 pp=16 tp=8" in plan.explain() and "auto's best: " in plan.explain()
+    text = plan.explain()
+    assert "given mesh dp=64 pp=16 tp=8" in text
+    # Since the kept candidates are ranked by the simulation, auto's best is the paper's
+    # mesh itself (before, a neighbour the closed forms ranked first).
+    assert "auto's best: " in text or "auto's best is this configuration" in text
     with pytest.raises(MemoryLimitError, match=r"mesh=Mesh\(dp=64, pp=16, tp=8\) does not "
                                                r"fit memory: .*auto's best that fits is "
                                                r".*pass mesh=Mesh\("):
