@@ -37,6 +37,7 @@ def _cases() -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from examples.models import classifier, gpt, mlp
     return {
+        "tiny": lambda: (mlp([8, 16, 16, 16, 16, 8]), torch.randn(16, 8)),
         "mlp": lambda: (classifier(32, width=128, depth=6, classes=8), torch.randn(64, 32)),
         "wide": lambda: (mlp([1024, 4096, 1024, 4096, 1024]), torch.randn(32, 1024)),
         "gpt": lambda: (gpt(4, 256, 4, 2048, 64), torch.randint(0, 2048, (8, 64))),
@@ -113,7 +114,7 @@ def report(case: str, ranks: int, records: list[dict[str, Any]]) -> dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="mlp,wide,gpt")
+    parser.add_argument("--cases", default="tiny,mlp,wide,gpt")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)

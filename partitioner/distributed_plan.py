@@ -254,31 +254,37 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     and measured step time (``partitioner.planning.tune``). The model's tensors are restored
     afterwards.
 
-    A candidate that fails on a rank is skipped on every rank (the failure is agreed); one
-    that fails inside a collective of its build on one rank only would stop the world at
-    the watchdog's timeout, as any build does.
+    A candidate that fails to build or to time on a rank is skipped on every rank (the
+    failure is agreed after the build and after the timing); one that fails inside a
+    collective or a step on one rank only leaves its peers waiting until the watchdog's
+    timeout stops the world, as any build or step does.
     """
     plans: dict[int, Plan] = {}
 
     def measure(index: int, record: dict[str, Any]) -> float:
         c = record["config"]
         inputs, kwargs = local_batch(example_inputs, example_kwargs, c["dp"])
-        seconds, error = math.inf, ""
+        dpm, error = None, ""
         try:
             dpm = build(fixed_options(c, inputs, kwargs))
-            try:
-                seconds = time_training_steps(dpm, tuple(inputs or ()), kwargs,
-                                              batch_size([inputs, kwargs]) or 1)
-                plans[index] = dpm.plan
-            finally:
-                dpm.close()
         except Exception as failure:  # agreed below: every rank skips it together
             error = f"{type(failure).__name__}: {failure}"
-        agreed = torch.tensor([seconds if not error else math.inf])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        if error or not math.isfinite(float(agreed)):
-            raise RuntimeError(error or "failed on another rank")
-        return float(agreed)
+        try:
+            _agreed(math.inf if error else 0.0, error)  # all built, or none runs
+        except RuntimeError:
+            if dpm is not None:
+                dpm.close()
+            raise
+        assert dpm is not None
+        try:
+            seconds = time_training_steps(dpm, tuple(inputs or ()), kwargs,
+                                          batch_size([inputs, kwargs]) or 1)
+            plans[index] = dpm.plan
+        except Exception as failure:  # a rank failing mid-step leaves its peers waiting
+            error, seconds = f"{type(failure).__name__}: {failure}", math.inf
+        finally:
+            dpm.close()
+        return _agreed(seconds, error)
 
     records = list(chosen.candidates)
     saved = snapshot_state(model)
@@ -291,6 +297,16 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     base = chosen if index == 0 or index not in plans else plans[index]
     notes = tuple(n for n in chosen.notes if not n.startswith(("chosen:", "tuned:")))
     return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
+
+
+def _agreed(seconds: float, error: str) -> float:
+    """The slowest rank's ``seconds`` (all-reduce MAX); every rank raises when any failed
+    (``inf``), so all skip the candidate together and the next one starts in step."""
+    agreed = torch.tensor([seconds])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    if error or not math.isfinite(float(agreed)):
+        raise RuntimeError(error or "failed on another rank")
+    return float(agreed)
 
 
 def fixed_options(config: dict[str, Any], inputs: Any, kwargs: Any) -> dict[str, Any]:

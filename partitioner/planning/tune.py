@@ -93,30 +93,38 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
     module) and an Adam step over the trainable parameters. The caller restores the weights
     afterwards (:func:`snapshot_state`).
     """
-    plan = getattr(module, "plan", None)
-    make_optimizer = getattr(module, "make_optimizer", None)
-    optimizer: torch.optim.Optimizer
-    if getattr(plan, "optimizer_sharding", False) and callable(make_optimizer):
-        optimizer = make_optimizer(torch.optim.Adam, lr=1e-6)  # ZeRO-1: its own
-    else:
-        optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad],
-                                     lr=1e-6)
+    optimizer = _adam(module)
     targets = torch.zeros(batch)
     times = []
     for k in range(warmup + steps):
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        (optimizer or module).zero_grad(set_to_none=True)
         step = getattr(module, "step", None)
         if callable(step) and not isinstance(module, torch.optim.Optimizer) \
                 and hasattr(module, "plan"):
             step(inputs, targets, synthetic_loss, kwargs=kwargs)
         else:
             synthetic_loss(module(*inputs, **dict(kwargs or {})), targets).backward()
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
         if k >= warmup:
             times.append(time.perf_counter() - start)
-    optimizer.zero_grad(set_to_none=True)
+    (optimizer or module).zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+def _adam(module: nn.Module) -> torch.optim.Optimizer | None:
+    """The Adam a timed step runs: the module's own sharded one when its plan shards the
+    optimizer state; ``None`` when this module (a pipeline stage of activations only, such
+    as a lone ReLU) has no trainable parameter, where the step has nothing to update."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return None
+    make_optimizer = getattr(module, "make_optimizer", None)
+    if getattr(getattr(module, "plan", None), "optimizer_sharding", False) \
+            and callable(make_optimizer):
+        return make_optimizer(torch.optim.Adam, lr=1e-6)  # ZeRO-1: its own
+    return torch.optim.Adam(params, lr=1e-6)
 
 
 @dataclass(frozen=True)

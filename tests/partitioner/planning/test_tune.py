@@ -92,6 +92,15 @@ def test_time_training_steps_trains_a_plain_module() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_time_training_steps_times_a_module_without_parameters() -> None:
+    """A pipeline stage of activations only (a lone ReLU on its rank) has nothing for Adam
+    to update: it is timed without an optimizer (Adam refused an empty parameter list, one
+    rank failed mid-tuning and its peers waited for it)."""
+    x = torch.randn(4, 3, requires_grad=True)
+    assert time_training_steps(nn.ReLU(), (x,), None, 4, steps=2, warmup=1) > 0
+    assert x.grad is not None
+
+
 def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The measurement decides: a fake clock makes the lowest-ranked timed candidate the
