@@ -15,9 +15,7 @@ Example:
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.errors import CommandError
@@ -31,7 +29,7 @@ __all__ = ["Bundled", "BUNDLED", "load_model", "parse_input", "parse_shape"]
 
 @dataclass(frozen=True)
 class Bundled:
-    """A bundled example: a factory in ``examples/models.py``, its arguments and an input.
+    """A bundled example: a factory in :mod:`partitioner.zoo`, its arguments and an input.
 
     ``input_dtype`` names a torch dtype (``"float32"``, ``"int64"``), so that this table is
     read without importing torch.
@@ -124,25 +122,14 @@ def _checked(name: str, made: Any, given: tuple[Any, ...] | None) -> tuple[nn.Mo
 def _bundled(entry: Bundled, given: tuple[Any, ...] | None) -> tuple[nn.Module, Any]:
     import torch
 
-    factory = getattr(_examples(), entry.factory)
+    from partitioner import zoo
+
+    factory = getattr(zoo, entry.factory)
     device = torch.device("meta" if entry.meta else "cpu")
     with device:
         model = factory(**entry.kwargs)
     example = _example(entry.input_shape, getattr(torch, entry.input_dtype), device)
     return model, given or (example,)
-
-
-def _examples() -> Any:
-    path = Path(__file__).resolve().parents[2] / "examples" / "models.py"
-    if not path.exists():
-        raise CommandError(f"the bundled models live in {path}, which is missing (the package "
-                           "was installed without its examples); clone the repository and "
-                           "pip install -e ., or name a model as module:factory")
-    spec = importlib.util.spec_from_file_location("partitioner_bundled_models", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
