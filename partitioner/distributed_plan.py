@@ -56,6 +56,7 @@ from partitioner.planning.world import (
 from partitioner.plans.explain import tuned_line
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
+from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.microbatch import batch_size, scatter
 
@@ -113,10 +114,9 @@ def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster
     if option is not None:
         nodes, per = nodes_of(hosts)
         return cluster_option(option, len(hosts), nodes, per)
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return world_cluster(hosts, "cuda", gpu_name=props.name,
-                             gpu_memory=float(props.total_memory))
+    if accelerators.is_accelerator(device):
+        name, memory = accelerators.properties(device)
+        return world_cluster(hosts, device.type, gpu_name=name, gpu_memory=memory)
     return world_cluster(hosts, device.type)
 
 

@@ -51,10 +51,10 @@ def torchrun_args(argv: Sequence[str]) -> list[str]:
 def _local_processes(value: str) -> int:
     if value.isdigit():
         return max(1, int(value))
-    import torch
+    from partitioner.runtime import device as accelerators
 
-    if value in ("gpu", "auto") and torch.cuda.is_available():
-        return torch.cuda.device_count()
+    if value in ("gpu", "auto") and accelerators.available():
+        return accelerators.count()
     if value in ("cpu", "auto"):
         return os.cpu_count() or 1
     return 1

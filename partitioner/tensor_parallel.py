@@ -56,6 +56,7 @@ from partitioner.planning.planner import plan_request, record, tensor_parallel_p
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
 from partitioner.plans.plan import Mesh, Plan, ShardSpec
 from partitioner.request import PlanRequest
+from partitioner.runtime import device as accelerators
 from partitioner.runtime.checkpointing import EXCEPT_LAST
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.module import ShardStore, TensorParallelModule
@@ -303,9 +304,7 @@ def parallelize(model: nn.Module, group: Any = None, *,
 
 
 def _default_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return accelerators.collective_device(str(dist.get_backend(group)))
 
 
 def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, rank: int,

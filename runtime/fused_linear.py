@@ -48,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from partitioner.runtime.device import autocast_enabled
+
 __all__ = ["linear", "linear_module", "use_grad_buffer", "release_grad_buffer", "WeightGrads",
            "deferring", "accumulate_concurrently"]
 
@@ -122,8 +124,7 @@ def accumulate_concurrently(param: torch.Tensor) -> None:
 def _fusable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (torch.is_grad_enabled() and _plain_leaf(weight) and _plain_leaf(bias)
             and id(weight) not in _CONCURRENT and (bias is None or id(bias) not in _CONCURRENT)
-            and not torch.is_autocast_enabled("cpu")
-            and not (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")))
+            and not autocast_enabled())
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor,

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from partitioner.errors import InitError
+from partitioner.runtime.device import fork_rng
 
 __all__ = ["InitFn", "Materializer", "MaterializerFactory", "materializer_for",
            "materialize_module", "check_initializable", "on_meta", "module_seed"]
@@ -177,8 +178,7 @@ class Materializer:
 @contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """The global generators of the CPU (and ``device``) seeded, restored afterwards."""
-    forked = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked, device_type="cuda"):
+    with fork_rng([device]):
         torch.manual_seed(seed)
         yield
 

@@ -32,6 +32,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from partitioner.runtime.device import fork_rng
+
 __all__ = ["seeded_call", "use_generator", "current_generator", "use_shard_generator",
            "current_shard_generator", "dropout", "dropout_module", "fork"]
 
@@ -118,9 +120,8 @@ def seeded_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator,
                              device=generator.device).item())
-    cuda = sorted({t.device.index or 0 for t in pytree.tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor) and t.is_cuda})
-    with _GLOBAL, torch.random.fork_rng(devices=cuda):
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    with _GLOBAL, fork_rng(tensors):
         torch.manual_seed(seed)
         return module(*args, **kwargs)
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from partitioner.runtime.device import keep_alive, record_event, wait_event
+
 __all__ = ["Handoff", "send", "receive", "move_leaves"]
 
 
@@ -30,17 +32,13 @@ class Handoff:
 
     leaves: list[Any]
     spec: pytree.TreeSpec
-    event: torch.cuda.Event | None
+    event: Any
 
 
 def send(values: Any, device: torch.device) -> Handoff:
     """Package ``values`` produced on ``device`` (records an event on CUDA)."""
     leaves, spec = pytree.tree_flatten(values)
-    event = None
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-    return Handoff(leaves, spec, event)
+    return Handoff(leaves, spec, record_event(device))
 
 
 def receive(handoff: Handoff, device: torch.device, *,
@@ -50,8 +48,7 @@ def receive(handoff: Handoff, device: torch.device, *,
     With ``grad``, every floating-point leaf requires grad: a checkpointed sender produced
     its outputs without autograd, yet their gradients are needed once it replays.
     """
-    if handoff.event is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).wait_event(handoff.event)
+    wait_event(device, handoff.event)
     return move_leaves(handoff.leaves, device, grad=grad, floating=True), handoff.spec
 
 
@@ -66,8 +63,7 @@ def move_leaves(leaves: list[Any], device: torch.device, *, grad: bool = True,
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             copy = leaf.detach().to(device, non_blocking=True)
-            if device.type == "cuda" and leaf.device.type == "cuda" and leaf.device != device:
-                leaf.record_stream(torch.cuda.current_stream(device))
+            keep_alive(leaf, device)
             if grad and (leaf.requires_grad or (floating and leaf.is_floating_point())):
                 copy.requires_grad_(True)
             moved.append(copy)

@@ -7,6 +7,8 @@ stage's on the default stream.
 
 Example:
     >>> import torch
+
+from partitioner.runtime.device import new_stream, on_stream
     >>> w = Worker(torch.device("cpu"))
     >>> w.submit(lambda: 1 + 1).result()
     2
@@ -18,10 +20,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
+
+from partitioner.runtime.device import new_stream, on_stream
 
 __all__ = ["Worker", "shared_threads", "use_threads", "thread_default",
            "restore_thread_default"]
@@ -106,31 +109,16 @@ class Worker:
             raise ValueError(f"threads={threads}; pass a positive count or None")
         self.device = device
         self.threads = threads
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = new_stream(device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"partitioner-{device}")
         if threads is not None:
             _set_thread_count(self._executor, threads)
 
-    def _context(self) -> Any:
-        if self.stream is None:
-            return nullcontext()
-        return torch.cuda.stream(self.stream)
-
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn(*args)`` on this worker's thread, in its device and stream context."""
         def run() -> T:
-            if self.stream is None:
+            with on_stream(self.device, self.stream):
                 return fn(*args)
-            torch.cuda.set_device(self.device)
-            default = torch.cuda.default_stream(self.device)
-            # Order against what the caller queued before, and make what we queue visible
-            # to whatever the caller queues after it has our result.
-            self.stream.wait_stream(default)
-            try:
-                with self._context():
-                    return fn(*args)
-            finally:
-                default.wait_stream(self.stream)
         return self._executor.submit(run)
 
     def close(self) -> None:

@@ -358,10 +358,11 @@ def _cluster(text: str | None) -> Any:
     """``--cluster PRESET[:NODES]`` as a Cluster (8 devices a node)."""
     if text is None:
         return None
+    from partitioner.cost.device_names import preset_key
     from partitioner.cost.devices import DEVICES, Cluster
 
     name, _, nodes = text.partition(":")
-    preset = {key.lower(): key for key in DEVICES}.get(name.lower())
+    preset = preset_key(name)
     if preset is None or (nodes and not (nodes.isdigit() and int(nodes) > 0)):
         raise CommandError(f"--cluster {text!r}: pass PRESET[:NODES] with PRESET one of "
                            f"{sorted(DEVICES)} and NODES a positive number, e.g. "
@@ -373,9 +374,9 @@ def _devices(text: str | None) -> Any:
     if text is None:
         return None
     if text.isdigit():
-        import torch
+        from partitioner.runtime import device as accelerators
 
-        return ["cpu"] * int(text) if not torch.cuda.is_available() else int(text)
+        return ["cpu"] * int(text) if not accelerators.available() else int(text)
     return [d.strip() for d in text.split(",") if d.strip()]
 
 

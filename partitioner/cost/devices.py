@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from partitioner.errors import DeviceError
+from partitioner.runtime import device as accelerators
 
 __all__ = ["DeviceSpec", "LinkSpec", "Cluster", "DEVICES", "LINKS", "parse_devices",
            "interpolate_speedup", "link_bandwidth", "dtype_name", "REFERENCE_CPU"]
@@ -347,8 +348,12 @@ LINKS: dict[str, LinkSpec] = {
     "pcie4": LinkSpec("PCIe 4.0 x16", 32e9, 10e-6, 0.8),
     "ib-hdr": LinkSpec("InfiniBand HDR 200 Gb/s", 25e9, 10e-6, 0.9),
     "ib-ndr": LinkSpec("InfiniBand NDR 400 Gb/s", 50e9, 10e-6, 0.9),
+    # CPU worlds (assumptions; pass cluster= to plan with another link): gloo between the
+    # ranks of one node goes through the kernel's loopback, and nodes meet over Ethernet.
+    "loopback": LinkSpec("gloo over loopback (assumed)", 5e9, 30e-6),
+    "ethernet-10g": LinkSpec("Ethernet 10 Gb/s (assumed)", 1.25e9, 50e-6, 0.9),
 }
-"""Link presets, by name."""
+"""Link presets, by name: the one place links are defined."""
 
 _PRESET_LINKS = {"V100": ("nvlink2", "ib-hdr"), "A100-40GB": ("nvlink3", "ib-hdr"),
                  "A100-80GB": ("nvlink3", "ib-hdr"), "H100-SXM": ("nvlink4", "ib-ndr"),
@@ -533,9 +538,9 @@ def parse_devices(
     if isinstance(devices, int):
         if devices < 1:
             raise DeviceError(f"devices={devices}; pass a positive number of devices")
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-        return [torch.device(kind, k) if kind == "cuda" else torch.device("cpu")
-                for k in range(devices)]
+        if accelerators.available():
+            return [accelerators.device(k) for k in range(devices)]
+        return [torch.device("cpu")] * devices
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
     if not isinstance(devices, Sequence):
@@ -551,11 +556,10 @@ def parse_devices(
         except (RuntimeError, TypeError) as error:
             problems.append(f"{entry!r} is not a device ({error}); use 'cpu' or 'cuda:N'")
             continue
-        if device.type == "cuda" and (not torch.cuda.is_available()
-                                      or (device.index or 0) >= torch.cuda.device_count()):
-            problems.append(f"{entry!r} is not on this machine ({torch.cuda.device_count()} "
+        if accelerators.is_accelerator(device) and (device.index or 0) >= accelerators.count():
+            problems.append(f"{entry!r} is not on this machine ({accelerators.count()} "
                             "CUDA devices); use 'cpu' devices or an existing cuda:N")
-        elif device.type not in ("cpu", "cuda", "meta"):
+        elif device.type not in accelerators.DEVICE_TYPES:
             problems.append(f"{entry!r}: device type {device.type!r} is not supported; use "
                             "'cpu' or 'cuda:N'")
         parsed.append(device)

@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
-from partitioner.cost.devices import DEVICES, REFERENCE_CPU, Cluster, DeviceSpec, parse_devices
+from partitioner.cost.device_names import gpu_spec, preset_for
+from partitioner.cost.devices import REFERENCE_CPU, Cluster, DeviceSpec, parse_devices
 from partitioner.cost.measure import cache_file, cached_cpu_spec, measure_cpu
 from partitioner.errors import DeviceError
+from partitioner.runtime import device as accelerators
 
 __all__ = ["cpu_spec", "pin_cpu_spec", "pinned_cpu_spec", "spec_for", "local_cluster",
            "as_cluster", "preset_for"]
 
-_GiB = float(2**30)
 _PINNED: list[DeviceSpec] = []
 _SOURCES = ("reference", "measure")
 
@@ -96,37 +97,14 @@ def _measure_announced() -> DeviceSpec:
 
 def spec_for(device: torch.device) -> DeviceSpec:
     """The :class:`DeviceSpec` of a local device (a CPU's from :func:`cpu_spec`, a GPU's
-    from its name)."""
-    if device.type != "cuda":
+    from its name: :func:`~partitioner.cost.device_names.gpu_spec`, which assumes a
+    mid-range accelerator for a GPU no preset matches)."""
+    if not accelerators.is_accelerator(device):
         return cpu_spec()
-    props = torch.cuda.get_device_properties(device)
-    preset = _preset_named(props.name, props.total_memory / _GiB)
-    if preset is not None:
-        return replace(DEVICES[preset], name=f"{device} {props.name}",
-                       memory_bytes=float(props.total_memory))
-    # Without a datasheet entry, assume a mid-range accelerator.
-    return DeviceSpec(f"{device} {props.name}", {"fp32": 20e12, "bf16": 100e12},
-                      float(props.total_memory), 1e12)
-
-
-def preset_for(name: str, memory_bytes: float) -> str | None:
-    """The key of :data:`~partitioner.cost.devices.DEVICES` for a GPU that CUDA calls
-    ``name`` with ``memory_bytes`` of memory, or ``None`` when no preset matches.
-
-    Example:
-        >>> preset_for("NVIDIA A100-SXM4-80GB", 80 * 2**30), preset_for("Tesla T4", 16e9)
-        ('A100-80GB', None)
-    """
-    return _preset_named(name, memory_bytes / _GiB)
-
-
-def _preset_named(name: str, gib: float) -> str | None:
-    for family, preset in (("H200", "H200"), ("H100", "H100-SXM"), ("V100", "V100")):
-        if family in name:
-            return preset
-    if "A100" in name:
-        return "A100-80GB" if gib > 48 else "A100-40GB"
-    return None
+    name, memory = accelerators.properties(device)
+    spec = gpu_spec(name, memory)
+    return replace(spec, name=f"{device} {spec.name}" if "assumed" in spec.name
+                   else f"{device} {name}")
 
 
 def local_cluster(devices: Any) -> Cluster:

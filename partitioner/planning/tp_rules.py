@@ -51,13 +51,13 @@ from partitioner.errors import TensorParallelRuleError
 from partitioner.passes.tensor_parallel.match import SITE_KINDS, SITE_WHAT
 from partitioner.passes.tensor_parallel.shard_graph import TensorParallelChoice, choose_shardings
 from partitioner.passes.tensor_parallel.sites import Site, attr_tensor, find_sites
-from partitioner.runtime.tensor_parallel.sharding import Sharding
+from partitioner.runtime.tensor_parallel.sharding import HEADS, REPLICATE, SPLIT_KINDS, Sharding
 
 __all__ = ["TensorParallelRules", "TensorParallelRuleError", "ShardPlan", "resolve_shardings",
            "RULE_KINDS"]
 
 #: The kinds a rule may give.
-RULE_KINDS = ("colwise", "rowwise", "vocab", "heads", "replicate")
+RULE_KINDS = (*SPLIT_KINDS, HEADS, REPLICATE)
 
 
 @dataclass(frozen=True)

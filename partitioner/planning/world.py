@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 from partitioner.cost.cost import Workload
-from partitioner.cost.devices import DEVICES, Cluster, DeviceSpec, LinkSpec
-from partitioner.cost.machine import cpu_spec, preset_for
+from partitioner.cost.device_names import gpu_spec, preset_for
+from partitioner.cost.devices import DEVICES, LINKS, Cluster, DeviceSpec, LinkSpec
+from partitioner.cost.machine import cpu_spec
 from partitioner.errors import (
     DeviceError,
     MemoryLimitError,
@@ -49,17 +50,25 @@ from partitioner.planning.predict import Config, Prediction, predict
 from partitioner.planning.simulate import predict_steps, refine
 from partitioner.plans.explain import explain
 from partitioner.plans.plan import Plan
+from partitioner.runtime import device as accelerators
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem
 
-__all__ = ["Degrees", "LOOPBACK", "ETHERNET", "nodes_of", "world_cluster", "cluster_option",
-           "capacity_of", "Check", "search_world", "world_plan", "assume_split", "DEFAULT_RESERVE"]
+__all__ = ["Degrees", "LOOPBACK", "REFERENCE_LOOPBACK", "ETHERNET", "nodes_of",
+           "world_cluster", "cluster_option", "capacity_of", "Check", "search_world",
+           "world_plan", "assume_split", "DEFAULT_RESERVE"]
 
-LOOPBACK = LinkSpec("gloo over loopback (assumed)", 5e9, 30e-6)
-"""Between the ranks of one CPU node: gloo through the kernel's loopback (an assumption;
-pass ``cluster=`` to plan with another link)."""
+LOOPBACK = LINKS["loopback"]
+"""Between the ranks of one CPU node (the link preset ``"loopback"``)."""
 
-ETHERNET = LinkSpec("Ethernet 10 Gb/s (assumed)", 1.25e9, 50e-6, 0.9)
-"""Between CPU nodes (an assumption; pass ``cluster=`` to plan with another link)."""
+ETHERNET = LINKS["ethernet-10g"]
+"""Between CPU nodes, and GPU nodes of no preset (the link preset ``"ethernet-10g"``)."""
+
+REFERENCE_LOOPBACK = LinkSpec("gloo over loopback (reference CI machine)", 1.3e9, 60e-6)
+"""The link planned with beside the reference CPU spec (``PARTITIONER_CPU_SPEC=reference``,
+so tests plan deterministically); ``partition_distributed`` measures the link of a
+one-node CPU world otherwise (``link_probe``). Medians measured by
+``link_probe.probe_link`` on the 2-core CI machine with 2 and 4 ranks (51-74 us a message,
+1.1-1.9 GB/s), while other processes ran."""
 
 DEFAULT_RESERVE = 0.10
 """Share of each device's memory a plan leaves unused (allocator slack, fragmentation)."""
@@ -141,41 +150,49 @@ def nodes_of(hostnames: Sequence[str]) -> tuple[int, int]:
 
 def world_cluster(hostnames: Sequence[str], device_type: str, *,
                   cpu: DeviceSpec | None = None, gpu_name: str = "",
-                  gpu_memory: float = 0.0) -> Cluster:
+                  gpu_memory: float = 0.0, link: LinkSpec | None = None) -> Cluster:
     """The cluster of a world whose rank ``r`` runs on host ``hostnames[r]``.
 
     ``"cpu"`` ranks are planned with this machine's CPU spec
     (:func:`partitioner.cost.machine.cpu_spec`, the reference spec in tests); the ranks of
     one node share its cores (as the spec's ``shared_speedup`` models) and its memory.
-    ``"cuda"`` ranks get the preset named like the GPU.
+    GPU ranks get the preset named like the GPU; a GPU no preset matches is planned as a
+    mid-range accelerator (:func:`~partitioner.cost.device_names.gpu_spec`) with PCIe inside
+    a node and one assumed Ethernet link between nodes (pass ``cluster=`` for real figures).
 
     Args:
         hostnames: each rank's host, in rank order.
-        device_type: ``"cpu"`` or ``"cuda"``.
+        device_type: ``"cpu"`` or the accelerator's type.
         cpu: the CPU spec (default: :func:`~partitioner.cost.machine.cpu_spec`).
         gpu_name: ``torch.cuda.get_device_name()`` of the ranks' GPUs.
         gpu_memory: their memory in bytes.
 
     Raises:
-        DeviceError: the ranks are not laid out node by node, or no preset matches the GPU.
+        DeviceError: the ranks are not laid out node by node, or another device type.
     """
     nodes, per = nodes_of(hostnames)
-    if device_type == "cuda":
-        preset = preset_for(gpu_name, gpu_memory)
-        if preset is None:
-            raise DeviceError(f"no preset matches the GPU {gpu_name!r}; pass cluster= (a "
-                              f"Cluster, or one of {sorted(DEVICES)}) to plan for it")
-        cluster = Cluster.preset(preset, nodes, per)
+    if accelerators.is_accelerator(device_type):
+        cluster = _gpu_cluster(gpu_name, gpu_memory, nodes, per)
         if nodes == 1:
-            cluster = replace(cluster, local=tuple(f"cuda:{k}" for k in range(per)))
+            cluster = replace(cluster, local=tuple(str(accelerators.device(k))
+                                                   for k in range(per)))
         return cluster
     if device_type != "cpu":
         raise DeviceError(f"ranks on {device_type!r} devices; strategy='auto' plans for 'cpu' "
-                          "and 'cuda' ranks, pass cluster= for others")
+                          f"and {accelerators.ACCELERATOR!r} ranks, pass cluster= for others")
     spec = cpu if cpu is not None else cpu_spec()
+    intra = link if link is not None else LOOPBACK
     if nodes == 1:  # this machine: its ranks share its cores, as the search models
-        return Cluster(spec, 1, per, LOOPBACK, None, 1, ("cpu",) * per)
-    return Cluster(spec, nodes, per, LOOPBACK, ETHERNET, 1)
+        return Cluster(spec, 1, per, intra, None, 1, ("cpu",) * per)
+    return Cluster(spec, nodes, per, intra, ETHERNET, 1)
+
+
+def _gpu_cluster(name: str, memory: float, nodes: int, per: int) -> Cluster:
+    preset = preset_for(name, memory)
+    if preset is not None:
+        return Cluster.preset(preset, nodes, per)
+    return Cluster(gpu_spec(name, memory), nodes, per, LINKS["pcie4"],
+                   ETHERNET if nodes > 1 else None, 1)
 
 
 def cluster_option(cluster: Cluster | str, world_size: int, nodes: int, per_node: int

@@ -32,6 +32,7 @@ from partitioner.plans.plan_check import document_problems
 from partitioner.plans.signature import InputSignature
 from partitioner.runtime.checkpointing import checkpoint_problem
 from partitioner.runtime.precision import precision_problem
+from partitioner.runtime.tensor_parallel.sharding import SPLIT_KINDS
 
 __all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
            "VERSION", "SHARD_KINDS"]
@@ -39,9 +40,8 @@ __all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatErr
 FORMAT = "partitioner.plan"
 VERSION = 1
 
-#: How a tensor-parallel parameter is split (Megatron's names): ``colwise`` splits a Linear's
-#: output features, ``rowwise`` its input features, ``vocab`` an embedding's rows.
-SHARD_KINDS = ("colwise", "rowwise", "vocab")
+#: How a tensor-parallel parameter is split: the runtime's :data:`SPLIT_KINDS` (defined once there).
+SHARD_KINDS = SPLIT_KINDS
 
 
 @dataclass(frozen=True)

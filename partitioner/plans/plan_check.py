@@ -30,6 +30,7 @@ from partitioner.plans.documents import unknown_keys
 from partitioner.plans.signature import entry_problems
 from partitioner.runtime.checkpointing import CHECKPOINT_MODES
 from partitioner.runtime.precision import PRECISIONS
+from partitioner.runtime.tensor_parallel.sharding import SPLIT_KINDS
 
 __all__ = ["document_problems", "TOP_KEYS", "STAGE_KEYS", "CAPTURES", "CHECKPOINTS"]
 
@@ -41,7 +42,6 @@ STAGE_KEYS = ("index", "device", "layers", "predicted_time", "predicted_memory",
               "param_bytes", "send_bytes")
 CAPTURES = ("fx", "export")
 CHECKPOINTS = CHECKPOINT_MODES
-_KINDS = ("colwise", "rowwise", "vocab")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 Check = Callable[[Any, str], list[str]]
@@ -227,7 +227,7 @@ _FIELDS: dict[str, Check] = {
     "notes": _strings(0),
     "candidates": _array(0, _any_object(nullable=False), "objects"),
     "mesh": _MESH,
-    "shard_specs": _mapping(_object({"dim": _integer(0), "kind": _choice(_KINDS)},
+    "shard_specs": _mapping(_object({"dim": _integer(0), "kind": _choice(SPLIT_KINDS)},
                                     ("dim", "kind"), 'an object such as '
                                     '{"dim": 0, "kind": "colwise"}'),
                             "an object of parameter name to shard spec"),

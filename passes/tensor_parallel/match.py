@@ -59,15 +59,20 @@ from partitioner.passes.tensor_parallel.layout import Replicate, Shard
 from partitioner.passes.tensor_parallel.ops import ATTENTION_PRODUCTS
 from partitioner.passes.tensor_parallel.propagate import Conversion, Propagation, propagate
 from partitioner.passes.tensor_parallel.sites import Site
-from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParallelError
+from partitioner.runtime.tensor_parallel.sharding import (
+    HEADS,
+    REPLICATE,
+    Sharding,
+    TensorParallelError,
+)
 
 __all__ = ["Choice", "choose", "site_shardings", "kind_of", "SITE_KINDS", "SITE_WHAT"]
 
 #: The kinds each sort of site accepts (``rowwise`` on an Embedding means ``vocab``, as in
 #: DTensor's ``RowwiseParallel``).
-SITE_KINDS = {"linear": ("colwise", "rowwise", "replicate"),
-              "embedding": ("vocab", "colwise", "rowwise", "replicate"),
-              "attention": ("heads", "replicate")}
+SITE_KINDS = {"linear": ("colwise", "rowwise", REPLICATE),
+              "embedding": ("vocab", "colwise", "rowwise", REPLICATE),
+              "attention": (HEADS, REPLICATE)}
 
 #: How error messages name each sort of site.
 SITE_WHAT = {"linear": "a Linear", "embedding": "an Embedding",

@@ -38,8 +38,10 @@ import torch.distributed as dist
 
 from partitioner.errors import ChunksError, LossError, ScheduleError, StrategyError
 from partitioner.runtime.checkpointing import checkpoint_problem, checkpoint_stop
+from partitioner.runtime.device import batches_sends
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.data_parallel import GradReducer, TiedGradients
+from partitioner.runtime.distributed.fsdp import FsdpGradients
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.transport import P2PTransport, StageInterface
 from partitioner.runtime.distributed.zero import ShardedGradients
@@ -102,7 +104,7 @@ class DistributedPipeline:
                  links: PipeLinks, interfaces: InterfaceFn, schedule: str = "1f1b",
                  chunks: int = 1, checkpoint: str = "never",
                  restructure: Callable[[Any], Any] = lambda o: o,
-                 reducer: GradReducer | ShardedGradients | None = None,
+                 reducer: GradReducer | ShardedGradients | FsdpGradients | None = None,
                  tied: TiedGradients | None = None,
                  dp_size: int = 1, loss_rank: bool | None = None, loss_reduction: str = "mean",
                  grad_scale: float = 1.0, virtual: int = 1) -> None:
@@ -224,7 +226,8 @@ class DistributedPipeline:
         """
         if not dist.is_initialized():  # a world of one process
             return local / self.dp_size
-        device = self.runner.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = (self.runner.device if batches_sends(str(dist.get_backend()))
+                  else torch.device("cpu"))
         value = torch.tensor([local if self.loss_rank else 0.0], dtype=torch.float64,
                              device=device)
         with communicating(f"the loss all-reduce over every rank (stage {self.stage})"):

@@ -32,11 +32,21 @@ import torch
 
 from partitioner.errors import ShardSizeError, TensorParallelError
 
-__all__ = ["Sharding", "KINDS", "TensorParallelError", "ShardSizeError",
+__all__ = ["Sharding", "KINDS", "SPLIT_KINDS", "REPLICATE", "HEADS",
+           "TensorParallelError", "ShardSizeError",
            "shard_tensor", "unshard", "local_slices", "block_sizes"]
 
-#: The ways a parameter can be split (``replicate``: every rank holds all of it).
-KINDS = ("colwise", "rowwise", "vocab", "replicate")
+#: The ways a parameter is split, Megatron's names: ``colwise`` splits a Linear's output
+#: features, ``rowwise`` its input features, ``vocab`` an embedding's rows. This is the one
+#: definition of the split kinds: plans, plan files (``plan_schema.json``, checked by a test),
+#: tensor-parallel rules and the passes all import it.
+SPLIT_KINDS = ("colwise", "rowwise", "vocab")
+#: Every rank holds all of the parameter.
+REPLICATE = "replicate"
+#: An attention module split by heads (a rule and site kind; its parameters split colwise/rowwise).
+HEADS = "heads"
+#: The ways a parameter can be held over ranks: split, or replicated.
+KINDS = (*SPLIT_KINDS, REPLICATE)
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class Sharding:
             problems.append(f"kind={self.kind!r}; use one of {KINDS}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             problems.append(f"tp={self.tp!r}; use an int >= 1")
-        if (self.kind == "replicate") != (self.dim is None):
+        if (self.kind == REPLICATE) != (self.dim is None):
             problems.append(f"kind={self.kind!r} with dim={self.dim!r}; replicate has no dim "
                             "and every other kind needs one")
         if self.dim is not None and (isinstance(self.dim, bool) or not isinstance(self.dim, int)

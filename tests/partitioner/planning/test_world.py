@@ -7,6 +7,7 @@ import torch
 from models import mlp
 
 from partitioner.analysis import analyze
+from partitioner.cost.device_names import ASSUMED_GPU
 from partitioner.cost.devices import REFERENCE_CPU, Cluster
 from partitioner.errors import DeviceError, MeshError, ScheduleError, StrategyError
 from partitioner.planning.auto import MULTI_PROCESS_RUNTIME, configurations, executable
@@ -63,9 +64,15 @@ def test_gpu_preset_from_its_name() -> None:
     assert cluster.device.name == "H100-SXM" and cluster.nodes == 2
 
 
-def test_unknown_gpu_asks_for_cluster() -> None:
-    with pytest.raises(DeviceError, match=r"no preset matches the GPU 'Tesla T4'.*cluster="):
-        world_cluster(["a"] * 2, "cuda", gpu_name="Tesla T4", gpu_memory=16e9)
+def test_unknown_gpu_is_planned_as_the_assumed_mid_range_one() -> None:
+    # One behaviour for a GPU no preset names, here and in cost.machine.spec_for: the
+    # assumed spec with the GPU's own memory, its name saying so (design 011).
+    cluster = world_cluster(["a"] * 2 + ["b"] * 2, "cuda", gpu_name="Tesla T4",
+                            gpu_memory=16e9)
+    assert cluster.device.name == "Tesla T4 (assumed mid-range)"
+    assert cluster.device.memory_bytes == 16e9
+    assert cluster.device.peak_flops == ASSUMED_GPU.peak_flops
+    assert (cluster.nodes, cluster.devices_per_node, cluster.inter_node) == (2, 2, ETHERNET)
 
 
 def test_cluster_option_preset_name_and_size() -> None:

@@ -175,3 +175,16 @@ def test_a_deeply_nested_dict_is_refused_without_recursion_error() -> None:
         deep = [deep]
     with pytest.raises(PlanFormatError, match="nests deeper than 64 levels"):
         Plan.from_dict({**BASE, "candidates": [{"deep": deep}]})
+
+
+def test_split_kinds_are_defined_once_and_the_schema_agrees() -> None:
+    from partitioner.passes.tensor_parallel.match import SITE_KINDS
+    from partitioner.planning.tp_rules import RULE_KINDS
+    from partitioner.plans import plan
+    from partitioner.runtime.tensor_parallel.sharding import KINDS, SPLIT_KINDS
+
+    shard = _schema()["properties"]["shard_specs"]["additionalProperties"]
+    assert tuple(shard["properties"]["kind"]["enum"]) == SPLIT_KINDS
+    assert plan.SHARD_KINDS is SPLIT_KINDS
+    assert set(KINDS) <= set(RULE_KINDS)
+    assert {k for kinds in SITE_KINDS.values() for k in kinds} <= set(RULE_KINDS)
