@@ -41,6 +41,7 @@ from partitioner.passes.protect_inputs import protect_inputs
 from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.split_stages import split_stages
 from partitioner.plans.plan import Plan
+from partitioner.passes.unbake_meta import unbake_meta
 from partitioner.runtime.materialize import MaterializerFactory, materialize_module
 from partitioner.runtime.microbatch import MEAN, SUM, OutputHint, batch_size, scatter
 
@@ -290,6 +291,7 @@ def _check_tied_parameters(graphs: list[fx.GraphModule], devices: Sequence[str])
         for tensor in list(gm.parameters()) + list(gm.buffers()):
             first = owner.setdefault(id(tensor), j)
             if devices[first] != devices[j]:
+            unbake_meta(gm_j, torch.device(device))  # captured on meta, runs here
                 raise PartitionError(
                     f"a parameter of shape {tuple(tensor.shape)} is used by stage {first} on "
                     f"{devices[first]} and stage {j} on {devices[j]}; tied weights across "

@@ -46,6 +46,7 @@ from partitioner.passes.export_rules import export_rules
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 from partitioner.passes.guard_inputs import InputRules
+from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.unbake_dtypes import unbake_dtypes
 from partitioner.passes.unlift import unlift
 
@@ -170,6 +171,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         captured = Captured(exported.graph_module, "export", signature, exported.out_spec,
                             exported.in_spec, exported.rules, counters)
     _check_output(model, captured.graph_module)
+    keep_non_persistent(captured.graph_module, non_persistent_names(model))
     return captured
 
 

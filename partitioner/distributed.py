@@ -53,8 +53,10 @@ from partitioner.distributed_plan import (
 )
 from partitioner.errors import ScheduleError, StageCountError, StrategyError, TuneError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
+from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
+from partitioner.passes.unbake_meta import unbake_meta
 from partitioner.planning.given_mesh import mesh_degrees
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
@@ -302,6 +304,9 @@ def partition_distributed(
     if virtual > 1:
         stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, materializer)[0]
                   for k in range(ranks.stage, len(graphs), shape.pp)}
+    if home.type == "meta":  # the capture ran on meta; the stages run here
+        for graph in graphs:
+            unbake_meta(graph, info.device)
         shards = None
     else:
         stage, shards = _rank_stage(graphs[ranks.stage], model, shard_plan, ranks, info.device,
@@ -549,6 +554,7 @@ def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: MeshShape,
         "layers": [list(s.layers) for s in plan.stages], "chunks": plan.chunks,
         "checkpoint": plan.checkpoint, "schedule": plan.schedule,
         "virtual_stages": settings.virtual,
+    keep_non_persistent(stage, non_persistent_names(graph))
         "mesh": [shape.pp, shape.dp, shape.tp], "loss_reduction": settings.loss_reduction,
         "shard_specs": sorted((k, repr(v)) for k, v in plan.shard_specs.items()),
         "bucket_bytes": settings.bucket_bytes, "seed": settings.seed,

@@ -27,6 +27,7 @@ import torch.fx as fx
 from partitioner.passes.base import PassError, PassResult
 from partitioner.passes.dead_code import has_side_effect
 from partitioner.passes.liveness import live_values
+from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 
 __all__ = ["StageGraph", "StageSplit", "split_stages"]
 
@@ -134,6 +135,7 @@ def _build_stage(gm: fx.GraphModule, stage_of: dict[fx.Node, int], j: int,
     if sent is not None:
         graph.output(tuple(lookup(n) for n in sent))
     module = fx.GraphModule(gm, graph, class_name=f"Stage{j}")
+    keep_non_persistent(module, non_persistent_names(gm))
     module.graph.eliminate_dead_code(lambda node: has_side_effect(module, node))
     module.graph.lint()
     module.recompile()

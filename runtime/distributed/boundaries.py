@@ -80,7 +80,7 @@ class BoundaryPredictor:
                     lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor) else v, current)
                 gm = self.graphs[k]
                 try:
-                    with autocast(self.precision, device.type):
+                    with _fake_meta_tensors(gm, device), autocast(self.precision, device.type):
                         out = type(gm).forward(gm, *current)
                 except Exception as error:
                     raise BoundaryMismatchError(
@@ -98,6 +98,29 @@ def _signature(values: list[Any]) -> Any:
     return str(spec), tuple((tuple(v.shape), v.dtype, v.device.type)
                             if isinstance(v, torch.Tensor) else ("value", repr(v))
                             for v in leaves)
+
+
+@contextmanager
+def _fake_meta_tensors(gm: nn.Module, device: torch.device) -> Iterator[None]:
+    """``gm``'s meta tensors (a stage of a meta-built model this rank does not hold) as
+    fake tensors on ``device`` (no memory), so the stage is predicted where, and in the
+    precision that, it runs; put back afterwards. Call inside the fake mode."""
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in gm.modules():
+        stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for store in stores:
+            for name, tensor in list(store.items()):
+                # An FSDP stage's parameters are DTensors: predicted as whole fake tensors.
+                sharded = type(tensor).__name__ == "DTensor"
+                meta = tensor is not None and tensor.is_meta and device.type != "meta"
+                if tensor is not None and (sharded or meta):
+                    swapped.append((store, name, tensor))
+                    store[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    try:
+        yield
+    finally:
+        for store, name, tensor in swapped:
+            store[name] = tensor
 
 
 @contextmanager

@@ -137,8 +137,9 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
                             "ranks without tensor parallelism; pass pp >= 2 and tp=1, or "
                             "virtual_stages=1")
     home = model_device(model)
-    # A meta-built model's stage split over tp ranks: the unsplit graph stays on meta.
-    devices = [device if k in stages and model_device(graphs[k]).type != "meta" else home
+    # A meta-built model's stages (and a stage split over tp ranks, whose unsplit graph
+    # stays on meta) are predicted on fake tensors on this rank's device.
+    devices = [device if k in stages or home.type == "meta" else home
                for k in range(len(graphs))]
     links = PipeLinks(mesh.group("pp"), *_neighbours(mesh, ring=settings.virtual > 1),
                       device, batched=batched)
