@@ -27,7 +27,8 @@ from torch import nn
 
 from partitioner import errors
 from partitioner.analysis import Analysis, analyze
-from partitioner.cost.devices import Cluster
+from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
+from partitioner.cost.machine import cpu_spec
 from partitioner.cost.precision import precision_workload
 from partitioner.errors import MemoryLimitError, PartitionError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
@@ -44,6 +45,7 @@ from partitioner.planning.tune import (
 )
 from partitioner.planning.world import (
     DEFAULT_RESERVE,
+    REFERENCE_LOOPBACK,
     Check,
     Degrees,
     capacity_of,
@@ -58,6 +60,7 @@ from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.distributed.link_probe import probe_link
 from partitioner.runtime.microbatch import batch_size, scatter
 
 __all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
@@ -117,7 +120,19 @@ def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster
     if accelerators.is_accelerator(device):
         name, memory = accelerators.properties(device)
         return world_cluster(hosts, device.type, gpu_name=name, gpu_memory=memory)
-    return world_cluster(hosts, device.type)
+    return world_cluster(hosts, device.type, link=cpu_world_link(hosts))
+
+
+def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
+    """The link between the ranks of a one-host CPU world, measured now (collective; about
+    50 round trips, ``link_probe``); the reference one when the reference CPU spec is
+    pinned (tests plan deterministically); ``None`` (the assumed preset) across hosts."""
+    if len(set(hosts)) != 1 or len(hosts) < 2:
+        return None
+    if cpu_spec() is REFERENCE_CPU:
+        return REFERENCE_LOOPBACK
+    latency, bandwidth = probe_link()
+    return LinkSpec("gloo over loopback (measured)", bandwidth, latency)
 
 
 def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,

@@ -109,6 +109,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                                            .encode()).hexdigest(),
                   explain=dpm.plan.explain().splitlines()[-1],
                   measured=[r.get("measured_step_time") for r in dpm.plan.candidates],
+                  predicted=[r.get("step_time") for r in dpm.plan.candidates],
                   chosen=[bool(r.get("chosen")) for r in dpm.plan.candidates])
     dpm.close()
     return record

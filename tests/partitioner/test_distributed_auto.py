@@ -93,16 +93,19 @@ def test_auto_on_four_ranks_trains_like_one_process(world_of_four: Any, index: i
 
 @pytest.mark.slow
 def test_auto_without_sizes_searches_the_mesh(world_of_four: Any) -> None:
-    """Nothing fixed: the search fills the 4 ranks; the small MLP's best is data parallel
-    over all of them (each rank's work shrinks with the batch; a pipeline adds a bubble
-    and transfers). The GPT's batch of 8 leaves 2 rows a replica at dp=4, and the cost
-    model may prefer 2 replicas of a 2-stage pipeline (zero-bubble fills its drain)."""
+    """Nothing fixed: the search fills the 4 ranks and runs the candidate it predicts
+    fastest. Which mesh that is for these tiny models is the cost model's call, not asserted
+    here: measured on the 2-core CI machine (4 ranks, 2026-12-03, under load) the MLP ran
+    dp=2 x pp=2 1F1B in 8.8 ms, pp=4 in 9.6-15.6 ms and dp=4 in 19.5 ms a step (the test
+    expected dp=4 before; docs/benchmarks.md, "auto's regret")."""
     for index, case in enumerate(FOUR):
         if "fixed" not in case:
             record = world_of_four[0][index]
             assert math.prod(record["mesh"]) == 4, record
-            if case["model"] == "mlp":
-                assert record["mesh"][0] == 4, record
+            chosen = record["chosen"].index(True)
+            predicted = [t for t in record["predicted"] if t is not None]
+            assert record["predicted"][chosen] == min(predicted), record
+            assert all(n >= 1 for n in record["balance"]), record
 
 
 @pytest.mark.slow

@@ -1,0 +1,40 @@
+"""The link between a CPU world's ranks is measured (``link_probe``), not assumed; under
+the reference CPU spec (tests) planning uses the reference link, so it stays deterministic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from distributed_harness import launch, results
+
+from partitioner.cost.devices import REFERENCE_CPU
+from partitioner.distributed_plan import cpu_world_link
+from partitioner.planning.world import LOOPBACK, REFERENCE_LOOPBACK, world_cluster
+
+WORKER = Path(__file__).with_name("link_worker.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
+    """Pairs of ranks exchange messages (a lone last rank of 3 waits); every rank gets the
+    slowest pair's latency and bandwidth, positive and finite."""
+    per_rank = results(launch(WORKER, world, [], timeout=120))
+    figures = {(r[0]["latency"], r[0]["bandwidth"]) for r in per_rank}
+    assert len(figures) == 1, figures
+    latency, bandwidth = figures.pop()
+    assert 0 < latency < 1.0 and 1e6 < bandwidth < 1e13
+
+
+def test_reference_spec_plans_with_the_reference_link() -> None:
+    # No world needed: one host under the reference spec takes the pinned link.
+    assert cpu_world_link(["host", "host"]) is REFERENCE_LOOPBACK
+    assert cpu_world_link(["a", "b"]) is None  # across hosts: the assumed presets
+    assert cpu_world_link(["host"]) is None  # one rank sends nothing
+
+
+def test_world_cluster_plans_with_the_given_link() -> None:
+    cluster = world_cluster(["h", "h"], "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
+    assert cluster.intra_node is REFERENCE_LOOPBACK
+    assert world_cluster(["h", "h"], "cpu", cpu=REFERENCE_CPU).intra_node == LOOPBACK
