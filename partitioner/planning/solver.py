@@ -468,6 +468,8 @@ def _to_numbers(name: str, values: Iterable[object]) -> tuple[float, ...]:
         raise ProblemError(
             f"{name} is {values!r}, not a sequence; pass a tuple of numbers"
         ) from None
+    if all(type(item) is float for item in items):  # the planner's own tables: fast path
+        return items  # type: ignore[return-value]
     floats = []
     for item in items:
         if not isinstance(item, numbers.Real):
@@ -517,6 +519,8 @@ def _shape_problems(problem: PartitionProblem) -> list[str]:
 
 def _value_problems(problem: PartitionProblem) -> list[str]:
     n_layers = problem.n_layers
+    if _all_valid(problem):  # one pass without labels; messages only when something is bad
+        return []
     finite = "must be finite and >= 0 (clamp noisy measurements at 0)"
     # Stage 0 never receives, and boundaries 0 and L are never a stage's start.
     tables = [
@@ -532,6 +536,15 @@ def _value_problems(problem: PartitionProblem) -> list[str]:
         capacity, lambda x: x >= 0, "must be >= 0 (math.inf for no limit)"
     )
     return problems
+
+
+def _all_valid(problem: PartitionProblem) -> bool:
+    n_layers = problem.n_layers
+    return (all(0 <= x < math.inf for row in problem.compute for x in row[:n_layers])
+            and all(0 <= x < math.inf for row in problem.transfer[1:]
+                    for x in row[1:n_layers])
+            and all(0 <= x < math.inf for x in problem.memory)
+            and all(x >= 0 for x in problem.capacity))
 
 
 def _cells(
