@@ -164,6 +164,12 @@ class LocalPipeline:
         """Virtual stages in all: ``P v``."""
         return len(self.runners)
 
+    @property
+    def origin(self) -> float:
+        """The ``time.perf_counter()`` the :attr:`timeline`'s times count from (several
+        pipelines' timelines, the replicas', are put on one clock with it)."""
+        return self._origin
+
     def _record(self, action: Action, start: float, end: float) -> None:
         with self._lock:
             self.timeline.append((action, start - self._origin, end - self._origin))

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -164,6 +165,10 @@ class ReplicatedModule(ModelWrapper):
         # (a missing or extra argument is named as such, not as a batch problem).
         self._check_call = check_call
         self.output_rows = output_rows
+        #: ``(replica, phase, start, end)`` per replica's forward (``"F"``), backward
+        #: (``"B"``) or training step (``"S"``) of the last call, in ``time.perf_counter()``
+        #: seconds (what ``viz`` draws as a measured timeline).
+        self.timeline: list[tuple[int, str, float, float]] = []
 
     def train(self, mode: bool = True) -> ReplicatedModule:
         """Set train/eval mode on every replica (the copies are not children)."""
@@ -223,13 +228,23 @@ class ReplicatedModule(ModelWrapper):
             out = self.replicas[r](*args, **kwargs)
         return moved, out
 
-    def _run(self, fn: Callable[[int, Any], T], items: Sequence[Any]) -> list[T]:
+    def _run(self, fn: Callable[[int, Any], T], items: Sequence[Any], phase: str = "F"
+             ) -> list[T]:
         """``fn(r, items[r])`` on every replica's worker, at once except on the first call in
         a mode (then one replica after another); the first error re-raised, once every
-        replica has stopped, with a note naming its replica."""
+        replica has stopped, with a note naming its replica. Each call's span is recorded in
+        :attr:`timeline` as ``phase``."""
         futures: list[Future[T]] = []
+
+        def timed(r: int, item: Any) -> T:
+            start = time.perf_counter()
+            try:
+                return fn(r, item)
+            finally:
+                self.timeline.append((r, phase, start, time.perf_counter()))
+
         for r, (worker, item) in enumerate(zip(self._workers, items)):
-            futures.append(worker.submit(fn, r, item))
+            futures.append(worker.submit(timed, r, item))
             if self.training not in self._built:
                 futures[-1].exception()  # wait
         self._built.add(self.training)
@@ -254,6 +269,7 @@ class ReplicatedModule(ModelWrapper):
         values = [args, kwargs]
         shares, split = self._shares(values)
         self._prepare()
+        self.timeline = []
         if not self._needs_grad(values):
             results = self._run(lambda r, share: self._call(r, share, False), shares)
             return join_outputs([out for _, out in results], self.devices[0],
@@ -330,7 +346,8 @@ class ReplicatedModule(ModelWrapper):
                 weighted.backward()
             return float(weighted.detach().double().item())
 
-        losses = self._run(train, list(zip(shares, target_shares)))
+        self.timeline = []
+        losses = self._run(train, list(zip(shares, target_shares)), "S")
         self._tensors.sum_grads()
         return sum(losses)
 
@@ -409,7 +426,7 @@ class _Replicated(torch.autograd.Function):
             return [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad
                     else None for leaf in moved]
 
-        per_replica = ctx.owner._run(back, ctx.moved)
+        per_replica = ctx.owner._run(back, ctx.moved, "B")
         ctx.owner._tensors.sum_grads()
         result = [_input_grad([g[index] for g in per_replica], cut, device)
                   for index, cut, device in zip(ctx.leaf_index, ctx.split, ctx.devices)]

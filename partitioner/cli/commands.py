@@ -226,7 +226,7 @@ def _measure(args: argparse.Namespace, plan: Any, built: Any | None) -> Any:
     import torch.utils._pytree as pytree
 
     from partitioner.api import partition
-    from partitioner.viz.timeline import measured_timeline
+    from partitioner.viz.measured import measured_timeline
 
     model_name = args.model or args.target
     model, example = built if built is not None else load_model(model_name, args.input)
@@ -276,7 +276,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     """``partitioner simulate``: the plan's step laid out in time, as text (and a picture)."""
     from partitioner.planning.simulate import simulate
     from partitioner.viz import check_output, write_timeline
-    from partitioner.viz.timeline import predicted_timeline, simulated_timeline
+    from partitioner.viz.timeline import per_device, predicted_timeline, simulated_timeline
 
     cluster = _cluster(args.cluster)
     if args.out:
@@ -285,7 +285,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     if plan.candidates:
         # The predictor the plan's own step time came from: on its cluster they agree.
         result = simulate(plan, cluster)
-        timeline = simulated_timeline(result)
+        timeline = per_device(simulated_timeline(result, len(plan.devices)), plan)
         how = f"simulated on {args.cluster or 'the cluster it was planned for'}"
         step = f"  step {result.step_time * 1e3:.2f} ms, bubble {result.bubble:.0%}"
     else:
@@ -304,8 +304,9 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def ascii_timeline(timeline: Timeline, width: int = 72) -> str:
-    """One text row per stage: ``F`` forward, ``B`` backward (either half of a split one),
-    ``#`` other work (the gradient all-reduce, the optimizer step), ``.`` idle."""
+    """One text row per stage (per device, ``dev``, when the timeline's rows are devices):
+    ``F`` forward, ``B`` backward (either half of a split one), ``#`` other work (the
+    gradient all-reduce, the optimizer step), ``.`` idle."""
     scale = width / timeline.makespan
     rows = []
     for j in timeline.stages:
@@ -315,7 +316,8 @@ def ascii_timeline(timeline: Timeline, width: int = 72) -> str:
             hi = max(round(b.end * scale), lo + 1)
             for k in range(lo, min(hi, width)):
                 line[k] = "F" if b.phase == "F" else "B" if b.phase in "BIW" else "#"
-        rows.append(f"  stage {j:<2d} |{''.join(line)}|")
+        name = "dev" if timeline.row_names else "stage"
+        rows.append(f"  {name} {j:<2d} |{''.join(line)}|")
     return "\n".join(rows)
 
 

@@ -9,8 +9,9 @@
 - ``.html``: one self-contained page with the plan table, the graph and the timeline (inline
   SVG, by Graphviz or in Python as above).
 
-``visualize_timeline(pm_or_plan, path)`` draws the pipeline schedule (``.dot``/``.svg``/
-``.png``/``.pdf``): measured when a partitioned module has run, else predicted from the plan;
+``visualize_timeline(pm_or_plan, path)`` draws the plan's step, a row per device of its mesh
+(``.dot``/``.svg``/``.png``/``.pdf``): measured when a partitioned module (pipeline, tensor
+parallel or replicas) has run, else predicted from the plan;
 or pass ``timeline=`` (a simulator's list of ``(action, start, end)``). The ``write_*``
 functions do the same from a plan and its analysis (the command line's way in).
 
@@ -42,13 +43,9 @@ from partitioner.viz.dot import (
     to_dot,
 )
 from partitioner.viz.graph import DETAILS, Diagram, diagram
+from partitioner.viz.measured import measured_timeline
 from partitioner.viz.report import graph_picture, report_html, timeline_picture
-from partitioner.viz.timeline import (
-    Timeline,
-    measured_timeline,
-    predicted_timeline,
-    timeline_dot,
-)
+from partitioner.viz.timeline import Timeline, predicted_timeline, timeline_dot
 
 __all__ = ["visualize", "visualize_timeline", "diagram", "to_dot", "render", "timeline_dot",
            "report_html", "Timeline", "Diagram", "predicted_timeline", "measured_timeline",
@@ -184,7 +181,8 @@ def unpack(source: Any) -> tuple[Plan, Any | None]:
 def default_timeline(source: Any) -> Timeline:
     """The measured timeline of a module that has run, else the plan's predicted one."""
     plan, _ = unpack(source)
-    if not isinstance(source, Plan) and hasattr(source, "pipeline"):
+    if not isinstance(source, Plan) and (hasattr(source, "pipeline")
+                                         or hasattr(source, "replicas")):
         try:
             return measured_timeline(source)
         except PartitionError:

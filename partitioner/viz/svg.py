@@ -39,6 +39,7 @@ from partitioner.viz.timeline import (
     bar_tip,
     format_span,
     nice_step,
+    row_name,
     timeline_heading,
 )
 
@@ -214,7 +215,7 @@ def _candidates(points: list[tuple[float, float]], placed: Layout,
 
 def timeline_svg(timeline: Any, plan: Any | None = None, title: str | None = None,
                  width: float = 760.0) -> str:
-    """An SVG document of the timeline: a row per stage, a bar per action, idle time grey.
+    """An SVG document of the timeline: a row per device, a bar per action, idle time grey.
 
     Args:
         timeline: a :class:`~partitioner.viz.timeline.Timeline` or what ``Timeline.of`` reads.
@@ -224,7 +225,9 @@ def timeline_svg(timeline: Any, plan: Any | None = None, title: str | None = Non
     """
     t = Timeline.of(timeline)
     heading = title or timeline_heading(t)
-    left, top, row_height, bar_height = 130.0, 48.0, 34.0, 26.0
+    names = {j: row_name(t, j, plan) for j in t.stages}
+    left = max(130.0, max(text_width(n, 10) for n in names.values()) + 20)
+    top, row_height, bar_height = 48.0, 34.0, 26.0
     scale = width / t.makespan
     rows = {j: top + k * row_height for k, j in enumerate(t.stages)}
     axis_y = top + len(rows) * row_height + 4
@@ -233,8 +236,7 @@ def timeline_svg(timeline: Any, plan: Any | None = None, title: str | None = Non
              f'<text x="{total / 2:.1f}" y="24" font-size="13" text-anchor="middle">'
              f"{escape(heading)}</text>"]
     for j, y in rows.items():
-        device = plan.devices[j] if plan is not None and j < len(plan.devices) else None
-        name = f"stage {j}" + (f" - {device}" if device else "")
+        name = names[j]
         parts.append(f'<g class="row"><text x="{left - 10:.1f}" y="{y + bar_height / 2 + 4:.1f}" '
                      f'font-size="10" text-anchor="end">{escape(name)}</text>'
                      f'<rect x="{left:.1f}" y="{y:.1f}" width="{width:.1f}" '
@@ -245,7 +247,7 @@ def timeline_svg(timeline: Any, plan: Any | None = None, title: str | None = Non
                 if x1 - x0 >= 16 else "")
         parts.append(f'<g class="node" id="bar{k}"><title>bar{k}: {escape(bar_tip(b, t.unit))}'
                      f'</title><rect x="{x0:.2f}" y="{y:.1f}" width="{max(x1 - x0, 0.5):.2f}" '
-                     f'height="{bar_height:.1f}" fill="{bar_color(b)}" stroke="white" '
+                     f'height="{bar_height:.1f}" fill="{bar_color(b, t)}" stroke="white" '
                      f'stroke-width="0.6"/>{text}</g>')
     parts += _axis(t, left, axis_y, scale, width)
     parts.append("</svg>")

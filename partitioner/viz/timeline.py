@@ -1,17 +1,21 @@
-"""The pipeline schedule as a timeline: one row per stage's device, time across, F/B boxes.
+"""The plan's step as a timeline: one row per device of the mesh, time across, F/B boxes.
 
 A timeline is any list of ``(action, start, end)``: ``action`` has ``stage``, ``phase``
 (``Phase.FORWARD``/``"F"``, ``Phase.BACKWARD``/``"B"``) and ``microbatch``. Three sources
 give one:
 
-- a measured run: ``pm.pipeline().timeline``, recorded by the last forward and backward
-  (:func:`measured_timeline`);
+- a measured run: what the last forward and backward of a partitioned module of any kind
+  (pipeline, tensor parallel, replicas) recorded (``partitioner.viz.measured``);
 - :func:`predicted_timeline`: the plan's step as ``partitioner.planning.simulate`` plays it
   (:func:`simulated_timeline`), the one predictor the plan's step time comes from, so the
   timeline ends where the plan's header says; a row per device, its gradient all-reduce
   (``R``) and optimizer step (``O``) after its last backward. A plan without cost records
   is laid out in ``partitioner.runtime.schedule``'s clock-tick order instead, each action
   lasting its stage's predicted time (a third forward, two thirds backward) or unit ticks.
+
+Either way :func:`per_device` gives every device of the plan's mesh its row
+(``partitioner.viz.mesh``): each replica and each tensor-parallel rank repeats its pipeline
+position's bars (the prediction is the same for all of them), named by device.
 
 :func:`timeline_dot` draws it with Graphviz's ``neato`` (boxes pinned at their times): idle
 stretches stay grey, so the bubble shows, and the title gives its share.
@@ -34,9 +38,10 @@ from partitioner.plans.plan import Plan
 from partitioner.runtime.schedule import Action, Phase, clock_ticks
 from partitioner.runtime.schedule_registry import make_schedule
 from partitioner.viz.dot import device_color, quote
+from partitioner.viz.mesh import device_rows, mesh_shape
 
 __all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "simulated_timeline",
-           "measured_timeline", "COMPUTE_PHASES", "UPDATE_PHASES",
+           "per_device", "row_name", "COMPUTE_PHASES", "UPDATE_PHASES",
            "timeline_dot", "timeline_heading", "bar_color", "format_span", "nice_step", "darker",
            "bar_tip"]
 
@@ -66,11 +71,18 @@ class Bar:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Bars with their time unit (``"s"`` or ``"tick"``) and where they came from."""
+    """Bars with their time unit (``"s"`` or ``"tick"``) and where they came from.
+
+    A bar's ``stage`` is its row. ``row_names`` names the rows when they are devices (by
+    :func:`per_device`); ``row_colors`` gives each row's colour (its pipeline position's,
+    as the graph colours stages).
+    """
 
     bars: tuple[Bar, ...]
     unit: str = "s"
     source: str = "measured"
+    row_names: tuple[str, ...] = ()
+    row_colors: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, events: Any, unit: str = "s", source: str = "measured") -> Timeline:
@@ -139,23 +151,55 @@ def predicted_timeline(plan: Plan) -> Timeline:
     if plan.candidates and "stages" in plan.candidates[0]:
         from partitioner.planning.simulate import simulate
 
-        return simulated_timeline(simulate(plan), source="predicted")
-    n, m = len(plan.stages), plan.chunks
-    schedule = make_schedule(plan.schedule, n, m)
+        return per_device(simulated_timeline(simulate(plan), len(plan.devices),
+                                             source="predicted"), plan)
+    return per_device(_ticked_timeline(plan), plan)
+
+
+def _ticked_timeline(plan: Plan) -> Timeline:
+    """The clock-tick model of :func:`predicted_timeline`: a row per pipeline device
+    (virtual stage ``k`` on device ``k % P``)."""
+    p, n, m = len(plan.devices), len(plan.stages), plan.chunks
+    schedule = make_schedule(plan.schedule, p, m, plan.virtual_stages)
     order = list(dict.fromkeys(a for tick in clock_ticks(schedule) for a in tick if a))
     costed = all(s.predicted_time for s in plan.stages)
     per_stage = [s.predicted_time if costed and s.predicted_time else 3.0 for s in plan.stages]
-    free, finish = [0.0] * n, dict[Action, float]()
+    free, finish = [0.0] * p, dict[Action, float]()
     events = []
     for a in order:
         forward = a.phase is Phase.FORWARD
         needs = ([Action(a.stage - 1, a.phase, a.microbatch)] if forward and a.stage else
                  [Action(a.stage + 1, a.phase, a.microbatch)] if not forward
                  and a.stage + 1 < n else [])
-        start = max([free[a.stage], *(finish[d] for d in needs)])
-        finish[a] = free[a.stage] = start + per_stage[a.stage] * (1 if forward else 2) / 3
-        events.append((a, start, finish[a]))
+        start = max([free[a.stage % p], *(finish.get(d, 0.0) for d in needs)])
+        finish[a] = free[a.stage % p] = start + per_stage[a.stage] * (1 if forward else 2) / 3
+        events.append((Action(a.stage % p, a.phase, a.microbatch), start, finish[a]))
     return Timeline.of(events, "s" if costed else "tick", "predicted")
+
+
+def per_device(t: Timeline, plan: Plan) -> Timeline:
+    """``t`` (a row per pipeline position ``j``) with a row per device of ``plan``'s mesh:
+    each device repeats its position's bars, and rows are named by device
+    (``partitioner.viz.mesh.device_rows``). A timeline whose rows are devices already (as
+    many as the mesh has, e.g. a measured run of replicas) is only named."""
+    rows = device_rows(plan)
+    names = tuple(r.name for r in rows)
+    colors = tuple(r.stage for r in rows)
+    dp, pp, tp = mesh_shape(plan)
+    if dp * tp == 1 or max(t.stages) >= pp:
+        return Timeline(t.bars, t.unit, t.source, names, colors)
+    bars = [Bar(r.index, b.phase, b.microbatch, b.start, b.end)
+            for b in t.bars for r in rows if r.stage == b.stage]
+    return Timeline(tuple(sorted(bars, key=lambda b: (b.start, b.stage))), t.unit, t.source,
+                    names, colors)
+
+
+def row_name(t: Timeline, j: int, plan: Plan | None = None) -> str:
+    """The label of row ``j``: its device (:func:`per_device`), else ``"stage j - cpu"``."""
+    if j < len(t.row_names):
+        return t.row_names[j]
+    device = plan.devices[j] if plan is not None and j < len(plan.devices) else None
+    return f"stage {j}" + (f" - {device}" if device else "")
 
 
 def simulated_timeline(result: Any, devices: int | None = None, source: str = "simulated"
@@ -191,19 +235,6 @@ def simulated_timeline(result: Any, devices: int | None = None, source: str = "s
     return Timeline(tuple(sorted(bars, key=lambda b: (b.start, b.stage))), "s", source)
 
 
-def measured_timeline(pm: Any) -> Timeline:
-    """What the last forward and backward of a partitioned module actually did.
-
-    Raises:
-        PartitionError: when the module has not run yet.
-    """
-    pipeline = pm.pipeline()
-    if not pipeline.timeline:
-        raise TimelineError("the partitioned module has not run yet; call pm(x) (and "
-                             "loss.backward()) before drawing its measured timeline")
-    return Timeline.of(list(pipeline.timeline), "s", "measured")
-
-
 def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = None,
                  width: float = 760.0) -> str:
     """DOT text (for ``neato -n2``) drawing the timeline: rows per stage, boxes per action.
@@ -225,16 +256,18 @@ def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = No
              "  node [shape=box, style=filled, fixedsize=true, fontname=Helvetica, fontsize=9, "
              "penwidth=0.6, margin=0, label=\"\"];"]
     for j in rows:
-        device = plan.devices[j] if plan is not None and j < len(plan.devices) else None
-        name = f"stage {j}" + (f" - {device}" if device else "")
-        lines.append(f"  row{j} [pos=\"{-62},{row_y[j]}!\", label={quote(name)}, "
-                     "shape=plaintext, style=\"\", width=1.6, height=0.3, fontsize=10];")
+        name = row_name(t, j, plan)
+        # Right-aligned against the bars: the label's box ends 8 points left of time 0.
+        room = 5.6 * len(name) + 8
+        lines.append(f"  row{j} [pos=\"{-room / 2 - 8:.1f},{row_y[j]}!\", label={quote(name)}, "
+                     f"shape=plaintext, style=\"\", width={room / 72:.3f}, height=0.3, "
+                     "fontsize=10];")
         lines.append(f"  idle{j} [pos=\"{width / 2:.1f},{row_y[j]}!\", width={width / 72:.3f}, "
                      "height=0.36, fillcolor=\"#e5e7eb\", color=\"#d1d5db\"];")
     for k, b in enumerate(t.bars):
         x0, x1 = b.start * scale, b.end * scale
         inches = max((x1 - x0) / 72, 0.01)
-        fill = bar_color(b)
+        fill = bar_color(b, t)
         text = b.label if x1 - x0 >= 16 else ""
         tip = bar_tip(b, t.unit)
         lines.append(f"  bar{k} [pos=\"{(x0 + x1) / 2:.2f},{row_y[b.stage]}!\", "
@@ -247,15 +280,20 @@ def timeline_dot(timeline: Any, plan: Plan | None = None, title: str | None = No
 
 
 def timeline_heading(t: Timeline) -> str:
-    """``"measured timeline: 3 stages, 4 micro-batches, 12.1 ms; bubble (grey) 38%"``."""
-    return (f"{t.source} timeline: {len(t.stages)} stages, "
+    """``"measured timeline: 3 stages, 4 micro-batches, 12.1 ms; bubble (grey) 38%"``
+    (``"4 devices"`` when the rows are devices)."""
+    rows = f"{len(t.stages)} {'devices' if t.row_names else 'stages'}"
+    return (f"{t.source} timeline: {rows}, "
             f"{len({b.microbatch for b in t.bars if b.microbatch >= 0})} micro-batches, "
             f"{format_span(t.makespan, t.unit)}; bubble (grey) {t.bubble:.0%}")
 
 
-def bar_color(bar: Bar) -> str:
-    """A bar's fill: its stage's device colour, darker for anything but a forward."""
-    fill = device_color(bar.stage, strong=True)
+def bar_color(bar: Bar, t: Timeline | None = None) -> str:
+    """A bar's fill: its row's colour (``t.row_colors``, else its stage's), darker for
+    anything but a forward."""
+    colors = t.row_colors if t is not None else ()
+    fill = device_color(colors[bar.stage] if bar.stage < len(colors) else bar.stage,
+                        strong=True)
     return fill if bar.phase == "F" else darker(fill)
 
 

@@ -82,7 +82,7 @@ def test_timeline_dot_draws_rows_bars_and_the_bubble() -> None:
     text = timeline_dot(predicted_timeline(plan), plan)
     assert text.count("[pos=") >= 2 + 2 + 8
     assert 'label="F0"' in text and 'label="B1"' in text and "bubble (grey)" in text
-    assert 'label="stage 1 - cpu"' in text
+    assert 'label="device 1: cpu (stage 1)"' in text
 
 
 @pytest.mark.skipif(shutil.which("neato") is None, reason="Graphviz is not installed")
