@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from partitioner.errors import PlanMismatchError
 from partitioner.runtime.distributed.comm_failure import CommunicationError, communicating
+from partitioner.runtime.distributed.rendezvous import attempt_prefix
 
 __all__ = ["check_same_settings", "check_same_plan", "exchange", "mismatches",
            "SETTINGS_TIMEOUT", "PlanMismatchError"]
@@ -62,8 +62,7 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str, *,
     Raises:
         CommunicationError: naming the ranks that did not arrive within ``timeout``.
     """
-    # torchrun's agent keeps its store across restarts: keys of a failed attempt stay.
-    prefix = f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    prefix = f"{attempt_prefix(_PREFIX)}/{name}"
     round_ = int(store.add(f"{prefix}/rounds/{rank}", 1)) - 1
     keys = [f"{prefix}/{round_}/{r}" for r in range(world_size)]
     store.set(keys[rank], value)

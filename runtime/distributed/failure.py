@@ -63,7 +63,7 @@ from partitioner.runtime.distributed.comm_failure import (
     CommunicationError,
     is_communication_failure,
 )
-from partitioner.runtime.distributed.rendezvous import LockedStore, store_client
+from partitioner.runtime.distributed.rendezvous import LockedStore, attempt_prefix, store_client
 
 __all__ = ["FailurePolicy", "Watchdog", "CommunicationError", "PlanMismatchError",
            "check_same_plan", "start_watchdog", "active_watchdog", "format_exception",
@@ -142,7 +142,9 @@ class Watchdog:
         self.watched = tuple((rank + k) % world_size for k in range(1, count + 1))
 
     def _key(self, kind: str, rank: int | None = None) -> str:
-        return f"{_PREFIX}/{kind}" if rank is None else f"{_PREFIX}/{kind}/{rank}"
+        # Per attempt: a world torchrun restarted must not read the last one's failure.
+        prefix = attempt_prefix(_PREFIX)
+        return f"{prefix}/{kind}" if rank is None else f"{prefix}/{kind}/{rank}"
 
     def start(self) -> None:
         """Start the heartbeat thread."""

@@ -33,9 +33,24 @@ import torch.distributed as dist
 from partitioner.errors import DistributedInitError
 
 __all__ = ["rendezvous_store", "check_same_world", "store_client", "LockedStore",
-           "DistributedInitError"]
+           "attempt_prefix", "DistributedInitError"]
 
 _PREFIX = "partitioner/world"
+
+
+def attempt_prefix(name: str) -> str:
+    """``name`` under this launch attempt's key space (torchrun's ``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's agent keeps one store across ``--max-restarts``: every key a failed attempt
+    wrote (gloo's addresses of dead processes, a watchdog's failure mark) is still there
+    when the restarted world arrives, so every key this package and the process group use
+    lives under the attempt.
+
+    Example:
+        >>> attempt_prefix("partitioner/world")  # outside torchrun: attempt 0
+        'partitioner/world/attempt_0'
+    """
+    return f"{name}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _address(init_method: str) -> tuple[str, int]:
@@ -73,7 +88,9 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent,
                           timeout=timeout, wait_for_workers=False, multi_tenant=True)
     check_same_world(store, rank, world_size, timeout.total_seconds())
-    return dist.PrefixStore("default_pg", store)
+    # The process group's keys (gloo's listening addresses among them) per attempt: a
+    # restarted world reading the last attempt's would connect to dead ranks and fail.
+    return dist.PrefixStore(attempt_prefix("default_pg"), store)
 
 
 def check_same_world(store: Any, rank: int, world_size: int, timeout: float,
@@ -84,8 +101,7 @@ def check_same_world(store: Any, rank: int, world_size: int, timeout: float,
         DistributedInitError: naming every rank's world size, or the ranks still missing
             after ``timeout`` seconds.
     """
-    # torchrun's agent keeps its store across restarts: keys of a failed attempt stay.
-    prefix = f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = attempt_prefix(_PREFIX)
     store.set(f"{prefix}/rank/{rank}", str(world_size))
     first = bytes(store.compare_set(f"{prefix}/size", "", str(world_size))).decode()
     if first != str(world_size):

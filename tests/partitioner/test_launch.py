@@ -13,6 +13,7 @@ from distributed_harness import ROOT, TESTS, base_env, collect, describe, free_p
 from partitioner.launch import thread_env, torchrun_args
 
 WORKER = TESTS / "runtime" / "distributed" / "dist_worker.py"
+RESTART_WORKER = TESTS / "runtime" / "distributed" / "restart_worker.py"
 
 
 @pytest.mark.slow
@@ -72,3 +73,30 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process() -> None:
     for record in records:
         assert record["max_diff"] < 1e-12
         assert record["losses"] == pytest.approx(record["ref_losses"], rel=1e-12, abs=1e-12)
+
+
+def _records(text: str, tag: str) -> list[dict[str, object]]:
+    return [json.loads(line[len(tag) + 1:]) for line in text.splitlines()
+            if line.startswith(tag + " ")]
+
+
+@pytest.mark.slow
+def test_a_world_torchrun_restarts_rejoins_and_resumes_from_the_last_checkpoint(
+        tmp_path: object) -> None:
+    """Regression: the restarted world read the failed attempt's gloo addresses from
+    torchrun's agent store (kept across restarts) and failed to connect."""
+    start = time.monotonic()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "--max-restarts", "1", str(RESTART_WORKER), str(tmp_path), "6", "2"],
+        env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    # A hang fails the test (collect kills torchrun and its workers), it does not block CI.
+    [done] = collect([launcher], start, timeout=240)
+    assert done.returncode == 0, describe([done])
+    attempts = _records(done.stdout, "ATTEMPT")
+    assert sorted((a["attempt"], a["rank"], a["start"]) for a in attempts) == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2)], done.stdout
+    [result] = _records(done.stdout, "RESULT")
+    assert result["attempt"] == 1 and result["steps"] == 6
+    assert result["max_diff"] < 1e-12   # the same weights as 6 uninterrupted steps

@@ -47,3 +47,27 @@ def test_every_rank_names_each_rank_s_world_size(sizes: list[int]) -> None:
 def test_a_rank_that_never_starts_is_counted_after_the_timeout() -> None:
     with pytest.raises(DistributedInitError, match="only 1 of 2 ranks started within 0 s"):
         check_same_world(dist.HashStore(), 0, 2, 0.1, poll=0.01)
+
+
+def test_a_restarted_attempt_keeps_its_keys_apart_from_the_failed_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: torchrun's agent keeps its store across --max-restarts; the process
+    group's keys ("default_pg", gloo's addresses of the dead ranks) were shared by all
+    attempts, and a restarted world connected to dead ranks."""
+    from datetime import timedelta
+
+    from distributed_harness import free_port
+
+    from partitioner.runtime.distributed.rendezvous import attempt_prefix, rendezvous_store
+
+    port = free_port()
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    stores = []
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        assert attempt_prefix("default_pg") == f"default_pg/attempt_{attempt}"
+        store = rendezvous_store(f"tcp://127.0.0.1:{port}", 0, 1, timedelta(seconds=10))
+        store.set("address", f"of attempt {attempt}")
+        stores.append(store)
+    assert bytes(stores[0].get("address")) == b"of attempt 0"
+    assert bytes(stores[1].get("address")) == b"of attempt 1"
