@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from partitioner.distributed import DistributedModel, partition_distributed
     from partitioner.errors import PartitionError
     from partitioner.passes.flatten_sequential import flatten_sequential
+    from partitioner.planning.options import Options, Precision, Schedule, Sharding
     from partitioner.planning.simulate import simulate
     from partitioner.plans.plan import Mesh, Plan, Stage
     from partitioner.plans.spec import Spec
@@ -34,7 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["partition", "make_plan", "Plan", "Stage", "PartitionError", "TraceError",
            "flatten_sequential", "visualize", "load_plan", "Spec", "partition_distributed",
-           "DistributedModel", "parallelize", "simulate", "Cluster", "DeviceSpec", "Mesh"]
+           "DistributedModel", "parallelize", "simulate", "Cluster", "DeviceSpec", "Mesh",
+           "Options", "Schedule", "Precision", "Sharding"]
 
 _WHERE = {
     "partition": "partitioner.api",
@@ -54,6 +56,10 @@ _WHERE = {
     "Cluster": "partitioner.cost.devices",
     "DeviceSpec": "partitioner.cost.devices",
     "Mesh": "partitioner.plans.plan",
+    "Options": "partitioner.planning.options",
+    "Schedule": "partitioner.planning.options",
+    "Precision": "partitioner.planning.options",
+    "Sharding": "partitioner.planning.options",
 }
 
 

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,14 +40,13 @@ from partitioner.passes.private_rng import route_dropout
 from partitioner.passes.protect_inputs import protect_inputs
 from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.split_stages import split_stages
-from partitioner.plans.plan import Plan
 from partitioner.passes.unbake_meta import unbake_meta
+from partitioner.plans.plan import Plan
 from partitioner.runtime.materialize import MaterializerFactory, materialize_module
 from partitioner.runtime.microbatch import MEAN, SUM, OutputHint, batch_size, scatter
 
-__all__ = ["Analysis", "analyze", "recapture", "build_stage_graphs", "Regroup", "output_rows"]
-
-Regroup = Callable[[fx.GraphModule, tuple[Layer, ...]], tuple[Layer, ...]]
+__all__ = ["Analysis", "analyze", "regrouped", "merge_like", "recapture", "build_stage_graphs",
+           "output_rows"]
 
 
 @dataclass
@@ -79,12 +78,12 @@ class Analysis:
 
 
 def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
-            example_kwargs: dict[str, Any] | None = None, *, need_costs: bool = True,
-            regroup: Regroup | None = None) -> Analysis:
+            example_kwargs: dict[str, Any] | None = None, *,
+            need_costs: bool = True) -> Analysis:
     """Capture ``model`` and run the analysis passes (costs only with example inputs).
 
-    ``regroup``, if given, may join layers once shapes are known and before they are costed
-    (tensor parallelism keeps Megatron regions inside one layer).
+    Layers joined later (tensor parallelism keeps Megatron regions inside one layer) are
+    costed again on the same capture by :func:`regrouped`.
 
     Raises:
         ExampleInputsError: when costs are needed and ``example_inputs`` is missing.
@@ -106,19 +105,34 @@ def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     eliminate_dead_code(gm)
     assign_layer_paths(gm, model, {n: module_paths(n) for n in gm.graph.nodes})
     layers = group_layers(gm).layers
-    costs = bounds = workload = values = None
+    values = None
     if example_inputs is not None:
         values = captured.placeholder_values(tuple(example_inputs), dict(example_kwargs or {}))
         _propagate_shapes(model, gm, values, tuple(example_inputs), dict(example_kwargs or {}))
         annotate_cost(gm)
-        if regroup is not None:
-            layers = regroup(gm, layers)
-        workload = _mark_unsplittable(captured, values, workload_from_graph(
-            gm, layers, batch_size(values) or 1, type(model).__name__))
-        costs = list(workload.layers)
-        bounds = boundary_bytes(gm, layers)
-    return Analysis(captured, layers, costs, bounds, model.training, workload,
-                    list(values) if values is not None else None)
+    analysis = Analysis(captured, layers, None, None, model.training, None,
+                        list(values) if values is not None else None)
+    return regrouped(analysis, layers, type(model).__name__)
+
+
+def regrouped(analysis: Analysis, layers: tuple[Layer, ...],
+              name: str | None = None) -> Analysis:
+    """``analysis`` with its layers replaced by ``layers`` (the same nodes, grouped
+    otherwise) and costed again on the same capture: no second capture.
+
+    Tensor parallelism merges layers so that no stage boundary cuts a column/row pair
+    (``partitioner.planning.compile.split_layers``); the planner then splits the merged
+    layers.
+    """
+    if analysis.inputs is None:
+        return replace(analysis, layers=layers)
+    gm = analysis.captured.graph_module
+    values = analysis.inputs
+    label = name or (analysis.workload.name if analysis.workload is not None else "model")
+    workload = _mark_unsplittable(analysis.captured, values, workload_from_graph(
+        gm, layers, batch_size(values) or 1, label))
+    return replace(analysis, layers=layers, costs=list(workload.layers),
+                   boundaries=boundary_bytes(gm, layers), workload=workload)
 
 
 def _mark_unsplittable(captured: Captured, values: list[Any], workload: Workload) -> Workload:
@@ -200,10 +214,12 @@ def _sums_over_batch(node: fx.Node) -> bool:
 
 def recapture(model: nn.Module, analysis: Analysis, training: bool,
               example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
-              regroup: Regroup | None = None) -> Analysis:
+              merged: Sequence[Sequence[str]] | None = None) -> Analysis:
     """The same layers captured in the other train/eval mode (export bakes the mode in).
 
-    A ``torch.fx`` capture holds for both modes and is returned as it is.
+    A ``torch.fx`` capture holds for both modes and is returned as it is. ``merged``: per
+    layer of ``analysis``, the fresh capture's layer names it joins (tensor parallelism's
+    merged layers, :func:`merge_like`).
 
     Raises:
         PartitionError: the other mode's capture gives other layers.
@@ -213,15 +229,33 @@ def recapture(model: nn.Module, analysis: Analysis, training: bool,
     previous = model.training
     model.train(training)
     try:
-        fresh = analyze(model, example_inputs, example_kwargs, need_costs=False,
-                        regroup=regroup)
+        fresh = analyze(model, example_inputs, example_kwargs, need_costs=False)
     finally:
         model.train(previous)
+    if merged is not None:
+        fresh = regrouped(fresh, merge_like(fresh.layers, merged))
     if fresh.layer_names != analysis.layer_names:
         raise PartitionError(f"capturing {type(model).__name__} in "
                              f"{'train' if training else 'eval'} mode gave other layers; "
                              "partition the model again in the mode you will run it in")
     return fresh
+
+
+def merge_like(layers: tuple[Layer, ...], names: Sequence[Sequence[str]]
+               ) -> tuple[Layer, ...]:
+    """``layers`` joined as ``names`` says (per merged layer, the layer names it holds).
+
+    Raises:
+        PartitionError: ``layers`` are not the layers ``names`` lists.
+    """
+    by_name = {layer.name: layer for layer in layers}
+    if sorted(by_name) != sorted(n for group in names for n in group):
+        raise PartitionError("capturing the model in the other train/eval mode gave other "
+                             "layers; partition the model again in the mode you will run "
+                             "it in")
+    return tuple(Layer(group[0], by_name[group[0]].path,
+                       tuple(n for name in group for n in by_name[name].nodes))
+                 for group in names)
 
 
 def build_stage_graphs(analysis: Analysis, plan: Plan,
@@ -252,6 +286,7 @@ def build_stage_graphs(analysis: Analysis, plan: Plan,
         if materializer is not None and torch.device(device).type != "meta":
             made = materializer(torch.device(device))
             materialize_module(gm_j, made, everywhere=(made.model, gm))
+            unbake_meta(gm_j, torch.device(device))  # captured on meta, runs here
         gm_j.to(torch.device(device))
     return graphs
 
@@ -291,7 +326,6 @@ def _check_tied_parameters(graphs: list[fx.GraphModule], devices: Sequence[str])
         for tensor in list(gm.parameters()) + list(gm.buffers()):
             first = owner.setdefault(id(tensor), j)
             if devices[first] != devices[j]:
-            unbake_meta(gm_j, torch.device(device))  # captured on meta, runs here
                 raise PartitionError(
                     f"a parameter of shape {tuple(tensor.shape)} is used by stage {first} on "
                     f"{devices[first]} and stage {j} on {devices[j]}; tied weights across "

@@ -22,7 +22,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from partitioner.analysis import Analysis, analyze
+from partitioner.analysis import Analysis
 from partitioner.apply import check_runnable_spec, resolve_plan
 from partitioner.build import (
     TensorParallelSetup,
@@ -38,12 +38,14 @@ from partitioner.errors import (
     StrategyError,
     TuneError,
 )
-from partitioner.planning.planner import (
-    candidate_plan,
-    plan_request,
-    record,
-    shardable_degrees,
+from partitioner.planning.compile import (
+    TensorParallelSplit,
+    compile_model,
+    device_groups_of,
+    split_plan,
 )
+from partitioner.planning.options import Options, one_process_options, resolve_options
+from partitioner.planning.planner import candidate_plan, record
 from partitioner.planning.tune import (
     restore_state,
     run_trials,
@@ -53,7 +55,7 @@ from partitioner.planning.tune import (
     tuned_records,
 )
 from partitioner.plans.explain import tuned_line
-from partitioner.plans.plan import Mesh, Plan, PlannerInputs
+from partitioner.plans.plan import Mesh, Plan
 from partitioner.plans.precision import planned_precision
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
@@ -62,13 +64,13 @@ from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.precision import check_precision
 from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
-from partitioner.tensor_parallel import partition_tensor_parallel, plan_tensor_parallel
+from partitioner.tensor_parallel import partition_tensor_parallel
 
 __all__ = ["partition", "make_plan", "route", "plan_record", "STRATEGIES"]
 
 
 @overload
-def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
+def partition(model: nn.Module, devices: Any, strategy: str | None = ..., *,
               example_inputs: tuple[Any, ...] | None = ...,
               example_kwargs: dict[str, Any] | None = ..., chunks: int | None = ...,
               checkpoint: str | None = ..., balance: Sequence[int] | None = ...,
@@ -80,13 +82,14 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
               loss_scale: float | str | None = ..., mesh: Mesh | None = ...,
-              init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...
+              init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...,
+              options: Options | None = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
 
 @overload
-def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
+def partition(model: nn.Module, devices: Any, strategy: str | None = ..., *,
               example_inputs: tuple[Any, ...] | None = ...,
               example_kwargs: dict[str, Any] | None = ..., chunks: int | None = ...,
               checkpoint: str | None = ..., balance: Sequence[int] | None = ...,
@@ -98,11 +101,11 @@ def partition(model: nn.Module, devices: Any, strategy: str = ..., *,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
               loss_scale: float | str | None = ..., mesh: None = ...,
-              init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...
-              ) -> TensorParallelModule: ...
+              init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...,
+              options: Options | None = ...) -> TensorParallelModule: ...
 
 
-def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
+def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
               example_inputs: tuple[Any, ...] | None = None,
               example_kwargs: dict[str, Any] | None = None, chunks: int | None = None,
               checkpoint: str | None = None, balance: Sequence[int] | None = None,
@@ -114,7 +117,8 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
               schedule: str | None = None, virtual_stages: int | None = None,
               memory_reserve: float | None = None, precision: str | None = None,
               loss_scale: float | str | None = None, mesh: Mesh | None = None,
-              init_fn: InitFn | None = None, seed: int = 0, tune: bool | int = False
+              init_fn: InitFn | None = None, seed: int = 0, tune: bool | int = False,
+              options: Options | None = None
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -182,6 +186,12 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             the predicted and measured step times and ``plan.explain()`` prints both; a
             candidate that fails is skipped with its reason. Default ``False``: the cost
             model's choice.
+        options: the same settings as one value, shared with :func:`make_plan` and
+            ``partition_distributed`` (:class:`partitioner.Options`: ``strategy``,
+            ``mesh``, ``schedule=Schedule(name, chunks, virtual_stages)``,
+            ``precision=Precision(compute, loss_scale)``, ``checkpoint``, ``tune``,
+            ``init_fn``, ``seed``); the keywords above are sugar for it, and one setting
+            given both ways with different values is refused (``OptionsError``).
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -193,6 +203,15 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
         PartitionError: a subclass naming the offending value and a fix.
     """
     _check_model(model)
+    opts = one_process_options(resolve_options(
+        options, strategy=strategy, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+        virtual_stages=virtual_stages, precision=precision, loss_scale=loss_scale, mesh=mesh,
+        init_fn=init_fn, seed=seed, tune=tune))
+    strategy, mesh, checkpoint = opts.strategy or "auto", opts.whole_mesh, opts.checkpoint
+    chunks, schedule, virtual_stages = (opts.schedule.chunks, opts.schedule.name,
+                                        opts.schedule.virtual_stages)
+    precision, loss_scale = opts.precision.compute, opts.precision.loss_scale
+    init_fn, seed, tune = opts.init_fn, opts.seed, opts.tune
     count = tune_count(tune)
     check_precision("fp32" if precision is None else precision, loss_scale,
                     scaled=plan is None or precision is not None)
@@ -241,12 +260,16 @@ def partition(model: nn.Module, devices: Any, strategy: str = "auto", *,
             and not request.fixes_split:
         # A meta-built model is materialized stage by stage: only as a pipeline here.
         request = request.with_changes(mesh=Mesh(1, request.n_devices, 1))
-    analysis, made = _planned(model, request)
+    analysis, made, split = compile_model(model, request)
     if count:
         _check_tunable(request, analysis)
-        made = _tuned(model, analysis, made, request, count, materializer)
-    return build(model, analysis, route(model, analysis, made, request), request,
-                 materializer)
+        tuned = _tuned(model, split.unmerged if split else analysis, made, request, count,
+                       materializer)
+        if split is not None and (tuned.stages, tuned.mesh) != (made.stages, made.mesh):
+            analysis, split = split.unmerged, None  # another candidate won: split it anew
+        made = tuned
+    return build(model, analysis, route(model, analysis, made, request, split=split),
+                 request, materializer)
 
 
 def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanRequest,
@@ -327,7 +350,7 @@ _META_PIPELINE_ONLY = (
     "pass strategy='pipeline' (or use partition_distributed for tensor and data parallelism)")
 
 
-def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
+def make_plan(model: nn.Module, devices: Any, strategy: str | None = None, *,
               example_inputs: tuple[Any, ...] | None = None,
               example_kwargs: dict[str, Any] | None = None, chunks: int | None = None,
               checkpoint: str | None = None, balance: Sequence[int] | None = None,
@@ -336,8 +359,13 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
               calibrate: bool = False, schedule: str | None = None,
               virtual_stages: int | None = None, memory_reserve: float | None = None,
-              precision: str | None = None, mesh: Mesh | None = None) -> Plan:
+              precision: str | None = None, mesh: Mesh | None = None,
+              options: Options | None = None) -> Plan:
     """Plan like :func:`partition` without building the runtime (works on meta models).
+
+    ``options=`` takes the same :class:`partitioner.Options` as :func:`partition` (the
+    keywords are sugar for it; ``tune``, ``init_fn`` and ``seed`` concern building and are
+    not read here).
 
     With ``plan=`` a hand-written spec is compiled (or a saved plan checked) for ``model``.
     ``devices`` may also be a :class:`~partitioner.cost.devices.Cluster` beyond this machine
@@ -364,6 +392,13 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
         (Mesh(dp=2, pp=4, tp=1), True)
     """
     _check_model(model)
+    opts = one_process_options(resolve_options(
+        options, strategy=strategy, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+        virtual_stages=virtual_stages, precision=precision, mesh=mesh))
+    strategy, mesh, checkpoint = opts.strategy or "auto", opts.whole_mesh, opts.checkpoint
+    chunks, schedule, virtual_stages = (opts.schedule.chunks, opts.schedule.name,
+                                        opts.schedule.virtual_stages)
+    precision = opts.precision.compute
     _check_mesh_alone(mesh, plan=plan)
     if devices is None and plan is None:
         raise DeviceError("devices=None; pass the devices (or a Cluster) to plan for, e.g. "
@@ -377,26 +412,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str = "auto", *,
                                precision=precision, mesh=mesh)
     if plan is not None:
         return planned_precision(resolve_plan(model, plan, request)[1], precision)
-    analysis, made = _planned(model, request)
-    if request.cluster is not None and not request.cluster.is_local:
-        return made
-    routed = route(model, analysis, made, request)
-    return routed if isinstance(routed, Plan) else routed.plan
-
-
-def _planned(model: nn.Module, request: PlanRequest) -> tuple[Analysis, Plan]:
-    """The model analysed and planned as ``request`` asks, the plan recorded."""
-    analysis = analyze(model, request.example_inputs, request.kwargs,
-                       need_costs=not request.fixes_split)
-    degrees = None
-    if request.strategy == "auto" and not request.fixes_split and request.devices \
-            and (request.cluster is None or request.cluster.is_local):
-        # A forward that updates buffers (counters) runs once per call in the pipeline
-        # runtime; the tensor-parallel one does not write them back: keep auto off it.
-        degrees = () if analysis.captured.writes else shardable_degrees(
-            analysis, model, request.n_devices)
-    return analysis, record(plan_request(analysis, request, tp_degrees=degrees), model,
-                            analysis, request, request.strategy)
+    return compile_model(model, request).plan
 
 
 @dataclass(frozen=True)
@@ -408,44 +424,30 @@ class Replicas:
 
 
 def route(model: nn.Module, analysis: Analysis, plan: Plan, request: PlanRequest,
-          setup: TensorParallelSetup | None = None) -> Plan | TensorParallelSetup | Replicas:
+          setup: TensorParallelSetup | None = None, *,
+          split: TensorParallelSplit | None = None) -> Plan | TensorParallelSetup | Replicas:
     """Where a plan for this machine goes: the one place that picks the runtime.
 
-    A pipeline plan (``dp = tp = 1``) is built as it is. A tensor-parallel choice of
-    ``strategy="auto"`` is planned again by the tensor-parallel front (its layers are
-    merged so no stage boundary cuts a column/row pair) with the chosen degree,
-    micro-batches, checkpoint mode and schedule, and keeps the search's candidates; a saved
-    tensor-parallel plan comes with its ``setup`` already (``partitioner.apply``). A
-    plan with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``),
-    replica ``r`` on the ``r``-th group of ``pp x tp`` devices.
+    A pipeline plan (``dp = tp = 1``) is built as it is. A tensor-parallel plan comes with
+    its ``split`` from :func:`~partitioner.planning.compile.compile_model` (layers merged on
+    the same capture); a candidate's that does not is cut from the merged layers here
+    (:func:`~partitioner.planning.compile.split_plan`, no second capture); a saved
+    tensor-parallel plan comes with its ``setup`` already (``partitioner.apply``). A plan
+    with ``dp > 1`` replicas runs ``dp`` copies of that (``runtime/replicas.py``), replica
+    ``r`` on the ``r``-th group of ``pp x tp`` devices.
     """
     mesh = plan.mesh or Mesh()
     if mesh.tp == 1:
         return plan if mesh.dp == 1 else Replicas(plan)
     if setup is not None:
         return setup if mesh.dp == 1 else Replicas(setup.plan, setup)
-    width = mesh.pp * mesh.tp
-    setup = plan_tensor_parallel(model, list(request.devices)[:width], mesh.tp,
-                                 strategy="auto",
-                                 example_inputs=request.example_inputs,
-                                 example_kwargs=request.kwargs, chunks=plan.chunks,
-                                 checkpoint=plan.checkpoint, schedule=plan.schedule,
-                                 memory_limit=min(request.memory_limit)
-                                 if request.memory_limit else None,
-                                 memory_reserve=request.memory_reserve)
-    # The step the search predicted and recorded (header, notes and explain() agree).
-    chosen = replace(setup.plan, candidates=plan.candidates,
-                     predicted_step_time=plan.predicted_step_time,
-                     predicted_bubble=plan.predicted_bubble,
-                     notes=(*(n for n in setup.plan.notes if not n.startswith("chosen:")),
-                            *(n for n in plan.notes if n.startswith("chosen:"))),
-                     planner=replace(setup.plan.planner or PlannerInputs(),
-                                     strategy=request.strategy, mesh=request.mesh))
-    if mesh.dp == 1:
-        return replace(setup, plan=chosen)
-    chosen = replace(chosen, mesh=Mesh(mesh.dp, chosen.mesh.pp if chosen.mesh else mesh.pp,
-                                       mesh.tp))
-    return Replicas(chosen, replace(setup, plan=chosen))
+    if split is None:
+        analysis, plan, split = split_plan(model, analysis, request, plan)
+    assert split is not None, "split_plan returns the split"
+    groups = device_groups_of(request, mesh)
+    setup = TensorParallelSetup(analysis, plan, split.shard_plan, groups, split.layer_names,
+                                request)
+    return setup if mesh.dp == 1 else Replicas(plan, setup)
 
 
 def build(model: nn.Module, analysis: Analysis, routed: Plan | TensorParallelSetup | Replicas,

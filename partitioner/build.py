@@ -23,9 +23,8 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, build_stage_graphs, output_rows, recapture
-from partitioner.errors import DeviceError, PartitionError, PrecisionError, StrategyError
+from partitioner.errors import DeviceError, PrecisionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
-from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
@@ -257,7 +256,7 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
         current = analysis
         if training != analysis.training:
             current = recapture(model, analysis, training, setup.request.example_inputs,
-                                setup.request.kwargs, regroup=_merged_like(setup.layer_names))
+                                setup.request.kwargs, merged=setup.layer_names)
         stages = []
         for j, gm in enumerate(build_stage_graphs(current, plan)):
             shardings = attr_shardings(gm, ids, shard_plan.shardings)
@@ -280,20 +279,6 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
                                 originals={key: tensor for key, tensor
                                            in model.state_dict(keep_vars=True).items()
                                            if key in sources})
-
-
-def _merged_like(names: list[list[str]]) -> Any:
-    """A regroup that merges a fresh capture's layers as ``names`` says."""
-    def regroup(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
-        by_name = {layer.name: layer for layer in layers}
-        if sorted(by_name) != sorted(n for group in names for n in group):
-            raise PartitionError("capturing the model in the other train/eval mode gave other "
-                                 "layers; partition the model again in the mode you will run "
-                                 "it in")
-        return tuple(Layer(group[0], by_name[group[0]].path,
-                           tuple(n for name in group for n in by_name[name].nodes))
-                     for group in names)
-    return regroup
 
 
 def first_names(model: nn.Module) -> dict[int, str]:

@@ -49,6 +49,7 @@ __all__ = [
     "CommunicationError",
     "DistributedInitError",
     "MeshError",
+    "OptionsError",
     "BoundaryMismatchError",
     "LossError",
     "SamplerError",
@@ -310,6 +311,14 @@ class DistributedInitError(PartitionError, RuntimeError):
 
 class MeshError(PartitionError, ValueError):
     """A mesh shape that does not fit the world, or an unknown axis."""
+
+
+# Raised by partitioner.planning.options.
+
+
+class OptionsError(PartitionError, ValueError):
+    """An ``options=`` that is not an ``Options``, an unknown sharding kind, or one setting
+    given twice with different values (``pp=2`` beside ``mesh=Mesh(pp=4)``)."""
 
 
 # Raised by partitioner.runtime.distributed.p2p.

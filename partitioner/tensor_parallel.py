@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from partitioner.analysis import Analysis, analyze, recapture
+from partitioner.analysis import analyze, recapture
 from partitioner.build import (
     TensorParallelSetup,
     attr_shardings,
@@ -49,12 +48,11 @@ from partitioner.build import (
 )
 from partitioner.cost.devices import parse_devices
 from partitioner.errors import DeviceError, ExampleInputsError
-from partitioner.passes.group_layers import Layer
 from partitioner.passes.private_rng import route_dropout, route_module_randomness
-from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers, shard_graph
-from partitioner.planning.planner import plan_request, record, tensor_parallel_plan
+from partitioner.passes.tensor_parallel.shard_graph import shard_graph
+from partitioner.planning.compile import split_layers, tensor_parallel_record
+from partitioner.planning.planner import plan_request, tensor_parallel_plan
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
-from partitioner.plans.plan import Mesh, Plan, ShardSpec
 from partitioner.request import PlanRequest
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.checkpointing import EXCEPT_LAST
@@ -159,22 +157,13 @@ def plan_groups(model: nn.Module, groups: list[list[torch.device]],
         search: search micro-batches, checkpoint mode and schedule for the groups
             (``strategy="auto"``) instead of planning ``request``'s pipeline.
     """
-    tp = len(groups[0])
-    found: dict[str, Any] = {}
-
-    def regroup(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
-        found["plan"] = resolve_shardings(gm, model, tp, rules)
-        merged = merge_split_layers(gm, layers, found["plan"].choice.propagation)
-        found["names"] = _merged_names(layers, merged)
-        return merged
-
-    analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False,
-                       regroup=regroup)
-    shard_plan: ShardPlan = found["plan"]
-    made = tensor_parallel_plan(analysis, request, groups) if search else \
-        plan_request(analysis, request)
-    plan = _record(made, model, analysis, request, shard_plan, groups)
-    return TensorParallelSetup(analysis, plan, shard_plan, groups, found["names"], request)
+    analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False)
+    merged, split = split_layers(analysis, model, len(groups[0]), rules)
+    made = tensor_parallel_plan(merged, request, groups) if search else \
+        plan_request(merged, request)
+    plan = tensor_parallel_record(made, model, merged, request, split.shard_plan, groups)
+    return TensorParallelSetup(merged, plan, split.shard_plan, groups, split.layer_names,
+                               request)
 
 
 def partition_tensor_parallel(
@@ -206,23 +195,6 @@ def partition_tensor_parallel(
                                  split_points=split_points, memory_limit=memory_limit,
                                  schedule=schedule, memory_reserve=memory_reserve)
     return build_tensor_parallel(model, setup)
-
-
-def _merged_names(layers: tuple[Layer, ...], merged: tuple[Layer, ...]) -> list[list[str]]:
-    """The original layer names inside each merged layer."""
-    of_node = {n: layer.name for layer in layers for n in layer.nodes}
-    return [list(dict.fromkeys(of_node[n] for n in layer.nodes)) for layer in merged]
-
-
-def _record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanRequest,
-            shard_plan: ShardPlan, groups: list[list[torch.device]]) -> Plan:
-    plan = record(plan, model, analysis, request, request.strategy)
-    specs = {name: ShardSpec(int(s.dim or 0), s.kind) for name, s in shard_plan.split().items()}
-    notes = [*shard_plan.notes(),
-             *(f"stage {j}: tensor-parallel devices {[str(d) for d in g]}"
-               for j, g in enumerate(groups))]
-    return replace(plan, mesh=Mesh(1, len(groups), shard_plan.tp), shard_specs=specs,
-                   notes=(*plan.notes, *notes))
 
 
 def parallelize(model: nn.Module, group: Any = None, *,

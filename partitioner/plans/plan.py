@@ -31,6 +31,7 @@ from partitioner.plans.fingerprint import Fingerprint
 from partitioner.plans.plan_check import document_problems
 from partitioner.plans.signature import InputSignature
 from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.mesh import Mesh
 from partitioner.runtime.precision import precision_problem
 from partitioner.runtime.tensor_parallel.sharding import SPLIT_KINDS
 
@@ -72,21 +73,6 @@ class Stage:
             raise PlanFormatError(f"stage {self.index} has no layers; every stage needs one")
         if self.index < 0:
             raise PlanFormatError(f"stage index {self.index} is negative")
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """The device mesh: data-parallel replicas x pipeline stages x tensor-parallel shards."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        bad = [f"{k}={v!r}" for k, v in asdict(self).items()
-               if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-        if bad:
-            raise PlanFormatError(f"mesh {', '.join(bad)}; every mesh axis is an int >= 1")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ span nodes (Megatron-LM's order).
 and, on GPUs, binds the process to ``cuda:LOCAL_RANK``.
 
 Example:
-    >>> shape = MeshShape(pp=2, dp=2)
+    >>> shape = MeshValue(dp=2, pp=2)
     >>> shape.coords(3)
     Coords(pp=1, dp=1, tp=0)
     >>> shape.groups("dp"), shape.groups("pp")
@@ -48,132 +48,27 @@ from partitioner.errors import DistributedInitError, MeshError
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.rendezvous import rendezvous_store
+from partitioner.runtime.mesh import AXES, Coords, check_axis
+from partitioner.runtime.mesh import Mesh as MeshValue
 
-__all__ = ["AXES", "Coords", "MeshShape", "Mesh", "DistInfo", "MeshError",
-           "DistributedInitError", "init_distributed", "dist_info"]
-
-AXES = ("pp", "dp", "tp")
-"""Mesh axes, outermost first: pipeline, data parallel, tensor parallel."""
+__all__ = ["AXES", "Coords", "MeshShape", "MeshValue", "Mesh", "ProcessMesh", "DistInfo",
+           "MeshError", "DistributedInitError", "init_distributed", "dist_info"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
-@dataclass(frozen=True)
-class Coords:
-    """Where a rank sits in the mesh: its stage (``pp``), replica (``dp``) and shard (``tp``)."""
-
-    pp: int
-    dp: int
-    tp: int
-
-    @property
-    def stage(self) -> int:
-        """The pipeline stage ``j`` this rank runs."""
-        return self.pp
-
-    @property
-    def replica(self) -> int:
-        """Which data-parallel replica of its stage this rank is."""
-        return self.dp
-
-    @property
-    def shard(self) -> int:
-        """Which tensor-parallel shard of its stage replica this rank holds."""
-        return self.tp
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """The sizes of the mesh axes.
-
-    Args:
-        pp: pipeline stages.
-        dp: data-parallel replicas of each stage.
-        tp: tensor-parallel shards of each stage replica.
-
-    Raises:
-        MeshError: if a size is not an int >= 1.
+class MeshShape(MeshValue):
+    """:class:`partitioner.runtime.mesh.Mesh` with the older positional order
+    ``(pp, dp, tp)``: kept for callers that build it so; equal to the ``Mesh`` of the same
+    sizes. New code passes a ``Mesh``.
 
     Example:
-        >>> MeshShape.infer(8, pp=2, tp=2)
-        MeshShape(pp=2, dp=2, tp=2)
+        >>> MeshShape(2, 1, 1) == MeshValue(dp=1, pp=2, tp=1)
+        True
     """
 
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        bad = [f"{axis}={getattr(self, axis)!r}" for axis in AXES
-               if not isinstance(getattr(self, axis), int) or isinstance(getattr(self, axis), bool)
-               or getattr(self, axis) < 1]
-        if bad:
-            raise MeshError(f"mesh sizes must be ints >= 1, got {', '.join(bad)}")
-
-    @classmethod
-    def infer(cls, world_size: int, *, pp: int | None = None, dp: int | None = None,
-              tp: int = 1) -> MeshShape:
-        """The shape over ``world_size`` ranks with one of ``pp`` / ``dp`` left to fill the rest.
-
-        Raises:
-            MeshError: if the sizes do not multiply to ``world_size``.
-        """
-        if pp is None and dp is None:
-            dp = 1
-        known = (pp or 1) * (dp or 1) * tp
-        if world_size % known:
-            raise MeshError(f"pp={pp}, dp={dp}, tp={tp} do not divide the world of "
-                            f"{world_size} ranks; pick sizes whose product is {world_size}")
-        rest = world_size // known
-        shape = cls(pp if pp is not None else rest, dp if dp is not None else rest, tp)
-        if shape.world_size != world_size:
-            raise MeshError(f"pp={shape.pp} x dp={shape.dp} x tp={shape.tp} = "
-                            f"{shape.world_size} ranks, but the world has {world_size}; "
-                            f"launch {shape.world_size} processes or change the sizes")
-        return shape
-
-    @property
-    def world_size(self) -> int:
-        """Ranks the mesh needs."""
-        return self.pp * self.dp * self.tp
-
-    def size(self, axis: str) -> int:
-        """The size of ``axis`` (``"pp"``, ``"dp"`` or ``"tp"``)."""
-        _check_axis(axis)
-        return int(getattr(self, axis))
-
-    def coords(self, rank: int) -> Coords:
-        """The coordinates of ``rank``."""
-        if not 0 <= rank < self.world_size:
-            raise MeshError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
-        shard = rank % self.tp
-        replica = rank // self.tp % self.dp
-        stage = rank // (self.tp * self.dp)
-        return Coords(stage, replica, shard)
-
-    def rank_of(self, coords: Coords) -> int:
-        """The rank at ``coords``."""
-        return (coords.pp * self.dp + coords.dp) * self.tp + coords.tp
-
-    def line(self, axis: str, rank: int) -> tuple[int, ...]:
-        """The ranks that share every coordinate with ``rank`` except ``axis``, in order."""
-        _check_axis(axis)
-        c = self.coords(rank)
-        return tuple(self.rank_of(Coords(**{**c.__dict__, axis: k}))
-                     for k in range(self.size(axis)))
-
-    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
-        """Every line of the mesh along ``axis`` (the rank lists of its process groups)."""
-        _check_axis(axis)
-        seen: dict[tuple[int, ...], None] = {}
-        for rank in range(self.world_size):
-            seen.setdefault(self.line(axis, rank))
-        return tuple(seen)
-
-
-def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise MeshError(f"unknown mesh axis {axis!r}; use one of {AXES}")
+    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1) -> None:
+        super().__init__(dp=dp, pp=pp, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -287,7 +182,7 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-class Mesh:
+class ProcessMesh:
     """The mesh of a running process group: this rank's coordinates and its axis groups.
 
     Creating a mesh is collective: every rank of the world must create the same shape at the
@@ -305,12 +200,12 @@ class Mesh:
         CommunicationError: if a rank does not arrive, or creating a group fails.
 
     Example:
-        >>> mesh = Mesh(MeshShape(pp=2, dp=2))    # doctest: +SKIP
+        >>> mesh = ProcessMesh(MeshValue(dp=2, pp=2))    # doctest: +SKIP
         >>> mesh.stage, mesh.replica, mesh.ranks("dp")  # on rank 3   # doctest: +SKIP
         (1, 1, (2, 3))
     """
 
-    def __init__(self, shape: MeshShape, *, timeout: timedelta | None = None) -> None:
+    def __init__(self, shape: MeshValue, *, timeout: timedelta | None = None) -> None:
         info = dist_info()
         check_same_settings({"pp": shape.pp, "dp": shape.dp, "tp": shape.tp},
                             what="mesh shapes")
@@ -350,7 +245,7 @@ class Mesh:
 
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis``."""
-        _check_axis(axis)
+        check_axis(axis)
         return self._groups[axis]
 
     def ranks(self, axis: str) -> tuple[int, ...]:
@@ -394,3 +289,8 @@ class Mesh:
     def __repr__(self) -> str:
         return (f"Mesh(pp={self.shape.pp}, dp={self.shape.dp}, tp={self.shape.tp}; rank "
                 f"{self.rank}: stage {self.stage}, replica {self.replica}, shard {self.shard})")
+
+
+Mesh = ProcessMesh
+"""The process groups' older name (``Mesh(shape)``); the mesh *value* is
+:class:`partitioner.runtime.mesh.Mesh` (``MeshValue`` here)."""
