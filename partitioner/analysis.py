@@ -30,6 +30,7 @@ from torch import nn
 
 from partitioner.capture import Captured, capture, example_error, module_paths
 from partitioner.cost.cost import LayerCost, Workload, boundary_bytes, workload_from_graph
+from partitioner.cost.llama_model import LlamaModel, recognise_llama
 from partitioner.errors import ChunksError, ExampleInputsError, PartitionError, PassError
 from partitioner.passes.annotate_cost import annotate_cost
 from partitioner.passes.dead_code import eliminate_dead_code
@@ -61,6 +62,8 @@ class Analysis:
         training: the model's mode when it was captured.
         workload: the costed layers as the planner reads them (with example inputs).
         inputs: the graph's placeholder values for the example batch.
+        llama: a transformers Llama model's shape (``partitioner.cost.llama_model``), from
+            which the planner costs its training on clusters; else ``None``.
     """
 
     captured: Captured
@@ -70,6 +73,7 @@ class Analysis:
     training: bool
     workload: Workload | None = None
     inputs: list[Any] | None = field(default=None, repr=False)
+    llama: LlamaModel | None = None
 
     @property
     def layer_names(self) -> list[str]:
@@ -111,7 +115,8 @@ def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         _propagate_shapes(model, gm, values, tuple(example_inputs), dict(example_kwargs or {}))
         annotate_cost(gm)
     analysis = Analysis(captured, layers, None, None, model.training, None,
-                        list(values) if values is not None else None)
+                        list(values) if values is not None else None,
+                        recognise_llama(model, example_inputs))
     return regrouped(analysis, layers, type(model).__name__)
 
 

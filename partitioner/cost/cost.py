@@ -187,6 +187,10 @@ class Workload:
         splits: into how many pieces (micro-batches times replicas) the batch may be split,
             when the captured graph holds only for some sizes (``torch.export`` guards on
             the batch); ``None``: any.
+        fsdp: parameters, gradients and optimizer state are sharded over the data-parallel
+            replicas (FSDP, ``torch.distributed.fsdp.fully_shard``): each holds ``1/dp`` of
+            them, and a step all-gathers the parameters in the forward and again in the
+            backward and reduce-scatters the gradients (``3/2`` of an all-reduce's traffic).
     """
 
     layers: tuple[LayerCost, ...]
@@ -199,6 +203,7 @@ class Workload:
     notes: tuple[str, ...] = field(default=())
     microbatch_safe: bool = True
     splits: tuple[int, ...] | None = None
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -158,12 +158,13 @@ class MemoryBreakdown:
 
 def device_memory(param_bytes: float, buffer_bytes: float, activations: float, *,
                   optimizer: str, element: int, mixed_precision: bool,
-                  shards: int = 1) -> MemoryBreakdown:
+                  shards: int = 1, param_shards: int = 1) -> MemoryBreakdown:
     """The breakdown for a device holding ``param_bytes`` of parameters (its TP share).
 
     ``shards``: replicas the optimizer state (and fp32 master weights) is divided over
     (ZeRO-1, ``optimizer_sharding``: the data-parallel degree); weights and gradients stay
-    whole.
+    whole. ``param_shards``: replicas weights, gradients and optimizer state are all divided
+    over (FSDP, ``Workload.fsdp``: the data-parallel degree).
 
     Example:
         >>> device_memory(400.0, 0.0, 50.0, optimizer="sgd", element=4,
@@ -172,11 +173,15 @@ def device_memory(param_bytes: float, buffer_bytes: float, activations: float, *
         >>> device_memory(400.0, 0.0, 0.0, optimizer="adam", element=4,
         ...               mixed_precision=False, shards=4).optimizer
         200.0
+        >>> device_memory(400.0, 0.0, 0.0, optimizer="adam", element=4,
+        ...               mixed_precision=False, param_shards=4).total
+        400.0
     """
     _check("optimizer", optimizer, OPTIMIZERS)
     count = param_bytes / element
     state = 4 if mixed_precision else element
     master = 4 * count if mixed_precision else 0.0
-    return MemoryBreakdown(param_bytes, param_bytes,
-                           (OPTIMIZERS[optimizer] * state * count + master) / shards,
-                           activations, buffer_bytes)
+    whole = param_bytes / param_shards
+    return MemoryBreakdown(whole, whole,
+                           (OPTIMIZERS[optimizer] * state * count + master)
+                           / max(shards, param_shards), activations, buffer_bytes)

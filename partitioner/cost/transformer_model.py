@@ -48,12 +48,13 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.cost.cost import CostModelError, LayerCost, Op, Workload
 
 __all__ = ["GPTShape", "gpt_workload", "megatron_flops", "megatron_boundaries", "LlamaShape",
-           "LlamaTPComm", "llama_workload"]
+           "LlamaTPComm", "LlamaRun", "llama_workload", "ATTENTIONS", "RECOMPUTES",
+           "FULL_RECOMPUTE_SCALE"]
 
 
 @dataclass(frozen=True)
@@ -346,11 +347,71 @@ class LlamaTPComm:
     backward_all_gather: float
 
 
-def _llama_block(shape: LlamaShape, e: int, kv_split: bool) -> LayerCost:
+ATTENTIONS = ("eager", "flash")
+"""How a Llama workload's attention runs: ``"eager"`` writes the ``(a, s, s)`` scores and
+probabilities to memory and keeps the probabilities for the backward (transformers' eager
+path); ``"flash"`` is one fused causal kernel (FlashAttention-2, Dao 2023, as torch's SDPA
+runs it): no score matrix in memory or kept, and blocks above the causal diagonal skipped,
+so its two products do half the nominal ``4 s^2 h`` FLOPs."""
+
+RECOMPUTES = ("none", "full")
+"""Per-layer activation recomputation of a Llama workload: ``"none"`` keeps every decoder
+layer's activations; ``"full"`` keeps each layer's input only and replays its forward in the
+backward (Megatron's and torchtitan's full activation checkpointing, one layer at a time).
+Korthikanti et al.'s *selective* recomputation (the attention core's ``s^2`` activations
+recomputed) is what ``attention="flash"`` does inside its kernel."""
+
+FULL_RECOMPUTE_SCALE = 4 / 3
+"""A layer's time with its forward replayed over its time without: products dominate a
+decoder layer, and a product's backward is two products (``op_times``), so one more forward
+adds a third."""
+
+
+@dataclass(frozen=True)
+class LlamaRun:
+    """How a Llama model is trained, as far as one layer's costs depend on it.
+
+    Attributes:
+        sequence_parallel: Megatron's sequence parallelism (Korthikanti et al. 2022): the
+            norms and residual adds between the column/row pairs run on ``s / tp`` tokens
+            each, so every activation a layer keeps is divided by ``tp``; the all-reduce
+            after each row-parallel product becomes a reduce-scatter and the entry of each
+            column-parallel pair an all-gather, the same bytes on a ring (an all-reduce is
+            a reduce-scatter then an all-gather), so the layer's communication is unchanged.
+        attention: one of :data:`ATTENTIONS`.
+        recompute: one of :data:`RECOMPUTES`.
+
+    Raises:
+        CostModelError: an unknown attention or recompute mode.
+    """
+
+    sequence_parallel: bool = False
+    attention: str = "eager"
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        problems = [f"{name}={value!r} (use one of {known})" for name, value, known in
+                    (("attention", self.attention, ATTENTIONS),
+                     ("recompute", self.recompute, RECOMPUTES)) if value not in known]
+        if problems:
+            raise CostModelError("bad LlamaRun: " + ", ".join(problems))
+
+    def label(self) -> str:
+        """A short description, e.g. ``"sp, flash, full recompute"``."""
+        parts = ["sp"] if self.sequence_parallel else []
+        return ", ".join([*parts, self.attention, f"{self.recompute} recompute"])
+
+
+def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
+                 run: LlamaRun = LlamaRun()) -> LayerCost:
     s, h, a, g, i = shape.seq, shape.hidden, shape.heads, shape.kv_width, shape.intermediate
-    sh, scores = s * h, a * s * s
-    norm = Op("memory", bytes=2 * e * sh, weight_read=e * h, weight_grad=e * h)
-    add = Op("memory", bytes=3 * e * sh)
+    sh, sp = s * h, run.sequence_parallel
+    flash = run.attention == "flash"
+    scores = 0 if flash else a * s * s
+    core = 0.5 if flash else 1.0  # a causal fused kernel skips the upper triangle
+    norm = Op("memory", bytes=2 * e * sh, weight_read=e * h, weight_grad=e * h, split=sp)
+    add = Op("memory", bytes=3 * e * sh, split=sp)
+    softmax = () if flash else (Op("memory", bytes=2 * e * scores, split=True),)
     ops = (
         norm,
         Op("matmul", 2 * sh * h, e * 2 * sh, e * h * h, e * h * h, split=True),  # q
@@ -359,9 +420,9 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool) -> LayerCost:
         Op("memory", bytes=3 * e * sh, split=True),  # rotary on q
         Op("memory", bytes=3 * e * s * g, split=kv_split),  # rotary on k
         Op("memory", bytes=4 * e * sh, split=kv_split),  # repeat k, v to the query heads
-        Op("matmul", 2 * s * sh, e * (2 * sh + scores), split=True),
-        Op("memory", bytes=2 * e * scores, split=True),  # mask and softmax
-        Op("matmul", 2 * s * sh, e * (scores + 2 * sh), split=True),
+        Op("matmul", core * 2 * s * sh, e * (2 * sh + scores), split=True),
+        *softmax,  # mask and softmax
+        Op("matmul", core * 2 * s * sh, e * (scores + 2 * sh), split=True),
         Op("memory", bytes=2 * e * sh, split=True),  # heads back to (s, h)
         Op("matmul", 2 * sh * h, 2 * e * sh, e * h * h, e * h * h, split=True),  # o
         add,
@@ -374,17 +435,26 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool) -> LayerCost:
     )
     kv = 2 * h * g
     split_params = e * (2 * h * h + 3 * h * i + (kv if kv_split else 0))
-    # Kept for the backward: both norms' inputs and outputs whole; q and the repeated k, v
-    # (transformers repeats KV heads before the attention), the probabilities, o's input and
-    # the MLP's four (s, I) tensors split.
-    kept_split = e * (4 * sh + 4 * s * i + scores)
-    return LayerCost("block", ops, e * shape.layer_parameters, 0, 4 * e * sh + kept_split,
-                     split_params, kept_split, e * sh, 2,
-                     f"llama-block-{s}-{h}-{a}-{g}-{i}-{e}-{kv_split}")
+    # Kept for the backward: both norms' inputs and outputs (whole, or split by sequence
+    # parallelism); q and the repeated k, v (transformers repeats KV heads before the
+    # attention), the probabilities (eager only), o's input and the MLP's four (s, I)
+    # tensors split. Full recomputation keeps the layer's input only.
+    whole = 4 * e * sh
+    split = e * (4 * sh + 4 * s * i + scores)
+    if run.recompute == "full":
+        whole, split = e * sh, 0
+    if sp:
+        whole, split = 0, whole + split
+    scale = FULL_RECOMPUTE_SCALE if run.recompute == "full" else 1.0
+    tag = f"{sp:d}{run.attention[0]}{run.recompute[0]}"
+    return LayerCost("block", ops, e * shape.layer_parameters, 0, whole + split,
+                     split_params, split, e * sh, 2,
+                     f"llama-block-{s}-{h}-{a}-{g}-{i}-{e}-{kv_split}-{tag}", scale)
 
 
 def llama_workload(shape: LlamaShape, batch: int, tp: int = 1, element_bytes: int = 2,
-                   mixed_precision: bool = True) -> Workload:
+                   mixed_precision: bool = True, run: LlamaRun = LlamaRun(),
+                   fsdp: bool = False) -> Workload:
     """The :class:`~partitioner.cost.cost.Workload` of a Llama model: embedding, decoder
     layers, head (final RMSNorm and LM head).
 
@@ -395,10 +465,15 @@ def llama_workload(shape: LlamaShape, batch: int, tp: int = 1, element_bytes: in
             as split only when it divides ``shape.kv_heads``.
         element_bytes: bytes per value (2 for bf16).
         mixed_precision: whether fp32 master weights and optimizer state are kept.
+        run: sequence parallelism, the attention kernel and per-layer recomputation
+            (:class:`LlamaRun`).
+        fsdp: parameters, gradients and optimizer state sharded over the data-parallel
+            replicas (``Workload.fsdp``).
 
     Returns:
         ``layers + 2`` layers; a tied head holds its own copy of the table (a pipeline's
-        last stage does). Each decoder layer all-reduces its output twice per pass; the
+        last stage does). Each decoder layer all-reduces its output twice per pass (under
+        sequence parallelism, a reduce-scatter and an all-gather of the same traffic); the
         backward all-gathers of whole KV projections (:meth:`LlamaShape.tp_comm`) are not
         charged, since a layer's cost has no room for them.
 
@@ -412,25 +487,35 @@ def llama_workload(shape: LlamaShape, batch: int, tp: int = 1, element_bytes: in
         True
         >>> w.layers[1].params_on(4) == 2 * shape.layer_parameters_on(4)
         True
+        >>> sp = llama_workload(shape, batch=4, tp=4, run=LlamaRun(sequence_parallel=True))
+        >>> sp.layers[1].activations_on(4) == sp.layers[1].activation_bytes / 4
+        True
     """
     shape.check_tp(tp)
     e, s, h, v = element_bytes, shape.seq, shape.hidden, shape.vocab
-    block = _llama_block(shape, e, shape.kv_split(tp))
-    blocks = [LayerCost(f"block.{k}", block.ops, block.param_bytes, 0, block.activation_bytes,
-                        block.split_param_bytes, block.split_activation_bytes,
-                        block.output_bytes, block.tp_all_reduces, block.signature)
-              for k in range(shape.layers)]
+    block = _llama_block(shape, e, shape.kv_split(tp), run)
+    blocks = [replace(block, name=f"block.{k}") for k in range(shape.layers)]
     embedding = LayerCost(
         "embedding", (Op("memory", bytes=2 * e * s * h, weight_grad=e * v * h, split=True),),
         e * v * h, 0, 0.0, e * v * h, 0.0, e * s * h, 1, f"llama-embedding-{s}-{h}-{v}-{e}")
-    head_ops = (Op("memory", bytes=2 * e * s * h, weight_read=e * h, weight_grad=e * h),
-                Op("matmul", 2 * s * h * v, e * (s * h + s * v), e * v * h, e * v * h,
-                   split=True),
-                Op("memory", bytes=(e + 8) * s * v, split=True))
-    head = LayerCost("head", head_ops, e * (v * h + h), 0, 2 * e * s * h + 4 * s * v,
-                     e * v * h, 4 * s * v, e * s * h, 1, f"llama-head-{s}-{h}-{v}-{e}")
+    head = _llama_head(shape, e, run.sequence_parallel)
     hidden = float(e * s * h)
     layers = (embedding, *blocks, head)
     boundaries = (0.0, *([hidden] * (len(layers) - 1)), 0.0)
     return Workload(layers, boundaries, batch, {2: "bf16", 4: "fp32"}.get(e, "bf16"), e,
-                    mixed_precision, f"Llama l={shape.layers} h={h} kv={shape.kv_heads}")
+                    mixed_precision, f"Llama l={shape.layers} h={h} kv={shape.kv_heads}",
+                    fsdp=fsdp)
+
+
+def _llama_head(shape: LlamaShape, e: int, sequence_parallel: bool) -> LayerCost:
+    """The final RMSNorm (on sequence shards under sequence parallelism), the vocabulary-
+    parallel LM head and the cross-entropy, its logits in fp32."""
+    s, h, v = shape.seq, shape.hidden, shape.vocab
+    ops = (Op("memory", bytes=2 * e * s * h, weight_read=e * h, weight_grad=e * h,
+              split=sequence_parallel),
+           Op("matmul", 2 * s * h * v, e * (s * h + s * v), e * v * h, e * v * h, split=True),
+           Op("memory", bytes=(e + 8) * s * v, split=True))
+    kept = 2 * e * s * h + 4 * s * v
+    split = kept if sequence_parallel else 4 * s * v
+    return LayerCost("head", ops, e * (v * h + h), 0, kept, e * v * h, split, e * s * h, 1,
+                     f"llama-head-{s}-{h}-{v}-{e}-{sequence_parallel:d}")

@@ -14,7 +14,9 @@ import partitioner.cost.transformer_model
 from partitioner import PartitionError
 from partitioner.cost.cost import CostModelError
 from partitioner.cost.transformer_model import (
+    FULL_RECOMPUTE_SCALE,
     GPTShape,
+    LlamaRun,
     LlamaShape,
     LlamaTPComm,
     gpt_workload,
@@ -120,3 +122,61 @@ def test_llama_degree_dividing_no_heads_is_refused() -> None:
         LlamaShape(2, 64, 4, 3, 176, 16, 96)
     with pytest.raises(CostModelError, match="intermediate=0"):
         LlamaShape(2, 64, 4, 2, 0, 16, 96)
+
+
+LLAMA3_8B = LlamaShape(32, 4096, 32, 8, 14336, 8192, 128256)
+
+
+def test_sequence_parallelism_divides_every_activation_by_tp() -> None:
+    """Megatron's sequence parallelism: the norms' and residual adds' activations, whole
+    under plain tensor parallelism (4 e s h per layer), are split by sequence too; the
+    collectives keep their bytes (reduce-scatter + all-gather = all-reduce on a ring)."""
+    e, s, h = 2, LLAMA3_8B.seq, LLAMA3_8B.hidden
+    plain = llama_workload(LLAMA3_8B, 1, tp=8, run=LlamaRun(attention="flash"))
+    sp = llama_workload(LLAMA3_8B, 1, tp=8, run=LlamaRun(True, "flash"))
+    block, sp_block = plain.layers[1], sp.layers[1]
+    assert block.activation_bytes == sp_block.activation_bytes
+    assert block.activations_on(8) - sp_block.activations_on(8) == pytest.approx(
+        4 * e * s * h * (1 - 1 / 8))
+    assert sp_block.activations_on(8) == pytest.approx(sp_block.activation_bytes / 8)
+    assert sp.layers[-1].activations_on(8) == pytest.approx(sp.layers[-1].activation_bytes / 8)
+    assert (sp_block.tp_all_reduces, sp_block.output_bytes) == (2, block.output_bytes)
+    norms = [op for op in sp_block.ops if op.kind == "memory" and op.weight_read]
+    assert len(norms) == 2 and all(op.split for op in norms)
+    assert not any(op.split for op in block.ops if op.kind == "memory" and op.weight_read)
+
+
+def test_flash_attention_keeps_no_scores_and_skips_the_causal_half() -> None:
+    s, h, a = LLAMA3_8B.seq, LLAMA3_8B.hidden, LLAMA3_8B.heads
+    eager = llama_workload(LLAMA3_8B, 1).layers[1]
+    flash = llama_workload(LLAMA3_8B, 1, run=LlamaRun(attention="flash")).layers[1]
+    assert eager.activation_bytes - flash.activation_bytes == 2 * a * s * s
+    assert eager.forward_flops - flash.forward_flops == pytest.approx(2 * s * s * h)
+
+
+def test_full_recomputation_keeps_each_layers_input_and_replays_its_forward() -> None:
+    e, s, h = 2, LLAMA3_8B.seq, LLAMA3_8B.hidden
+    run = LlamaRun(True, "flash", "full")
+    block = llama_workload(LLAMA3_8B, 1, tp=8, run=run).layers[1]
+    assert block.activation_bytes == e * s * h and block.activations_on(8) == e * s * h / 8
+    assert block.time_scale == FULL_RECOMPUTE_SCALE == pytest.approx(4 / 3)
+    assert run.label() == "sp, flash, full recompute"
+    with pytest.raises(CostModelError, match=r"recompute='some' \(use one of"):
+        LlamaRun(recompute="some")
+
+
+def test_fsdp_divides_parameters_gradients_and_optimizer_state_by_dp() -> None:
+    from partitioner.cost.devices import Cluster
+    from partitioner.planning.predict import Config, predict
+
+    cluster = Cluster.preset("H100-SXM")
+    run = LlamaRun(False, "flash", "full")
+    plain = llama_workload(LLAMA3_8B, 16, run=run)
+    sharded = llama_workload(LLAMA3_8B, 16, run=run, fsdp=True)
+    config = Config(dp=8, chunks=2)
+    bounds = (0, len(plain.layers))
+    mem = predict(plain, cluster, config, bounds).memory[0]
+    fsdp = predict(sharded, cluster, config, bounds).memory[0]
+    assert (fsdp.params, fsdp.grads, fsdp.optimizer) == pytest.approx(
+        (mem.params / 8, mem.grads / 8, mem.optimizer / 8))
+    assert fsdp.activations == mem.activations
