@@ -69,6 +69,7 @@ from partitioner.runtime.microbatch import (
     scatter,
     split_grad,
 )
+from partitioner.runtime.placement import Placement, looped, stages_on
 from partitioner.runtime.precision import check_precision
 from partitioner.runtime.rng import current_generator
 from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks, pipeline_depth
@@ -94,7 +95,8 @@ class LocalPipeline:
             returns, stage 0 takes the model's placeholders.
         devices: one device per pipeline stage ``P`` (repeats allowed: each entry gets its
             own worker); with ``virtual`` stages per device, virtual stage ``k`` runs on
-            ``devices[k % P]`` (a list of ``P v`` devices must repeat that pattern).
+            ``devices[placement[k]]``, the schedule's placement (``k % P`` but for
+            ``v_shape``; a list of ``P v`` devices must repeat that pattern).
         chunks: micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: any registered schedule (``partitioner.runtime.schedule_registry``); it
@@ -122,7 +124,8 @@ class LocalPipeline:
                  output_rows: Sequence[OutputHint] | None = None) -> None:
         self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
         self.virtual = virtual
-        self.devices = _pipeline_devices(len(stages), list(devices), virtual)
+        self.devices = _pipeline_devices(len(stages), list(devices), virtual,
+                                         self.schedule_kind.placement)
         checkpoint_stop(checkpoint, max(chunks, 1))
         if chunks < 1:
             raise ChunksError(f"chunks={chunks}; pass chunks >= 1")
@@ -133,8 +136,10 @@ class LocalPipeline:
         self.checkpoint = checkpoint
         self.output_rows = None if output_rows is None else list(output_rows)
         p = len(self.devices)
+        #: Per virtual stage, the device (index into :attr:`devices`) that runs it.
+        self.placement = self.schedule_kind.place(p, virtual)
         self.precision = check_precision(precision, scaled=False)
-        self.runners = [StageRunner(k, gm, self.devices[k % p], precision=precision)
+        self.runners = [StageRunner(k, gm, self.devices[self.placement[k]], precision=precision)
                         for k, gm in enumerate(stages)]
         _mark_shared_parameters(stages)
         self.threads = threads
@@ -176,7 +181,8 @@ class LocalPipeline:
 
     def schedule(self, n_microbatches: int) -> tuple[Schedule, Schedule]:
         """The forward and backward action lists ``pm(x)`` and its backward run."""
-        return split_phases(fill_drain(len(self.devices), n_microbatches, self.virtual))
+        return split_phases(fill_drain(len(self.devices), n_microbatches, self.virtual,
+                                       self.placement))
 
     def step_schedule(self, n_microbatches: int) -> Schedule:
         """The plan's schedule for ``n_microbatches``: what :meth:`step` runs."""
@@ -204,7 +210,7 @@ class LocalPipeline:
                 if action in threads:
                     changed |= use_threads(threads[action])
 
-            mine = {k: r for k, r in enumerate(self.runners) if k % len(self.devices) == j}
+            mine = {k: self.runners[k] for k in stages_on(self.placement, j)}
             interpreter = Interpreter(mine, self.n_stages, transport, head=head,
                                       training=training, replay_below=replay_below,
                                       on_action=on_action, record=self._record)
@@ -298,7 +304,7 @@ class LocalPipeline:
               grad_scale: float) -> float:
         micro = scatter(values, self.chunks)
         m = len(micro)
-        heads_device = self.devices[(self.n_stages - 1) % len(self.devices)]
+        heads_device = self.runners[-1].device
         head = LossHead(loss_fn, [to_device(t, heads_device)
                                   for t in split_targets(targets, m, batch_size(values))],
                         loss_weights(micro, values, loss_reduction), restructure,
@@ -322,7 +328,7 @@ class LocalPipeline:
         self._reset(grad)
         self.timeline = []
         transport = ThreadTransport(micro, self._stage_devices(), training=grad)
-        full = fill_drain(len(self.devices), n, self.virtual)
+        full = fill_drain(len(self.devices), n, self.virtual, self.placement)
         self._execute(forward, transport, self._threads_for("fill-drain", full), head=None,
                       training=grad, replay_below=checkpoint_stop(self.checkpoint, n))
         return transport.outputs()
@@ -332,7 +338,7 @@ class LocalPipeline:
         micro: list[list[Any]] = [[] for _ in range(n)]
         transport = ThreadTransport(micro, self._stage_devices(), training=False,
                                     last_grads=grads_last)
-        full = fill_drain(len(self.devices), n, self.virtual)
+        full = fill_drain(len(self.devices), n, self.virtual, self.placement)
         self._execute(backward, transport, self._threads_for("fill-drain", full), head=None,
                       training=True, replay_below=checkpoint_stop(self.checkpoint, n))
         return transport.input_grads()
@@ -343,7 +349,8 @@ class LocalPipeline:
             worker.close()
 
 
-def _pipeline_devices(n_stages: int, devices: list[torch.device], virtual: int
+def _pipeline_devices(n_stages: int, devices: list[torch.device], virtual: int,
+                      placement: Callable[[int, int], Placement] = looped
                       ) -> list[torch.device]:
     """The ``P`` devices of ``n_stages = P v`` virtual stages.
 
@@ -353,25 +360,29 @@ def _pipeline_devices(n_stages: int, devices: list[torch.device], virtual: int
     p = pipeline_depth(n_stages, virtual)
     if len(devices) == p:
         return devices
-    if len(devices) == n_stages and all(devices[k] == devices[k % p] for k in range(n_stages)):
+    where = placement(p, virtual)
+    if len(devices) == n_stages and all(devices[k] == devices[where[k]] for k in range(n_stages)):
         return devices[:p]
     raise ScheduleError(f"{n_stages} stages with virtual={virtual} need {p} devices (virtual "
-                        f"stage k on device k % {p}), got {len(devices)}; pass {p} devices")
+                        f"stage k on device {where}[k]), got {len(devices)}; pass {p} devices")
 
 
-def fill_drain(n_stages: int, n_microbatches: int, virtual: int = 1) -> Schedule:
+def fill_drain(n_stages: int, n_microbatches: int, virtual: int = 1,
+               placement: Placement | None = None) -> Schedule:
     """GPipe's order over ``v`` virtual stages per device: every forward, chunk by chunk,
-    then every backward, last chunk and last micro-batch first.
+    then every backward, last chunk and last micro-batch first; device ``j`` runs the
+    stages ``placement`` puts on it (default: looped, ``k`` on ``k % P``).
 
     Example:
         >>> [" ".join(map(str, a)) for a in fill_drain(2, 1, 2)]
         ['0F0 2F0 2B0 0B0', '1F0 3F0 3B0 1B0']
     """
     p, m, v = n_stages, n_microbatches, virtual
+    where = looped(p, v) if placement is None else placement
     return tuple(
-        tuple(Action(c * p + j, Phase.FORWARD, i) for c in range(v) for i in range(m))
-        + tuple(Action(c * p + j, Phase.BACKWARD, i)
-                for c in reversed(range(v)) for i in reversed(range(m)))
+        tuple(Action(k, Phase.FORWARD, i) for k in stages_on(where, j) for i in range(m))
+        + tuple(Action(k, Phase.BACKWARD, i)
+                for k in reversed(stages_on(where, j)) for i in reversed(range(m)))
         for j in range(p))
 
 

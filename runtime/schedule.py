@@ -27,6 +27,7 @@ from collections import Counter
 
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Action, Phase, Schedule
+from partitioner.runtime.placement import Placement, looped, placement_of, placement_problems
 
 __all__ = [
     "Action",
@@ -99,7 +100,8 @@ def check_counts(n_stages: object, n_microbatches: object, virtual: object = 1) 
 
 
 def validate(
-    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int = 1
+    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int = 1,
+    placement: Placement | None = None,
 ) -> None:
     """Checks that a schedule runs every action once, in a legal order, without deadlock.
 
@@ -119,7 +121,9 @@ def validate(
         n_stages: Number of stages ``P`` (lists) the schedule must cover.
         n_microbatches: Number of micro-batches ``m`` the schedule must cover.
         virtual: Virtual stages ``v`` per stage; the actions name virtual stages
-            ``0 .. P v - 1``, stage ``j`` running those ``k`` with ``k % P == j``.
+            ``0 .. P v - 1``.
+        placement: Which device's list each virtual stage's actions belong in
+            (``partitioner.runtime.placement``); default :func:`looped`, ``k`` on ``k % P``.
 
     Raises:
         ScheduleError: Listing every problem, if there is any.
@@ -136,9 +140,13 @@ def validate(
           - stage 1 never runs 1B0; every stage runs each micro-batch's F and B once
     """
     check_counts(n_stages, n_microbatches, virtual)
-    problems = _placement_problems(schedule, n_stages, n_microbatches, virtual)
-    own = _own_actions(schedule, n_stages, n_microbatches, virtual)
-    problems += _count_problems(own, n_stages, n_microbatches, virtual)
+    where = looped(n_stages, virtual) if placement is None else tuple(placement)
+    bad_map = placement_problems(where, n_stages, virtual)
+    if bad_map:
+        raise ScheduleError("; ".join(bad_map))
+    problems = _placement_problems(schedule, where, n_microbatches, virtual)
+    own = _own_actions(schedule, where, n_microbatches)
+    problems += _count_problems(own, where, n_microbatches, virtual)
     problems += _order_problems(own)
     if not problems:
         problems = _deadlock_problems(schedule, n_stages * virtual)
@@ -158,9 +166,10 @@ def _plural(n: int, noun: str) -> str:
 
 
 def _placement_problems(
-    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int
+    schedule: Schedule, where: Placement, n_microbatches: int, virtual: int
 ) -> list[str]:
     problems = []
+    n_stages = len(where) // virtual
     if len(schedule) != n_stages:
         problems.append(
             f"schedule has {len(schedule)} stage lists but n_stages={n_stages}; "
@@ -179,10 +188,10 @@ def _placement_problems(
                 problems.append(
                     f"stage {j} list holds {action}, but {counts}; use stages 0..{total - 1}"
                 )
-            elif action.stage % n_stages != j:
+            elif where[action.stage] != j:
                 problems.append(
                     f"stage {j} list holds {action}; "
-                    f"move it to stage {action.stage % n_stages}'s list"
+                    f"move it to stage {where[action.stage]}'s list"
                 )
             elif action.microbatch >= n_microbatches:
                 problems.append(
@@ -193,7 +202,7 @@ def _placement_problems(
 
 
 def _own_actions(
-    schedule: Schedule, n_stages: int, n_microbatches: int, virtual: int
+    schedule: Schedule, where: Placement, n_microbatches: int
 ) -> list[list[Action]]:
     # Misplaced entries are reported once, by _placement_problems, and skipped here.
     return [
@@ -201,23 +210,23 @@ def _own_actions(
             a
             for a in actions
             if isinstance(a, Action)
-            and a.stage < n_stages * virtual
-            and a.stage % n_stages == j
+            and a.stage < len(where)
+            and where[a.stage] == j
             and a.microbatch < n_microbatches
         ]
-        for j, actions in enumerate(schedule[:n_stages])
+        for j, actions in enumerate(schedule[:max(where, default=-1) + 1])
     ]
 
 
 def _count_problems(
-    own: list[list[Action]], n_stages: int, n_microbatches: int, virtual: int
+    own: list[list[Action]], where: Placement, n_microbatches: int, virtual: int
 ) -> list[str]:
     problems = []
     each = " per virtual stage" if virtual > 1 else ""
     for j, actions in enumerate(own):
         counts = Counter(actions)
         missing = []
-        for k in range(j, n_stages * virtual, n_stages):
+        for k in (k for k, at in enumerate(where) if at == j):
             for i in range(n_microbatches):
                 def has(phase: Phase, k: int = k, i: int = i,
                         counts: Counter[Action] = counts) -> bool:
@@ -404,19 +413,30 @@ def clock_ticks(
     n_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
     highest = 1 + max((a.stage for a in actions), default=0)
     virtual = max(1, -(-highest // n_stages)) if n_stages else 1
-    validate(schedule, n_stages, n_microbatches, virtual)
+    where = _read_placement(schedule, n_stages, virtual)
+    validate(schedule, n_stages, n_microbatches, virtual, where)
     free, start, finish = [0] * n_stages, dict[Action, int](), dict[Action, int]()
     ready: dict[_Event, int] = {}
     for a in _execute(schedule, n_stages * virtual)[0]:
-        j = a.stage % n_stages
+        j = where[a.stage]
         start[a] = max([free[j], *(ready[d] for d in _needs(a, n_stages * virtual))])
         finish[a] = free[j] = start[a] + ticks[a.phase]
         ready.update((event, finish[a]) for event in _gives(a))
     grid: list[list[Action | None]] = [[None] * n_stages for _ in range(max(finish.values()))]
     for a, k0 in start.items():
         for k in range(k0, finish[a]):
-            grid[k][a.stage % n_stages] = a
+            grid[k][where[a.stage]] = a
     return grid
+
+
+def _read_placement(schedule: Schedule, n_stages: int, virtual: int) -> Placement:
+    """The placement the lists spell out, or (for lists that spell none, which
+    :func:`validate` then explains) the looped one."""
+    try:
+        where = placement_of(schedule)
+    except ScheduleError:
+        return looped(n_stages, virtual)
+    return where if len(where) == n_stages * virtual else looped(n_stages, virtual)
 
 
 def in_flight(schedule: Schedule) -> tuple[int, ...]:

@@ -3,18 +3,22 @@
 Plans, specs, the predictor, the simulator, the search and the runtimes all look a
 schedule up here. Each :class:`ScheduleKind` holds its generator (a pure function of
 ``partitioner.runtime.schedules``), whether it needs virtual stages, the rules its counts
-must keep, and the :class:`Runtime` s that execute it; a schedule no runtime executes is
-still simulated and predicted. Both runtimes execute every registered schedule, through
-the one interpreter (``partitioner.runtime.interpreter``): ``gpipe``, ``1f1b``,
-``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``. Adding a schedule
-is adding its generator and one entry to :data:`SCHEDULES`; the tests then validate it
-over a grid of sizes and simulate it.
+must keep, the :class:`Runtime` s that execute it, where its virtual stages run (its
+placement, ``partitioner.runtime.placement``) and its own time and memory hooks (``chain``,
+``bound``, ``peak``), so the predictor and the search never branch on a schedule's name. A
+schedule no runtime executes is still simulated and predicted. The one interpreter
+(``partitioner.runtime.interpreter``) runs them all; both runtimes execute ``gpipe``,
+``1f1b``, ``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``, the
+one-process runtime also ``v_shape`` (its chunks placed in a V). What each runtime runs
+besides schedules is published here too (:data:`CAPABILITIES`). Adding a schedule is
+adding its generator (and placement, if new) to ``partitioner.runtime.schedules`` and one
+entry to :data:`SCHEDULES`; the tests then validate it over a grid of sizes and simulate it.
 
 Example:
     >>> [str(a) for a in make_schedule("1f1b", 2, 2)[0]]
     ['0F0', '0F1', '0B0', '0B1']
-    >>> schedule_names([Runtime.ONE_PROCESS]) == schedule_names([Runtime.MULTI_PROCESS])
-    True
+    >>> set(schedule_names([Runtime.ONE_PROCESS])) - set(schedule_names([Runtime.MULTI_PROCESS]))
+    {'v_shape'}
     >>> schedule_kind("interleaved").virtual, schedule_kind("interleaved").runs_on(
     ...     Runtime.MULTI_PROCESS)
     (True, True)
@@ -22,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -30,15 +34,26 @@ from types import MappingProxyType
 
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Schedule
+from partitioner.runtime.placement import Placement, looped
 from partitioner.runtime.schedule import count_problems, in_flight
-from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b, zero_bubble
+from partitioner.runtime.schedules import (
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    v_shape,
+    zero_bubble,
+    zigzag,
+)
 
 __all__ = [
     "GPIPE",
     "INTERLEAVED",
     "ONE_F_ONE_B",
     "ZERO_BUBBLE",
+    "V_SHAPE",
     "Runtime",
+    "Capabilities",
+    "CAPABILITIES",
     "SCHEDULES",
     "ScheduleKind",
     "check_runtime",
@@ -53,6 +68,7 @@ GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
 INTERLEAVED = "interleaved"
 ZERO_BUBBLE = "zero_bubble"
+V_SHAPE = "v_shape"
 
 
 class Runtime(str, Enum):
@@ -69,8 +85,79 @@ class Runtime(str, Enum):
         return f"the {self.value} runtime ({where})"
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runtime executes beyond its schedules (published here, read by the planner).
+
+    Attributes:
+        data_parallel: whether it runs ``dp > 1``.
+        tensor_parallel: whether it runs ``tp > 1``.
+        optimizer_sharding: whether it shards the optimizer state over replicas (ZeRO-1).
+        virtual_with_tp: whether schedules with virtual stages run with ``tp > 1``.
+    """
+
+    data_parallel: bool = False
+    tensor_parallel: bool = False
+    optimizer_sharding: bool = False
+    virtual_with_tp: bool = False
+
+
+CAPABILITIES: Mapping[Runtime, Capabilities] = MappingProxyType({
+    # Replicas (runtime/replicas.py) and TensorParallelModule, pp groups of tp devices
+    # through the one-process pipeline, one whole stage per group.
+    Runtime.ONE_PROCESS: Capabilities(data_parallel=True, tensor_parallel=True),
+    # Virtual stages hold whole (unsplit) stages: interleaving does not run with tp > 1.
+    Runtime.MULTI_PROCESS: Capabilities(data_parallel=True, tensor_parallel=True,
+                                        optimizer_sharding=True),
+})
+"""Each runtime's capabilities; its schedules are those whose entry names it."""
+
+
 InFlight = Callable[[int, int, int, int], int]
 """``(P, m, j, v)`` to the peak (chunk-)micro-batches stage ``j`` holds activations of."""
+
+Chain = Callable[[Sequence[float], Sequence[float], float], float]
+"""``(forward, backward, input_share)``, seconds per virtual stage of one micro-batch's
+forward and backward, and the share of a backward that computes input gradients, to how
+long the first micro-batch's path through the pipeline takes (the fill and drain)."""
+
+Bound = Callable[[int, int, int, Sequence[float], Sequence[float], float], float]
+"""``(P, m, v, forward, backward, input_share)`` (times per layer or stage of one
+micro-batch) to a lower bound on a step's pipeline time: what the search prunes with."""
+
+
+def whole_chain(forward: Sequence[float], backward: Sequence[float], share: float) -> float:
+    """Every forward, then every whole backward, one after another."""
+    return sum(forward) + sum(backward)
+
+
+def split_chain(forward: Sequence[float], backward: Sequence[float], share: float) -> float:
+    """A split backward: the input halves (``I``) run in a chain, the weight halves (``W``)
+    wait in the bubbles, but for the last one, on the first stage."""
+    return sum(forward) + share * sum(backward) + (1 - share) * (backward[0] if backward
+                                                                 else 0.0)
+
+
+def fill_drain_bound(p: int, m: int, v: int, forward: Sequence[float],
+                     backward: Sequence[float], share: float) -> float:
+    """``m`` micro-batches plus the ``(P - 1) / v`` fill and drain of a 1F1B-like order,
+    over ``P`` devices."""
+    return (m + (p - 1) / v) * (sum(forward) + sum(backward)) / p
+
+
+def split_bound(p: int, m: int, v: int, forward: Sequence[float],
+                backward: Sequence[float], share: float) -> float:
+    """The weight halves fill the bubbles: the busiest device's share of the work, or the
+    first micro-batch's chain of forwards and input halves."""
+    return max(m * (sum(forward) + sum(backward)) / p,
+               sum(forward) + share * sum(backward))
+
+
+def critical_path_bound(p: int, m: int, v: int, forward: Sequence[float],
+                        backward: Sequence[float], share: float) -> float:
+    """What any order needs: each device's share of the work, and one micro-batch's path."""
+    work = sum(forward) + sum(backward)
+    return max(m * work / p, work)
 
 
 @dataclass(frozen=True)
@@ -88,7 +175,13 @@ class ScheduleKind:
         last_backward_first: Whether each stage's first backward is the last micro-batch's
             (fill-drain), so the one micro-batch ``except_last`` keeps whole is freed
             before any checkpointed one is replayed.
-        peak: The in-flight peak in closed form; ``None``: counted from the schedule.
+        peak: The in-flight peak in closed form; ``None``: counted from the schedule (the
+            schedule's memory hook).
+        placement: ``(P, v)`` to the stage-to-device map (``partitioner.runtime.placement``)
+            its generator's lists follow; everything that places a stage reads it.
+        chain: Its fill and drain (the time hook of the predictor).
+        bound: Its lower bound on a step (the time hook of the search).
+        searched: Whether ``strategy="auto"`` tries it (else only when asked for).
     """
 
     name: str
@@ -98,6 +191,10 @@ class ScheduleKind:
     grouped: bool = False
     last_backward_first: bool = False
     peak: InFlight | None = None
+    placement: Callable[[int, int], Placement] = looped
+    chain: Chain = whole_chain
+    bound: Bound = fill_drain_bound
+    searched: bool = True
 
     def problems(self, n_stages: int, n_microbatches: int, virtual: int = 1) -> list[str]:
         """What keeps this schedule from being built for these counts; empty if nothing."""
@@ -139,6 +236,10 @@ class ScheduleKind:
             return self.peak(n_stages, n_microbatches, stage, virtual)
         return _counted_peaks(self, n_stages, n_microbatches, virtual)[stage]
 
+    def place(self, n_stages: int, virtual: int = 1) -> Placement:
+        """Per virtual stage, the pipeline device that runs it."""
+        return self.placement(n_stages, virtual)
+
     def runs_on(self, runtime: Runtime) -> bool:
         """Whether ``runtime`` executes this schedule."""
         return runtime in self.runtimes
@@ -160,7 +261,9 @@ SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for ki
     ScheduleKind(INTERLEAVED, interleaved, virtual=True, grouped=True, runtimes=_BOTH,
                  peak=lambda p, m, j, v: min(2 * (p - j - 1) + (v - 1) * p + 1, m * v)),
     ScheduleKind(ZERO_BUBBLE, zero_bubble, runtimes=_BOTH,
-                 peak=lambda p, m, j, v: min(p - j, m)),
+                 peak=lambda p, m, j, v: min(p - j, m), chain=split_chain, bound=split_bound),
+    ScheduleKind(V_SHAPE, v_shape, virtual=True, runtimes=frozenset({Runtime.ONE_PROCESS}),
+                 placement=zigzag, bound=critical_path_bound, searched=False),
 )})
 """Every schedule by name, in the order messages list them."""
 
@@ -169,19 +272,21 @@ def _listed(names: Iterable[str]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def schedule_names(runtimes: Iterable[Runtime] | None = None, *, virtual: bool | None = None
-                   ) -> tuple[str, ...]:
-    """Registered names, optionally only those some of ``runtimes`` execute, or only those
-    that need (``virtual=True``) or refuse (``False``) virtual stages.
+def schedule_names(runtimes: Iterable[Runtime] | None = None, *, virtual: bool | None = None,
+                   searched: bool | None = None) -> tuple[str, ...]:
+    """Registered names, optionally only those some of ``runtimes`` execute, only those
+    that need (``virtual=True``) or refuse (``False``) virtual stages, or only those
+    ``strategy="auto"`` tries (``searched=True``).
 
     Example:
         >>> schedule_names(), schedule_names(virtual=True)
-        (('gpipe', '1f1b', 'interleaved', 'zero_bubble'), ('interleaved',))
+        (('gpipe', '1f1b', 'interleaved', 'zero_bubble', 'v_shape'), ('interleaved', 'v_shape'))
     """
     wanted = None if runtimes is None else frozenset(runtimes)
     return tuple(name for name, kind in SCHEDULES.items()
                  if (wanted is None or kind.runtimes & wanted)
-                 and (virtual is None or kind.virtual == virtual))
+                 and (virtual is None or kind.virtual == virtual)
+                 and (searched is None or kind.searched == searched))
 
 
 def name_problem(name: object) -> str | None:
@@ -190,7 +295,7 @@ def name_problem(name: object) -> str | None:
     Example:
         >>> print(name_problem("zb"))  # doctest: +NORMALIZE_WHITESPACE
         schedule='zb' is not a registered schedule;
-        use one of 'gpipe', '1f1b', 'interleaved', 'zero_bubble'
+        use one of 'gpipe', '1f1b', 'interleaved', 'zero_bubble', 'v_shape'
     """
     return None if _lookup(name) else _unknown(name)
 
@@ -244,7 +349,7 @@ def runtime_problem(name: object, runtime: Runtime) -> str | None:
     Example:
         >>> print(runtime_problem("zb", Runtime.MULTI_PROCESS))  # doctest: +NORMALIZE_WHITESPACE
         schedule='zb' is not a registered schedule;
-        use one of 'gpipe', '1f1b', 'interleaved', 'zero_bubble'
+        use one of 'gpipe', '1f1b', 'interleaved', 'zero_bubble', 'v_shape'
     """
     kind = _lookup(name)
     if kind is None:

@@ -45,9 +45,10 @@ from __future__ import annotations
 
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Action, Phase, Schedule
+from partitioner.runtime.placement import Placement, stages_on
 from partitioner.runtime.schedule import check_counts
 
-__all__ = ["gpipe", "interleaved", "one_f_one_b", "zero_bubble"]
+__all__ = ["gpipe", "interleaved", "one_f_one_b", "zero_bubble", "v_shape", "zigzag"]
 
 
 def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
@@ -250,3 +251,95 @@ def _zero_bubble_choice(j: int, tick: int, p: int, m: int, bound: int, count: li
     if w < i_run:
         return Phase.WEIGHT, w
     return None
+
+
+def zigzag(n_stages: int, virtual: int) -> Placement:
+    """The V placement: chunk ``c`` of the model runs down the devices when ``c`` is even
+    and back up when it is odd, so stage ``k`` of ``P v`` is on ``k % P`` or
+    ``P - 1 - k % P`` (torch's ``ScheduleZBVZeroBubble`` places its two chunks so). The
+    turn costs no message: stages ``P - 1`` and ``P`` share device ``P - 1``.
+
+    Example:
+        >>> zigzag(3, 2)
+        (0, 1, 2, 2, 1, 0)
+    """
+    p = n_stages
+    return tuple(k % p if (k // p) % 2 == 0 else p - 1 - k % p for k in range(p * virtual))
+
+
+def v_shape(n_stages: int, n_microbatches: int, virtual: int) -> Schedule:
+    """1F1B over the V placement of :func:`zigzag`: ``v >= 2`` chunks per device.
+
+    Built by simulating unit-time forwards and two-unit backwards: a device runs a ready
+    forward of a deeper chunk (it carries a micro-batch on towards its backward), else lets
+    a new micro-batch in while it holds fewer than ``min(2 P, m)``, else a ready backward,
+    deepest stage first. A micro-batch enters a device at its first chunk and leaves at that
+    chunk's backward, so a device holds at most ``min(2 P, m)`` micro-batches of ``v``
+    chunks of ``1 / v`` of its layers each. No tuning beyond that: for ``P = 4, m = 16`` its
+    bubble (``bubble_fraction``, ``B = 2 F``) is 0.12 against 1F1B's 0.16 and interleaving's
+    0.09 at ``v = 2``, for twice 1F1B's activation memory on the first device.
+
+    Args:
+        n_stages: Number of devices ``P``, at least 1.
+        n_microbatches: Number of micro-batches ``m``, at least 1.
+        virtual: Chunks per device ``v``, at least 2.
+
+    Raises:
+        ScheduleError: If a count is not an int >= 1 or ``v < 2``.
+
+    Example:
+        >>> [" ".join(map(str, actions)) for actions in v_shape(2, 2, 2)]
+        ['0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1', '1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1']
+    """
+    check_counts(n_stages, n_microbatches, virtual)
+    if virtual < 2:
+        raise ScheduleError(f"v_shape: virtual={virtual}; a V needs 2 or more chunks per "
+                            "device (use one_f_one_b for one)")
+    return _VShape(n_stages, n_microbatches, virtual).run()
+
+
+class _VShape:
+    """The unit-time simulation :func:`v_shape` builds its order from."""
+
+    def __init__(self, p: int, m: int, v: int) -> None:
+        self.p, self.m, self.total = p, m, p * v
+        self.where = zigzag(p, v)
+        self.held = [stages_on(self.where, j) for j in range(p)]
+        self.next = {Phase.FORWARD: [0] * self.total, Phase.BACKWARD: [0] * self.total}
+        self.end = {phase: [[-1] * m for _ in range(self.total)] for phase in self.next}
+        self.actions: list[list[Action]] = [[] for _ in range(p)]
+
+    def run(self) -> Schedule:
+        busy, tick = [0] * self.p, 0
+        while any(n < self.m for n in self.next[Phase.BACKWARD]):
+            for j in range(self.p):
+                chosen = self.choice(j, tick) if busy[j] <= tick else None
+                if chosen is not None:
+                    k, phase = chosen
+                    i = self.next[phase][k]
+                    self.actions[j].append(Action(k, phase, i))
+                    busy[j] = self.end[phase][k][i] = tick + (1 if phase is Phase.FORWARD else 2)
+                    self.next[phase][k] += 1
+            tick += 1
+        return tuple(tuple(actions) for actions in self.actions)
+
+    def done(self, phase: Phase, k: int, i: int, tick: int) -> bool:
+        return 0 <= self.end[phase][k][i] <= tick
+
+    def choice(self, j: int, tick: int) -> tuple[int, Phase] | None:
+        """Device ``j``'s next action at ``tick``: (stage, phase), or ``None`` to wait."""
+        forward, backward = self.next[Phase.FORWARD], self.next[Phase.BACKWARD]
+        first = self.held[j][0]
+        for k in reversed(self.held[j][1:]):
+            if forward[k] < self.m and self.done(Phase.FORWARD, k - 1, forward[k], tick):
+                return k, Phase.FORWARD
+        i = forward[first]
+        if i < self.m and i - backward[first] < min(2 * self.p, self.m) and (
+                first == 0 or self.done(Phase.FORWARD, first - 1, i, tick)):
+            return first, Phase.FORWARD
+        for k in reversed(self.held[j]):
+            i = backward[k]
+            if i < forward[k] and self.done(Phase.FORWARD, k, i, tick) and (
+                    k == self.total - 1 or self.done(Phase.BACKWARD, k + 1, i, tick)):
+                return k, Phase.BACKWARD
+        return None

@@ -56,15 +56,15 @@ from partitioner.planning.simulate import predict_steps, refine
 from partitioner.plans.explain import format_bytes
 from partitioner.runtime.checkpointing import ALWAYS, EXCEPT_LAST, NEVER
 from partitioner.runtime.schedule_registry import (
+    CAPABILITIES,
     GPIPE,
-    SCHEDULES,
-    ZERO_BUBBLE,
     Runtime,
     schedule_kind,
     schedule_names,
 )
 
 __all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "MULTI_PROCESS_RUNTIME", "local_support",
+           "runtime_support",
            "executable", "SearchResult", "search", "configurations", "CHECKPOINT_ORDER"]
 
 CHECKPOINT_ORDER = (NEVER, EXCEPT_LAST, ALWAYS)
@@ -95,29 +95,33 @@ class RuntimeSupport:
     optimizer_sharding: bool = False
 
 
-def local_support() -> RuntimeSupport:
-    """What the one-process runtimes execute in this installation.
+def runtime_support(runtime: Runtime) -> RuntimeSupport:
+    """What ``runtime`` executes, as its registry entry publishes it
+    (``partitioner.runtime.schedule_registry.CAPABILITIES`` and the schedules that name it).
 
-    Pipelines: the schedules the registry lists for ``Runtime.ONE_PROCESS``. Tensor
-    parallelism: ``TensorParallelModule`` runs ``pp`` groups of ``tp`` consecutive devices
-    through the one-process pipeline, in any schedule without virtual stages (the
-    tensor-parallel front cuts one stage per group). Data parallelism:
-    the replicas runtime (``runtime/replicas.py``), each replica a copy of what ``pp x tp``
-    runs.
+    Example:
+        >>> runtime_support(Runtime.MULTI_PROCESS).optimizer_sharding
+        True
     """
-    return RuntimeSupport(Runtime.ONE_PROCESS.label, schedule_names([Runtime.ONE_PROCESS]),
-                          data_parallel=True, tensor_parallel=True,
-                          tp_schedules=schedule_names([Runtime.ONE_PROCESS], virtual=False))
+    can = CAPABILITIES[runtime]
+    return RuntimeSupport(
+        runtime.label, schedule_names([runtime]), data_parallel=can.data_parallel,
+        tensor_parallel=can.tensor_parallel, optimizer_sharding=can.optimizer_sharding,
+        tp_schedules=None if can.virtual_with_tp else schedule_names([runtime], virtual=False))
+
+
+def local_support() -> RuntimeSupport:
+    """What the one-process runtimes execute in this installation: pipelines with the
+    schedules the registry lists for ``Runtime.ONE_PROCESS``, tensor parallelism
+    (``TensorParallelModule``) and replicas (``runtime/replicas.py``), as the registry's
+    :data:`~partitioner.runtime.schedule_registry.CAPABILITIES` says."""
+    return runtime_support(Runtime.ONE_PROCESS)
 
 
 LOCAL_RUNTIME = local_support()
-"""The one-process runtimes: pipelines, tensor parallelism, replicas when installed."""
+"""The one-process runtimes: pipelines, tensor parallelism, replicas."""
 
-MULTI_PROCESS_RUNTIME = RuntimeSupport(
-    Runtime.MULTI_PROCESS.label, schedule_names([Runtime.MULTI_PROCESS]), data_parallel=True,
-    tensor_parallel=True, optimizer_sharding=True,
-    # Virtual stages hold whole (unsplit) stages: interleaving does not run with tp > 1.
-    tp_schedules=tuple(n for n in schedule_names([Runtime.MULTI_PROCESS], virtual=False)))
+MULTI_PROCESS_RUNTIME = runtime_support(Runtime.MULTI_PROCESS)
 """``partition_distributed``: one process per rank, data and tensor parallelism (tensor
 parallelism inside a node: :func:`configurations` keeps it there), the schedules it runs."""
 
@@ -221,7 +225,7 @@ def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None =
         tps = [t for t in tps if t == 1 or t in tp_degrees]
     if tp is not None:
         tps = [tp] if n % tp == 0 else []
-    names = tuple(schedules) if schedules is not None else tuple(SCHEDULES)
+    names = tuple(schedules) if schedules is not None else schedule_names(searched=True)
     modes = (checkpoint,) if checkpoint is not None else CHECKPOINT_ORDER
     replicas = dp  # the loop's dp is each configuration's
     for t in tps:
@@ -292,12 +296,9 @@ class _Bounds:
         share = replayed(c.checkpoint, c.chunks) / c.chunks
         times = self.times(samples, c.tp, c.chunks)
         work = sum(f * (1 + share) + b for f, b in times)
-        bound = (c.chunks + (c.pp - 1) / c.virtual) * work / c.pp
-        if c.schedule == ZERO_BUBBLE:
-            # The weight halves fill the bubbles: what is left is the busiest device's share
-            # of the work and the first micro-batch's chain of forwards and input halves.
-            chain = sum(f * (1 + share) + INPUT_SHARE * b for f, b in times)
-            bound = max(c.chunks * work / c.pp, chain)
+        bound = schedule_kind(c.schedule).bound(
+            c.pp, c.chunks, c.virtual, [f * (1 + share) for f, _ in times],
+            [b for _, b in times], INPUT_SHARE)
         spec = self.cluster.spec(0)
         if spec.shared_speedup and self.cluster.is_local:
             # Every device's work goes through one host, at best max(speedup) times as fast.
@@ -311,8 +312,7 @@ class _Bounds:
                                    lay.buffer_bytes, 0.0, optimizer=c.optimizer,
                                    element=w.param_bytes_per_element,
                                    mixed_precision=w.mixed_precision,
-                                   shards=c.optimizer_shards,
-                                   param_shards=c.dp if w.fsdp else 1).total
+                                   shards=c.optimizer_shards).total
                      for lay in w.layers)
         acts = sum(lay.activations_on(c.tp if lay.splittable else 1) for lay in w.layers)
         held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)

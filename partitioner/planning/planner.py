@@ -51,7 +51,6 @@ from partitioner.planning.given_mesh import (
     mesh_refusal,
     unfit_mesh_message,
 )
-from partitioner.planning.llama_plan import first_fitting, workload_variants
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
@@ -134,23 +133,18 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
             chunks=request.chunks, checkpoint=request.checkpoint, capacity=limit,
             capture=method, schedules=(request.schedule,) if request.schedule else None,
             virtual=request.virtual_stages, reserve=reserve, tp_degrees=tp_degrees)
-        mesh = request.mesh
-        if mesh is None and pipeline_only:
-            options.update(pp=pipeline_only, tp=1)
-        if mesh is not None and pipeline_only and (mesh.dp, mesh.tp) != (1, 1):
-            raise PrecisionError(
-                f"precision={request.precision!r} with mesh={mesh}: mixed "
-                "precision runs on this machine's pipeline runtime only; pass a mesh "
-                "with dp=1 and tp=1, or precision='fp32'")
-
-        def plan_for(w: Workload, checkpoint: str | None) -> Plan:
-            chosen = {**options, "checkpoint": checkpoint}
-            if mesh is None:
-                return auto_plan(w, analysis.layer_names, cluster, **chosen)
-            return given_mesh_plan(w, analysis.layer_names, cluster, mesh, **chosen)
-        # A Llama model planned for a cluster: costed as such runs train it (llama_plan).
-        plan = first_fitting(workload_variants(analysis, request, cluster, workload),
-                             plan_for)
+        if request.mesh is None:
+            if pipeline_only:
+                options.update(pp=pipeline_only, tp=1)
+            plan = auto_plan(workload, analysis.layer_names, cluster, **options)
+        else:
+            if pipeline_only and (request.mesh.dp, request.mesh.tp) != (1, 1):
+                raise PrecisionError(
+                    f"precision={request.precision!r} with mesh={request.mesh}: mixed "
+                    "precision runs on this machine's pipeline runtime only; pass a mesh "
+                    "with dp=1 and tp=1, or precision='fp32'")
+            plan = given_mesh_plan(workload, analysis.layer_names, cluster, request.mesh,
+                                   **options)
     else:
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
@@ -390,7 +384,8 @@ def plan_from(prediction: Prediction, names: Sequence[str], cluster: Cluster, *,
               notes: tuple[str, ...] = (), devices: Sequence[str] | None = None,
               reserve: float | None = None) -> Plan:
     """The plan of one prediction: a stage per virtual stage (``pp * virtual`` of them,
-    virtual stage ``k`` on pipeline device ``k % pp``), its layers in order.
+    virtual stage ``k`` on the pipeline device the schedule's placement gives it), its layers
+    in order.
 
     Args:
         prediction: the chosen configuration's prediction.
@@ -409,7 +404,7 @@ def plan_from(prediction: Prediction, names: Sequence[str], cluster: Cluster, *,
     labels = tuple(devices) if devices is not None else _labels(cluster, c)
     stages = []
     for k, s in enumerate(prediction.stages):
-        j = k % c.pp
+        j = s.device  # the schedule's placement of k (partitioner.runtime.placement)
         # A device's memory is shared by its chunks: each reports its share of the peak.
         memory = prediction.memory[j].total * _share(prediction, k)
         stages.append(Stage(k, labels[j], tuple(names[s.first:s.last]),
@@ -426,13 +421,13 @@ def plan_from(prediction: Prediction, names: Sequence[str], cluster: Cluster, *,
 
 def _share(prediction: Prediction, k: int) -> float:
     """Virtual stage ``k``'s share of its device's memory (by parameters and activations)."""
-    p = prediction.config.pp
     if prediction.config.virtual == 1:
         return 1.0
-    mine = prediction.stages[k % p::p]
+    device = prediction.stages[k].device
+    mine = [s for s in prediction.stages if s.device == device]
     weight = [s.param_bytes + s.activation_bytes for s in mine]
     total = sum(weight)
-    return weight[k // p] / total if total > 0 else 1 / len(mine)
+    return weight[mine.index(prediction.stages[k])] / total if total > 0 else 1 / len(mine)
 
 
 def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,

@@ -59,7 +59,8 @@ from partitioner.runtime.checkpointing import (
     checkpoint_problem,
     checkpoint_stop,
 )
-from partitioner.runtime.schedule_registry import ZERO_BUBBLE, name_problem, schedule_kind
+from partitioner.runtime.placement import stages_on
+from partitioner.runtime.schedule_registry import name_problem, schedule_kind
 
 INPUT_SHARE = 0.5
 """The share of a stage's backward its input-gradient half (``I``) takes; ``W`` the rest."""
@@ -153,7 +154,7 @@ class StageProfile:
     Attributes:
         first: its first layer.
         last: one past its last layer.
-        device: its position ``j`` along the pipeline (virtual stage ``k`` is on ``k % pp``).
+        device: its position ``j`` along the pipeline (the schedule's placement of ``k``).
         forward: seconds of forward, tensor-parallel all-reduces included.
         backward: seconds of backward, likewise.
         replay: seconds of a checkpointed micro-batch's replayed forward.
@@ -307,7 +308,7 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
     boundary the time to receive it, on ``config.stages`` stages of ``capacity`` bytes."""
     replay = replayed(config.checkpoint, config.chunks) / config.chunks
     compute = [f * (1 + replay) + b for f, b in times]
-    transfer = [2 * _send(workload, cluster, config, bound * samples, 0)
+    transfer = [2 * _send(workload, cluster, config, bound * samples, 0, 1 % config.pp)
                 for bound in workload.boundaries]
     held = in_flight(config.schedule, config.pp, config.chunks, 0, config.virtual)
     element = workload.param_bytes_per_element
@@ -317,8 +318,7 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
         static = device_memory(layer.params_on(tp), layer.buffer_bytes, 0.0,
                                optimizer=config.optimizer, element=element,
                                mixed_precision=workload.mixed_precision,
-                               shards=config.optimizer_shards,
-                               param_shards=config.dp if workload.fsdp else 1).total
+                               shards=config.optimizer_shards).total
         act = layer.activations_on(tp) * samples
         memory.append(static + (act * held / config.virtual if config.checkpoint == NEVER
                                 else act))
@@ -328,13 +328,14 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
 
 
 def _send(workload: Workload, cluster: Cluster, config: Config, nbytes: float,
-          device: int) -> float:
-    """Seconds for a stage's ranks to hand ``nbytes`` to the next stage's ranks."""
-    if nbytes <= 0:
+          device: int, to: int) -> float:
+    """Seconds for a stage's ranks (on pipeline device ``device``) to hand ``nbytes`` to the
+    next stage's ranks (on device ``to``; the same device hands over for free)."""
+    if nbytes <= 0 or (to == device and config.pp > 1):
         return 0.0
     stride = config.dp * config.tp  # rank = (stage * dp + replica) * tp + shard
     src = device * stride
-    dst = ((device + 1) % config.pp) * stride
+    dst = to * stride
     link = cluster.link(src, dst) if config.pp > 1 else cluster.intra_node
     part = link.time(nbytes / config.tp)
     if config.tp > 1:
@@ -432,6 +433,7 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                                                     config.tp if lay.splittable else 1,
                                                     workload.dtype)
     for k in range(config.stages):
+    where = schedule_kind(config.schedule).place(config.pp, config.virtual)
         a, b = cuts[k], cuts[k + 1]
         layers = workload.layers[a:b]
         # The runtime's own cost per action: one forward and one backward per micro-batch.
@@ -440,8 +442,8 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
         out_bytes = workload.boundaries[b] * samples
         params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
         out.append(StageProfile(
-            a, b, k % config.pp, forward, backward, forward - spec.action_overhead,
-            _send(workload, cluster, config, out_bytes, k % config.pp) if b < len(
+            a, b, where[k], forward, backward, forward - spec.action_overhead,
+            _send(workload, cluster, config, out_bytes, where[k], where[k + 1]) if b < len(
                 workload.layers) else 0.0,
             out_bytes, params, params, sum(lay.buffer_bytes for lay in layers),
             sum(lay.activations_on(config.tp if lay.splittable else 1) for lay in layers)
@@ -497,14 +499,14 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     work = [s.forward + s.backward + share * s.replay
             + blocked * (s.send + (stages[k - 1].send if k else 0.0))
             for k, s in enumerate(stages)]
-    per_device = [sum(work[k] for k in range(j, len(stages), p)) for j in range(p)]
+    where = kind.place(p, v)
+    per_device = [sum(work[k] for k in stages_on(where, j)) for j in range(p)]
     if v == 1:
-        edges = sum(work) + 2 * sum(s.send for s in stages)
-        if kind.name == ZERO_BUBBLE:
-            # The first micro-batch's forwards and input-gradient halves (I) run in a chain;
-            # the weight halves (W) wait in the bubbles, but for the last one on stage 0.
-            edges -= (1 - INPUT_SHARE) * (sum(s.backward for s in stages)
-                                          - stages[0].backward)
+        # The first micro-batch's path, as the schedule's own hook times it (a split
+        # backward leaves the weight halves to the bubbles).
+        backward = [s.backward for s in stages]
+        edges = kind.chain([w - b for w, b in zip(work, backward)], backward, INPUT_SHARE) \
+            + 2 * sum(s.send for s in stages)
         steady = (m - 1) * max(max(work), max(s.send for s in stages))
     else:
         edges = (p - 1) * sum(work) / len(work) + 2 * sum(s.send for s in stages[:p])
@@ -529,7 +531,7 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     traffic = optimizer_traffic(config.optimizer, element, workload.mixed_precision)
     drained = 0.0
     for j in range(p):
-        mine = stages[j::p]
+        mine = [stages[k] for k in stages_on(where, j)]
         held = in_flight(config.schedule, p, m, j, v)
         chunk = max(s.activation_bytes for s in mine)
         acts = activation_memory(config.checkpoint, held, chunk,
@@ -543,8 +545,7 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         memory.append(device_memory(params, sum(s.buffer_bytes for s in mine), acts,
                                     optimizer=config.optimizer, element=element,
                                     mixed_precision=workload.mixed_precision,
-                                    shards=config.optimizer_shards,
-                                    param_shards=config.dp if workload.fsdp else 1))
+                                    shards=config.optimizer_shards))
         ranks = [(j * config.dp + r) * config.tp for r in range(config.dp)]
         grads = sum(s.grad_bytes for s in mine)
         if config.dp > 1 and cluster.is_local:
@@ -553,17 +554,16 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
             reduce = replica_sync_time(grads, params, config.dp, cluster.intra_node.bandwidth) \
                 + (config.dp * cluster.spec(j).replica_overhead if j == 0 else 0.0)
         else:
-            # FSDP gathers the parameters twice and reduce-scatters the gradients.
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
-                * (1.5 if workload.fsdp else 1.0) if config.dp > 1 else 0.0
+                if config.dp > 1 else 0.0
         # The sharded optimizer's reduce-scatter starts after the last backward.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
             and not cluster.is_local and not config.optimizer_sharding else 0
         # Plus a fixed cost per parameter tensor (one flat buffer when sharded).
         tensors = 1 if config.optimizer_sharding else sum(
             lay.param_tensors for s in mine for lay in workload.layers[s.first:s.last])
-        shards = config.dp if workload.fsdp else config.optimizer_shards
-        optimizer = params / element / shards * traffic / cluster.spec(j).optimizer_rate \
+        optimizer = params / element / config.optimizer_shards * traffic \
+            / cluster.spec(j).optimizer_rate \
             + _fresh_temporaries(workload, config, mine, cluster.spec(j)) \
             + tensors * cluster.spec(j).optimizer_tensor_overhead
         ends.append(pipeline - drained + max(reduce - window, 0.0)

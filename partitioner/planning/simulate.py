@@ -56,8 +56,9 @@ from typing import Any
 from partitioner.cost.devices import Cluster
 from partitioner.errors import SimulationError
 from partitioner.planning.predict import INPUT_SHARE, Prediction, StageProfile, replayed
+from partitioner.runtime.placement import stages_on
 from partitioner.runtime.schedule import Action, Phase
-from partitioner.runtime.schedule_registry import make_schedule
+from partitioner.runtime.schedule_registry import make_schedule, schedule_kind
 
 __all__ = ["SimulationError", "SimulationResult", "simulate", "predict_step", "predict_steps",
            "refine", "REDUCE", "OPTIMIZER"]
@@ -130,6 +131,7 @@ class _Simulation:
         self.config = c = prediction.config
         self.stages = prediction.stages
         self.order = make_schedule(c.schedule, c.pp, c.chunks, c.virtual)
+        self.where = schedule_kind(c.schedule).place(c.pp, c.virtual)
         self.replay_below = replayed(c.checkpoint, c.chunks)
         spec = cluster.spec(0)
         shared = cluster.is_local and bool(spec.shared_speedup) and c.pp > 1
@@ -237,6 +239,9 @@ class _Simulation:
             self.push(found[0], "host", (h, self.hosts[h].version))
 
     def send(self, src: int, dst: int, seconds: float, label: str, payload: Any) -> None:
+        if src == dst:  # consecutive stages on one device (a V's turn): nothing travels
+            self.arrived.add(payload)
+            return
         key = (src, dst)
         self.links.setdefault(key, deque()).append((label, seconds, payload))
         if not self.link_busy.get(key):
@@ -256,11 +261,12 @@ class _Simulation:
         self.timeline.append((action, self.started[action], self.now))
         self.busy[j] = False
         stage: StageProfile = self.stages[action.stage]
-        k, i, pp = action.stage, action.microbatch, self.config.pp
+        k, i = action.stage, action.microbatch
         if action.phase is Phase.FORWARD:
             self.arrived.add(("done", k, i))
             if k + 1 < len(self.stages):
-                self.send(j, (k + 1) % pp, self.link_time(stage.send), f"send {k}->{k + 1} F{i}",
+                self.send(j, self.where[k + 1], self.link_time(stage.send),
+                          f"send {k}->{k + 1} F{i}",
                           ("act", k + 1, i))
         else:
             if action.phase is Phase.INPUT:
@@ -271,7 +277,7 @@ class _Simulation:
                 self.live[j] -= stage.input_bytes if i < self.replay_below \
                     else stage.activation_bytes
             if action.phase.gives_input_grad and k > 0:
-                self.send(j, (k - 1) % pp, self.link_time(self.stages[k - 1].send),
+                self.send(j, self.where[k - 1], self.link_time(self.stages[k - 1].send),
                           f"send {k}->{k - 1} B{i}", ("grad", k - 1, i))
             if action.phase.frees:
                 self.remaining_b[j] -= 1
@@ -291,7 +297,7 @@ class _Simulation:
         if seconds == 0:
             self.push(end, "optimizer", j)
             return
-        grads = sum(s.grad_bytes for s in self.stages[j::self.config.pp])
+        grads = sum(self.stages[k].grad_bytes for k in stages_on(self.where, j))
         buckets = max(1, math.ceil(grads / 25e6))
         overlap = self.config.overlap_grad_reduce
         free = begin = start if overlap else end
@@ -327,7 +333,7 @@ class _Simulation:
                 key, arrival = payload
                 self.arrived.add(arrival)
                 self.start_link(key)
-                self.try_start(arrival[1] % self.config.pp)
+                self.try_start(self.where[arrival[1]])
             elif self.shared:
                 # One process's optimizer steps every device's parameters, in the caller's
                 # thread with all of its intra-op threads, once backward has returned.

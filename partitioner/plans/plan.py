@@ -32,7 +32,9 @@ from partitioner.plans.plan_check import document_problems
 from partitioner.plans.signature import InputSignature
 from partitioner.runtime.checkpointing import checkpoint_problem
 from partitioner.runtime.mesh import Mesh
+from partitioner.runtime.placement import looped
 from partitioner.runtime.precision import precision_problem
+from partitioner.runtime.schedule_registry import SCHEDULES
 from partitioner.runtime.tensor_parallel.sharding import SPLIT_KINDS
 
 __all__ = ["Stage", "Plan", "Mesh", "ShardSpec", "PlannerInputs", "PlanFormatError", "FORMAT",
@@ -134,7 +136,8 @@ class Plan:
         strategy: how it was made ("pipeline", "balance", "split_points", ...).
         devices: one device string per pipeline stage (``P`` of them).
         stages: the stages, in order: ``P * virtual_stages`` virtual stages, virtual stage
-            ``k`` on ``devices[k % P]``.
+            ``k`` on ``devices[placement[k]]``, the schedule's placement (``k % P`` but for
+            ``v_shape``: ``partitioner.runtime.placement``).
         chunks: micro-batches per mini-batch.
         checkpoint: "always", "except_last" or "never".
         schedule: the pipeline schedule, a name of ``partitioner.runtime.schedule_registry``.
@@ -206,7 +209,8 @@ class Plan:
             raise PlanFormatError("invalid plan: " + "; ".join(problems))
 
     def _device_problems(self) -> list[str]:
-        """Whether stages, devices and mesh agree: virtual stage ``k`` on ``devices[k % P]``."""
+        """Whether stages, devices and mesh agree: virtual stage ``k`` on the device the
+        schedule's placement names."""
         p, v, n = len(self.devices), self.virtual_stages, len(self.stages)
         problems = []
         if self.mesh is not None and self.mesh.pp != p:
@@ -214,10 +218,14 @@ class Plan:
         if n != p * v:
             problems.append(f"{n} stages but {p} devices x virtual_stages={v} = {p * v}; "
                             "list one stage per device and model chunk")
-        problems += [f"stages[{k}].device is {s.device!r} but devices[{k % p}] is "
-                     f"{self.devices[k % p]!r}: the plan would report one and run on the "
+        if not p or n != p * v:
+            return problems
+        kind = SCHEDULES.get(self.schedule)
+        where = kind.place(p, v) if kind is not None else looped(p, v)
+        problems += [f"stages[{k}].device is {s.device!r} but devices[{where[k]}] is "
+                     f"{self.devices[where[k]]!r}: the plan would report one and run on the "
                      "other; make them the same" for k, s in enumerate(self.stages)
-                     if p and s.device != self.devices[k % p]]
+                     if s.device != self.devices[where[k]]]
         return problems
 
     def __hash__(self) -> int:

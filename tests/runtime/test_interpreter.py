@@ -64,7 +64,7 @@ def _run_reference(reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 CASES = [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
          ("interleaved", 2, 2), ("interleaved", 2, 4), ("zero_bubble", 2, 1),
-         ("zero_bubble", 4, 1)]
+         ("zero_bubble", 4, 1), ("v_shape", 2, 2), ("v_shape", 3, 2)]
 
 
 def test_every_registered_schedule_is_covered_and_runs_in_one_process() -> None:

@@ -29,7 +29,8 @@ GPUS = Cluster.preset("A100-80GB", nodes=2)
 def _equal_stages(config: Config, forward: float = 1.0, backward: float = 2.0,
                   send: float = 0.0, grads: float = 0.0) -> Prediction:
     n = config.stages
-    stages = tuple(StageProfile(k, k + 1, k % config.pp, forward, backward, forward, send,
+    where = SCHEDULES[config.schedule].place(config.pp, config.virtual)
+    stages = tuple(StageProfile(k, k + 1, where[k], forward, backward, forward, send,
                                 0.0, grads, 0.0, 0.0, 10.0, 1.0) for k in range(n))
     memory = tuple(MemoryBreakdown(0.0, 0.0, 0.0, 0.0) for _ in range(config.pp))
     return Prediction(config, stages, 0.0, 0.0, 0.0, memory, 1.0, (0.0,) * config.pp,
@@ -78,7 +79,8 @@ def test_the_simulator_runs_every_registered_schedule_as_the_registry_builds_it(
     order = make_schedule(name, p, m, v)
     assert sorted(a for a, _, _ in result.timeline) == sorted(a for acts in order for a in acts)
     for j, actions in enumerate(order):
-        ran = sorted((start, a) for a, start, _ in result.timeline if a.stage % p == j)
+        ran = sorted((start, a) for a, start, _ in result.timeline
+                     if kind.place(p, v)[a.stage] == j)
         assert tuple(a for _, a in ran) == actions
     # Peak memory: 10 bytes per (chunk-)micro-batch in flight, as the registry says.
     assert result.peak_memory == tuple(10.0 * kind.in_flight(p, m, j, v) for j in range(p))

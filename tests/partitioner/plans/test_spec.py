@@ -154,8 +154,8 @@ def test_layer_matching_and_name_summaries() -> None:
 
 def test_a_spec_schedule_is_one_some_runtime_executes() -> None:
     # Taken from the schedule registry: every registered schedule runs somewhere.
-    for name in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+    for name in ("gpipe", "1f1b", "interleaved", "zero_bubble", "v_shape"):
         assert Spec.from_dict({"schedule": name}).schedule == name
     with pytest.raises(SpecError, match="schedule: 'zb'; use one of gpipe, 1f1b, "
-                                        "interleaved, zero_bubble$"):
+                                        "interleaved, zero_bubble, v_shape$"):
         Spec.from_dict({"schedule": "zb"})
