@@ -432,8 +432,8 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                 shared[lay.signature] = shared_work(lay, spec, samples,
                                                     config.tp if lay.splittable else 1,
                                                     workload.dtype)
-    for k in range(config.stages):
     where = schedule_kind(config.schedule).place(config.pp, config.virtual)
+    for k in range(config.stages):
         a, b = cuts[k], cuts[k + 1]
         layers = workload.layers[a:b]
         # The runtime's own cost per action: one forward and one backward per micro-batch.
