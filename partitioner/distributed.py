@@ -66,6 +66,7 @@ from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
 from partitioner.plans.precision import distributed_precision
 from partitioner.request import PlanRequest
+from partitioner.runtime.device import batches_sends
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.data_parallel import DEFAULT_BUCKET_BYTES
@@ -319,7 +320,7 @@ def partition_distributed(
     return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
                     ranks, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
-                    watchdog=watchdog, shards=shards, batched=info.backend == "nccl",
+                    watchdog=watchdog, shards=shards, batched=batches_sends(info.backend),
                     ties=ties)
 
 

@@ -186,3 +186,26 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
                    "partitioner/runtime/distributed/mesh.py",
                    "partitioner/plans/plan_schema.json", "partitioner/py.typed"):
         assert member in names, member
+
+
+def _accelerator_tests(path: Path) -> list[str]:
+    """Where ``path`` names the accelerator itself: a ``"cuda"``/``"nccl"`` string (or
+    ``"cuda:..."``), ``torch.cuda`` or ``.is_cuda``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                node.value in ("cuda", "nccl") or node.value.startswith("cuda:")):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+        elif isinstance(node, ast.Attribute) and (node.attr == "is_cuda" or (
+                node.attr == "cuda" and isinstance(node.value, ast.Name)
+                and node.value.id == "torch")):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_only_the_device_layer_names_the_accelerator() -> None:
+    modules = _modules()
+    found = [hit for name, path in modules.items() if name != "partitioner.runtime.device"
+             for hit in _accelerator_tests(path)]
+    assert not found, "ask partitioner.runtime.device instead: " + ", ".join(found)
+    assert _accelerator_tests(modules["partitioner.runtime.device"])  # the check can fire

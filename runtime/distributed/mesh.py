@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.errors import DistributedInitError, MeshError
+from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.rendezvous import rendezvous_store
@@ -93,9 +94,7 @@ def dist_info() -> DistInfo:
                                    "init_distributed() or launch with torchrun")
     backend = str(dist.get_backend())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu")
-    if "nccl" in backend and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = accelerators.collective_device(backend)
     return DistInfo(backend, dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -151,19 +150,17 @@ def init_distributed(backend: str | None = None, init_method: str = "env://", *,
     world_size = _env_int("WORLD_SIZE", world_size, init_method)
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise DistributedInitError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
+    backend = accelerators.check_backend(backend or accelerators.default_backend())
     if init_method.startswith("env://"):
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             raise DistributedInitError(f"{' and '.join(missing)} not set for init_method="
                                        "'env://'; launch with torchrun or set them")
     options: dict[str, Any] = {}
-    if backend == "nccl":
-        # Bind before the group starts, so NCCL's communicators land on this device.
-        torch.cuda.set_device(local_rank)
-        options["device_id"] = torch.device("cuda", local_rank)
+    bound = accelerators.rank_device(backend, local_rank)
+    if bound is not None:
+        # Bound before the group starts, so NCCL's communicators land on this device.
+        options["device_id"] = bound
     store = rendezvous_store(init_method, rank, world_size, timeout)
     if store is None:
         dist.init_process_group(backend, init_method=init_method, rank=rank,
