@@ -23,7 +23,7 @@ import subprocess
 from collections import defaultdict
 
 from partitioner.errors import GraphvizNotFound, PartitionError
-from partitioner.viz.graph import Arrow, Box, Diagram, format_bytes, stage_title
+from partitioner.viz.graph import Arrow, Box, Diagram, format_bytes, graph_heading, stage_title
 
 __all__ = ["to_dot", "render", "GraphvizNotFound", "device_color", "quote", "PALETTE",
            "graphviz_available", "graphviz_missing", "INSTALL_GRAPHVIZ"]
@@ -67,9 +67,7 @@ def quote(text: str) -> str:
 
 def to_dot(d: Diagram, title: str | None = None) -> str:
     """DOT text for a diagram: one cluster per stage, arrows across stages in red."""
-    plan = d.plan
-    heading = title or (f"{plan.strategy}: {len(plan.stages)} stages, chunks={plan.chunks}, "
-                        f"{d.detail} view")
+    heading = title or graph_heading(d)
     lines = ["digraph plan {",
              f"  graph [rankdir=TB, fontname=Helvetica, fontsize=12, labelloc=t, "
              f"label={quote(heading)}, nodesep=0.25, ranksep=0.35, newrank=true];",
@@ -88,10 +86,16 @@ def to_dot(d: Diagram, title: str | None = None) -> str:
 
 
 def _cluster(d: Diagram, j: int, boxes: list[Box]) -> list[str]:
+    # The title is a node inside the cluster, above its first boxes, not the cluster's label:
+    # dot keeps nodes and edge labels apart, but lays edge labels over cluster labels.
+    ids = {b.id for b in boxes}
+    tops = [b for b in boxes if not any(e.target == b.id and e.source in ids for e in d.edges)]
     lines = [f"  subgraph cluster_stage{j} {{",
-             f"    label={quote(stage_title(d.plan, j))}; style=\"rounded,filled\"; "
-             f"fillcolor={quote(device_color(j))}; color={quote(device_color(j, True))}; "
-             "fontsize=11; labeljust=l;"]
+             f"    style=\"rounded,filled\"; fillcolor={quote(device_color(j))}; "
+             f"color={quote(device_color(j, True))}; label=\"\";",
+             f"    {quote(f'title_stage{j}')} [label={quote(stage_title(d.plan, j))}, "
+             "shape=plaintext, style=\"\", fontsize=11, height=0.2];"]
+    lines += [f"    {quote(f'title_stage{j}')} -> {quote(b.id)} [style=invis];" for b in tops]
     groups: dict[str | None, list[Box]] = defaultdict(list)
     for box in boxes:
         groups[box.group].append(box)

@@ -11,8 +11,12 @@ otherwise:
   which keeps a 48-block GPT-2-xl on 8 devices to a page.
 
 ``"auto"`` picks the most detailed level that stays readable. Arrows between stages are
-marked ``cross`` and carry the bytes they move per micro-batch. ``partitioner.viz.dot``
-turns a diagram into Graphviz.
+marked ``cross`` and carry the bytes they move per micro-batch; every arrow's shapes are a
+micro-batch's (the example batch split over the replicas and ``chunks``). Each stage's title
+names its devices (``partitioner.viz.mesh``: a tensor-parallel stage's ranks, each replica's
+device), and with tensor parallelism each box says how its modules are split (column, row,
+vocab) or that every rank holds all of it. ``partitioner.viz.dot`` turns a diagram into
+Graphviz.
 
 Example:
     >>> from partitioner.plans.plan import Plan, Stage
@@ -37,9 +41,16 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import VizError
 from partitioner.plans.plan import Plan
+from partitioner.viz.mesh import (
+    layer_splits,
+    mesh_shape,
+    short_splits,
+    split_modules,
+    stage_devices,
+)
 
 __all__ = ["Box", "Arrow", "Diagram", "diagram", "DETAILS", "format_bytes", "format_shape",
-           "stage_title"]
+           "stage_title", "graph_heading"]
 
 DETAILS = ("auto", "nodes", "layers", "blocks")
 #: "auto" draws every node up to this many, every layer up to _MAX_LAYERS, else blocks.
@@ -103,9 +114,46 @@ def diagram(analysis: Any | None, plan: Plan, detail: str = "auto") -> Diagram:
         if analysis is None:
             raise VizError("detail='nodes' needs the model's graph; pass a partitioned module "
                             "(or the model with the plan) instead of a bare plan")
-        return _node_diagram(analysis, plan)
-    layers = _layer_diagram(analysis, plan)
+        return _node_splits(_node_diagram(analysis, plan), analysis)
+    layers = _layer_splits(_layer_diagram(analysis, plan))
     return _fold_blocks(layers) if detail == "blocks" else layers
+
+
+def graph_heading(d: Diagram) -> str:
+    """``"auto: mesh dp=2 x pp=2 x tp=1: 4 devices, chunks=2, nodes view; shapes per
+    micro-batch"``: a diagram's title."""
+    dp, pp, tp = mesh_shape(d.plan)
+    return (f"{d.plan.strategy}: {len(d.plan.stages)} stages on mesh dp={dp} x pp={pp} x "
+            f"tp={tp} ({dp * pp * tp} devices), chunks={d.plan.chunks}, {d.detail} view; "
+            "shapes per micro-batch")
+
+
+def _layer_splits(d: Diagram) -> Diagram:
+    """Each layer box with how tensor parallelism splits it (a line under its name)."""
+    splits = layer_splits(d.plan)
+    if splits:
+        d.boxes = [replace(b, label=f"{b.label}\n{short_splits(splits[b.label])}")
+                   if b.kind == "layer" and b.label in splits else b for b in d.boxes]
+    return d
+
+
+def _node_splits(d: Diagram, analysis: Any) -> Diagram:
+    """Each call of a split module with its split kind; the layer group of a layer with no
+    split module says that every rank holds it."""
+    if mesh_shape(d.plan)[2] == 1:
+        return d
+    modules = split_modules(d.plan)
+    held = {name for name, summary in layer_splits(d.plan).items() if summary == "replicated"}
+    boxes = []
+    for b in d.boxes:
+        target = b.label.split("\n")[0]
+        if b.kind == "op" and target in modules:
+            b = replace(b, label=f"{b.label}\n{modules[target]} split")
+        if b.group in held:
+            b = replace(b, group=f"{b.group} (replicated)")
+        boxes.append(b)
+    d.boxes = boxes
+    return d
 
 
 def _auto(analysis: Any | None, plan: Plan) -> str:
@@ -116,9 +164,11 @@ def _auto(analysis: Any | None, plan: Plan) -> str:
     return "layers" if len(plan.layers) <= _MAX_LAYERS else "blocks"
 
 
-def format_shape(value: Any) -> str:
-    """``"4x16x32"`` for a tensor, joined by ``", "`` for a pytree of them; ``""`` else."""
-    shapes = ["x".join(str(d) for d in leaf.shape) or "scalar"
+def format_shape(value: Any, batch: int | None = None, parts: int = 1) -> str:
+    """``"4x16x32"`` for a tensor, joined by ``", "`` for a pytree of them; ``""`` else.
+    A tensor whose dim 0 is ``batch`` is shown split ``parts`` ways (a micro-batch's)."""
+    shapes = ["x".join(str(-(-d // parts) if k == 0 and leaf.dim() and d == batch else d)
+                       for k, d in enumerate(leaf.shape)) or "scalar"
               for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
     return ", ".join(shapes[:3]) + (" ..." if len(shapes) > 3 else "")
 
@@ -133,9 +183,10 @@ def format_bytes(n: float) -> str:
 
 
 def stage_title(plan: Plan, j: int) -> str:
-    """``"stage 1 on cpu - 1.20 ms/mb - 4.1 MB"``: the heading of stage ``j``'s frame."""
+    """``"stage 1 on cpu - 1.20 ms/mb - 4.1 MB"``: the heading of stage ``j``'s frame
+    (``"on devices 0+1 (cpu; tp=2)"`` on a mesh of several devices per stage)."""
     stage = plan.stages[j]
-    facts = [f"stage {j} on {stage.device}"]
+    facts = [f"stage {j} on {stage_devices(plan, j)}"]
     if stage.predicted_time is not None:
         facts.append(f"{stage.predicted_time * 1e3:.2f} ms/mb")
     if stage.predicted_memory is not None:
@@ -144,10 +195,11 @@ def stage_title(plan: Plan, j: int) -> str:
 
 
 class _Sizer:
-    """Bytes per micro-batch of a value: batch-dimension tensors are split ``chunks`` ways."""
+    """Bytes and shapes per micro-batch of a value: batch-dimension tensors are split
+    ``parts`` ways (the replicas times ``chunks``)."""
 
-    def __init__(self, gm: fx.GraphModule, chunks: int) -> None:
-        self.chunks = chunks
+    def __init__(self, gm: fx.GraphModule, parts: int) -> None:
+        self.chunks = parts
         first = next((n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"
                       and isinstance(n.meta.get("val"), torch.Tensor)), None)
         self.batch = first.shape[0] if first is not None and first.dim() else None
@@ -160,6 +212,14 @@ class _Sizer:
                 split = leaf.dim() and self.batch is not None and leaf.shape[0] == self.batch
                 total += -(-size // self.chunks) if split else size
         return total
+
+    def shape(self, value: Any) -> str:
+        return format_shape(value, self.batch, self.chunks)
+
+
+def _parts(plan: Plan) -> int:
+    """How many micro-batches the example batch is cut into: replicas times chunks."""
+    return mesh_shape(plan)[0] * plan.chunks
 
 
 def _stage_of_layers(plan: Plan) -> list[int]:
@@ -188,7 +248,7 @@ def _node_label(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
 def _node_diagram(analysis: Any, plan: Plan) -> Diagram:
     gm = analysis.captured.graph_module
     layer_stage, last = _stage_of_layers(plan), len(plan.stages) - 1
-    sizer = _Sizer(gm, plan.chunks)
+    sizer = _Sizer(gm, _parts(plan))
     result = Diagram(plan, "nodes")
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -205,7 +265,7 @@ def _node_diagram(analysis: Any, plan: Plan) -> Diagram:
             a, b = (_node_stage(x, layer_stage, last) for x in (used, node))
             value = used.meta.get("val")
             cross = a != b
-            result.edges.append(Arrow(used.name, node.name, format_shape(value), cross,
+            result.edges.append(Arrow(used.name, node.name, sizer.shape(value), cross,
                                       sizer(value) if cross else None))
     return result
 
@@ -231,7 +291,7 @@ def _layer_diagram(analysis: Any | None, plan: Plan) -> Diagram:
             a, b = _layer_end(node, "input"), _layer_end(user, "output")
             if a != b:
                 flows[(a, b)][node] = node.meta.get("val")
-    sizer = _Sizer(gm, plan.chunks)
+    sizer = _Sizer(gm, _parts(plan))
     last = len(plan.stages) - 1
 
     def stage(box: str) -> int:
@@ -240,7 +300,7 @@ def _layer_diagram(analysis: Any | None, plan: Plan) -> Diagram:
     for (a, b), by_node in flows.items():
         values = list(by_node.values())
         cross = stage(a) != stage(b)
-        label = ", ".join(dict.fromkeys(s for s in map(format_shape, values) if s))
+        label = ", ".join(dict.fromkeys(s for s in map(sizer.shape, values) if s))
         result.edges.append(Arrow(a, b, label, cross, sizer(values) if cross else None))
     return result
 
@@ -277,8 +337,7 @@ def _fold_blocks(layers: Diagram) -> Diagram:
     folded: dict[str, str] = {}
     result = Diagram(layers.plan, "blocks", [b for b in layers.boxes if b.kind == "io"][:1])
     for run in runs:
-        label = run[0].label if len(run) == 1 else \
-            f"{run[0].label} .. {run[-1].label}\n({len(run)} layers)"
+        label = run[0].label if len(run) == 1 else _run_label(run)
         result.boxes.append(Box(run[0].id, label, run[0].stage, kind="layer"))
         folded.update({b.id: run[0].id for b in run})
     result.boxes.append(layers.boxes[-1])
@@ -298,8 +357,16 @@ def _fold_blocks(layers: Diagram) -> Diagram:
     return result
 
 
+def _run_label(run: list[Box]) -> str:
+    """``"h.2 .. h.8\n(7 layers)"``, then the layers' split line when they share one."""
+    first, last = (run[k].label.partition("\n") for k in (0, -1))
+    same = all(b.label.partition("\n")[2] == first[2] for b in run)
+    extra = f"\n{first[2]}" if same and first[2] else ""
+    return f"{first[0]} .. {last[0]}\n({len(run)} layers){extra}"
+
+
 def _continues(previous: Box, box: Box) -> bool:
-    a, b = _NUMBERED.fullmatch(previous.label.split("\n")[0]), _NUMBERED.fullmatch(box.label)
+    a, b = (_NUMBERED.fullmatch(x.label.split("\n")[0]) for x in (previous, box))
     return (previous.stage == box.stage and a is not None and b is not None
             and a.group(1) == b.group(1) and int(b.group(2)) == int(a.group(2)) + 1)
 

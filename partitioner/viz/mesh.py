@@ -14,7 +14,7 @@ Example:
     >>> [row.name for row in device_rows(plan)]
     ['device 0: cpu (rank 0)', 'device 1: cpu (rank 1)']
     >>> layer_splits(plan)
-    {'fc': 'fc: column', 'head': 'replicated'}
+    {'fc': 'column', 'head': 'replicated'}
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from partitioner.plans.plan import Plan
 
 __all__ = ["DeviceRow", "device_rows", "mesh_shape", "split_modules", "layer_splits",
-           "SPLIT_NAMES", "mesh_heading"]
+           "SPLIT_NAMES", "mesh_heading", "stage_devices", "short_splits"]
 
 #: How each split kind is said in a picture.
 SPLIT_NAMES = {"colwise": "column", "rowwise": "row", "vocab": "vocab"}
@@ -86,8 +86,9 @@ def split_modules(plan: Plan) -> dict[str, str]:
 
 def layer_splits(plan: Plan) -> dict[str, str]:
     """Per layer of a tensor-parallel plan, its split modules and their kinds
-    (``"attn.c_attn: column, attn.c_proj: row"``), or ``"replicated"`` when every rank
-    holds all of it; empty without tensor parallelism."""
+    (``"attn.c_attn: column, attn.c_proj: row"``; just the kind when the layer is the split
+    module), or ``"replicated"`` when every rank holds all of it; empty without tensor
+    parallelism."""
     if mesh_shape(plan)[2] == 1:
         return {}
     modules = split_modules(plan)
@@ -95,7 +96,30 @@ def layer_splits(plan: Plan) -> dict[str, str]:
     for layer in plan.layers:
         inside = [(m, kind) for m, kind in modules.items()
                   if m == layer or m.startswith(layer + ".")]
-        parts = [f"{m.removeprefix(layer + '.') if m != layer else m}: {kind}"
+        parts = [f"{m.removeprefix(layer + '.')}: {kind}" if m != layer else kind
                  for m, kind in inside]
         out[layer] = ", ".join(parts) if parts else "replicated"
     return out
+
+
+def stage_devices(plan: Plan, j: int) -> str:
+    """Where pipeline position ``j`` runs: ``"cpu"`` alone, else its devices by number,
+    ``"devices 0+1, 4+5 (cpu; tp=2 in each of 2 replicas)"``."""
+    dp, pp, tp = mesh_shape(plan)
+    position = j % pp
+    if dp * tp == 1:
+        return plan.devices[position]
+    rows = [r for r in device_rows(plan) if r.stage == position]
+    groups = ["+".join(str(r.index) for r in rows if r.replica == k) for k in range(dp)]
+    how = ([f"tp={tp}"] if tp > 1 else []) + ([f"{dp} replicas"] if dp > 1 else [])
+    return f"devices {', '.join(groups)} ({plan.devices[position]}; {', '.join(how)})"
+
+
+def short_splits(summary: str) -> str:
+    """A layer's split summary (:func:`layer_splits`) for a box: ``"tp: replicated"``, or
+    its split modules two a line (``"attn.c_attn column, attn.c_proj row"``)."""
+    if summary == "replicated":
+        return "tp: replicated"
+    parts = [f"{m} {kind}" if kind else f"{m} split" for m, _, kind in
+             (p.partition(": ") for p in summary.split(", "))]
+    return "\n".join(", ".join(parts[k:k + 2]) for k in range(0, len(parts), 2))

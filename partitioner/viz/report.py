@@ -4,7 +4,8 @@ Nothing is fetched when the page opens (no scripts, no fonts, no server): the tw
 SVG written into the page, so it can be mailed or attached to a ticket as is. Graphviz draws
 them when it is installed; without it they are drawn in Python (``partitioner.viz.svg``), so
 the report needs nothing beyond the package.
-The sections carry ids (``plan-table``, ``graph``, ``timeline``) that tests look for.
+The sections carry ids (``plan-table``, ``memory``, ``graph``, ``timeline``) that tests look
+for; the memory figure (bars per device, ``partitioner.viz.memory``) sits beside the table.
 
 Example:
     >>> from partitioner.plans.plan import Plan, Stage
@@ -22,6 +23,7 @@ from typing import Any
 from partitioner.plans.plan import Plan
 from partitioner.viz.dot import device_color, graphviz_available, render, to_dot
 from partitioner.viz.graph import Diagram, diagram, format_bytes
+from partitioner.viz.memory import memory_svg
 from partitioner.viz.svg import graph_svg, timeline_svg
 from partitioner.viz.timeline import Timeline, timeline_dot
 
@@ -38,6 +40,7 @@ figure svg { max-width: 100%; height: auto; }
 .swatch { display: inline-block; width: 12px; height: 12px; border-radius: 2px;
           vertical-align: middle; margin-right: 6px; border: 1px solid #9ca3af; }
 .note { color: #4b5563; font-size: 13px; }
+.side { display: flex; gap: 24px; align-items: flex-start; flex-wrap: wrap; }
 """
 
 
@@ -61,7 +64,8 @@ def report_html(plan: Plan, analysis: Any | None, timeline: Timeline | None,
              f"<title>{html.escape(heading)}</title><style>{_STYLE}</style></head><body>",
              f"<h1>{html.escape(heading)}</h1>",
              f'<p class="summary">{html.escape(plan.table().splitlines()[0])}</p>',
-             '<section id="plan"><h2>Stages</h2>', plan_table_html(plan), _details(plan),
+             '<section id="plan"><h2>Stages</h2><div class="side">', plan_table_html(plan),
+             f'<figure id="memory">{memory_svg(plan)}</figure></div>', _details(plan),
              "</section>",
              '<section id="graph"><h2>Graph</h2><p class="note">Boxes grouped by stage and '
              "coloured by device; red arrows cross stages, labelled with the bytes they carry "
@@ -69,7 +73,7 @@ def report_html(plan: Plan, analysis: Any | None, timeline: Timeline | None,
     if timeline is not None:
         svg = inline_svg(timeline_picture(timeline, plan))
         parts.append('<section id="timeline"><h2>Timeline</h2><p class="note">One row per '
-                     "stage; F is a forward, B a backward, the number its micro-batch; grey "
+                     "device; F is a forward, B a backward, the number its micro-batch; grey "
                      f"is idle time (the bubble).</p><figure>{svg}</figure></section>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

@@ -23,7 +23,7 @@ from html import escape
 from typing import Any
 
 from partitioner.viz.dot import CROSS, device_color
-from partitioner.viz.graph import Arrow, Diagram, format_bytes, stage_title
+from partitioner.viz.graph import Arrow, Diagram, format_bytes, graph_heading, stage_title
 from partitioner.viz.layout import (
     FONT_SIZES,
     TITLE_SIZE,
@@ -60,9 +60,7 @@ def graph_svg(d: Diagram, title: str | None = None) -> str:
         d: the diagram (``partitioner.viz.graph.diagram``).
         title: the heading; by default the plan's strategy, stages, chunks and detail.
     """
-    plan = d.plan
-    heading = title or (f"{plan.strategy}: {len(plan.stages)} stages, chunks={plan.chunks}, "
-                        f"{d.detail} view")
+    heading = title or graph_heading(d)
     placed = layout(d)
     width = max(placed.width, text_width(heading, 12) + 32)
     parts = [_open(width, placed.height, "plan"), _markers(),

@@ -163,7 +163,7 @@ def test_a_png_without_graphviz_says_what_to_install(
     assert main(["viz", str(hand_plan), "-o", str(tmp_path / "g.svg"), "--timeline",
                  str(tmp_path / "t.svg"), "--report", str(tmp_path / "r.html")]) == 0
     assert "cluster_stage1" in (tmp_path / "g.svg").read_text()
-    assert (tmp_path / "r.html").read_text().count("<svg") == 2
+    assert (tmp_path / "r.html").read_text().count("<svg") == 3
     capsys.readouterr()
 
 
@@ -280,7 +280,7 @@ def test_simulate_a_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["simulate", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "simulated on the cluster it was planned for" in printed and "bubble" in printed
-    rows = [line for line in printed.splitlines() if line.strip().startswith("stage 0 ")]
+    rows = [line for line in printed.splitlines() if line.strip().startswith("dev 0 ")]
     assert rows and "F" in rows[0] and "B" in rows[0]
 
 

@@ -46,7 +46,7 @@ def _report(tmp_path: Path) -> Path:
 
 def test_report_is_self_contained(tmp_path: Path, graphviz: str) -> None:
     text = _report(tmp_path).read_text()
-    assert text.count("<svg") == 2 and text.count("</svg>") == 2
+    assert text.count("<svg") == 3 and text.count("</svg>") == 3  # memory, graph, timeline
     graph = text[text.index('id="graph"'):text.index('id="timeline"')]
     timeline = text[text.index('id="timeline"'):]
     assert graph.count('class="node"') >= 10 and "cluster_stage2" in graph
