@@ -42,6 +42,7 @@ from torch import nn
 import partitioner.passes as _passes
 import partitioner.runtime as _runtime
 from partitioner.errors import CallError, ExampleInputsError, PlanMismatchError, TraceError
+from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.export_rules import export_rules
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
@@ -331,9 +332,12 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     bound = signature.bind(*args, **kwargs)
     dynamic = {name: pytree.tree_map(lambda v: _dynamic_dim(v, batch), value)
                for name, value in bound.arguments.items()}
-    with _without_cache(model, kwargs):
-        program = _export(model, args, kwargs, dynamic, signature)
-    unlifted = unlift(program, type(model).__name__)
+    with _without_cache(model, kwargs), fake_device(model, args, kwargs) as (fake_args,
+                                                                          fake_kwargs, on):
+        program = _export(model, fake_args, fake_kwargs, dynamic, signature)
+        unlifted = unlift(program, type(model).__name__)
+    if on is not None:  # a meta-built model, captured on fake tensors on device ``on``
+        restore_meta(unlifted.graph_module, model, on)
     # Each nn.MultiheadAttention call export inlined becomes one call_module again, as
     # symbolic tracing keeps it (tensor parallelism splits it by heads).
     fold_attention(unlifted.graph_module, model, module_calls(program, unlifted.nodes))

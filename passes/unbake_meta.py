@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from partitioner.passes.base import PassResult
 
-__all__ = ["unbake_meta", "holds_meta_device"]
+__all__ = ["unbake_meta", "bake_meta", "holds_meta_device"]
 
 _META = torch.device("meta")
 
@@ -51,12 +51,28 @@ def unbake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
     device = torch.device(device)
     if device.type == "meta":
         return PassResult(gm, False)
+    return _replace_device(gm, _META, device)
+
+
+def bake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
+    """The reverse of :func:`unbake_meta`: every ``device`` in ``gm``'s nodes' arguments
+    becomes the meta device (in place). A meta-built model captured on fake tensors on
+    ``device`` (so that its Python code takes that device's branches) gets a graph that,
+    like its tensors, is on meta until a stage is placed.
+
+    Returns:
+        A :class:`PassResult`; ``modified`` says whether a node changed.
+    """
+    return _replace_device(gm, torch.device(device), _META)
+
+
+def _replace_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> PassResult:
     modified = False
     for node in gm.graph.nodes:
-        if not holds_meta_device((node.args, node.kwargs)):
+        if not _holds((node.args, node.kwargs), old):
             continue
-        node.args = _replaced(node.args, device)
-        node.kwargs = _replaced(node.kwargs, device)
+        node.args = _replaced(node.args, old, new)
+        node.kwargs = _replaced(node.kwargs, old, new)
         modified = True
     if modified:
         gm.graph.lint()
@@ -66,22 +82,31 @@ def unbake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
 
 def holds_meta_device(value: Any) -> bool:
     """Whether ``value`` (a node argument, possibly nested) names the meta device."""
+    return _holds(value, _META)
+
+
+def _same(value: torch.device, device: torch.device) -> bool:
+    return value.type == device.type and (value.index == device.index
+                                          or device.type in ("meta", "cpu"))
+
+
+def _holds(value: Any, device: torch.device) -> bool:
     if isinstance(value, torch.device):
-        return value.type == "meta"
+        return _same(value, device)
     if isinstance(value, (tuple, list)):
-        return any(holds_meta_device(v) for v in value)
+        return any(_holds(v, device) for v in value)
     if isinstance(value, dict):
-        return any(holds_meta_device(v) for v in value.values())
+        return any(_holds(v, device) for v in value.values())
     return False
 
 
-def _replaced(value: Any, device: torch.device) -> Any:
+def _replaced(value: Any, old: torch.device, new: torch.device) -> Any:
     if isinstance(value, torch.device):
-        return device if value.type == "meta" else value
+        return new if _same(value, old) else value
     if isinstance(value, tuple):
-        return tuple(_replaced(v, device) for v in value)
+        return tuple(_replaced(v, old, new) for v in value)
     if isinstance(value, list):
-        return [_replaced(v, device) for v in value]
+        return [_replaced(v, old, new) for v in value]
     if isinstance(value, dict):
-        return {k: _replaced(v, device) for k, v in value.items()}
+        return {k: _replaced(v, old, new) for k, v in value.items()}
     return value

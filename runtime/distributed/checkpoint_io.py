@@ -48,6 +48,7 @@ from partitioner.errors import CheckpointError, CheckpointWriteError
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.failure import undo_on_abort
 from partitioner.runtime.distributed.weights_file import read_weights
+from partitioner.runtime.distributed.weights_folder import read_folder
 from partitioner.runtime.distributed.zero import ShardedOptimizer
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
@@ -310,8 +311,9 @@ def _checked(data: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _read_any(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A checkpoint, or a whole-model state dict (``torch.save`` or safetensors) as one
-    without optimizer state, its tensors read only when used."""
-    data = read_weights(path)
+    without optimizer state, its tensors read only when used; a folder is read as
+    transformers' safetensors shards with their index (``weights_folder``)."""
+    data = read_folder(path) if Path(path).is_dir() else read_weights(path)
     if isinstance(data, dict) and "format" in data:
         return _checked(data, path)
     if isinstance(data, Mapping) and all(isinstance(v, torch.Tensor) for v in data.values()):
