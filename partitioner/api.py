@@ -64,6 +64,7 @@ from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.precision import check_precision
 from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
+from partitioner.runtime.wrapper import ModelWrapper
 from partitioner.tensor_parallel import partition_tensor_parallel
 
 __all__ = ["partition", "make_plan", "route", "plan_record", "STRATEGIES"]
@@ -490,3 +491,6 @@ def _check_model(model: object) -> None:
                 else " (a function: wrap it in an nn.Module)" if callable(model) else "")
         raise ModelError(f"model={model!r} is a {type(model).__name__}, not an nn.Module"
                          f"{hint}; pass the nn.Module to partition")
+    if isinstance(model, ModelWrapper):
+        raise ModelError(f"model is already partitioned (a {type(model).__name__}); pass the "
+                         "original model (pm.module) to partition it again")

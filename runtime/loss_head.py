@@ -31,7 +31,7 @@ from partitioner.runtime.precision import upcast
 from partitioner.runtime.transfer import move_leaves
 
 __all__ = ["LOSS_REDUCTIONS", "LossHead", "loss_weights", "split_targets", "to_device",
-           "loss_reduction_problem", "check_loss"]
+           "loss_reduction_problem", "check_loss", "check_loss_fn"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 """How ``loss_fn`` reduces over a micro-batch's samples."""
@@ -43,6 +43,15 @@ def loss_reduction_problem(loss_reduction: object) -> str | None:
         return None
     return (f"loss_reduction={loss_reduction!r}; use one of {LOSS_REDUCTIONS} (how loss_fn "
             "reduces over a micro-batch's samples)")
+
+
+def check_loss_fn(loss_fn: object) -> None:
+    """Raises a :class:`LossError` unless ``loss_fn`` can be called (a name such as
+    ``"mse"`` or a loss class instead of an instance would otherwise fail mid-step)."""
+    if not callable(loss_fn) or isinstance(loss_fn, type):
+        raise LossError(f"loss_fn={loss_fn!r} is a {type(loss_fn).__name__}, not a function "
+                        "of (outputs, targets); pass one such as torch.nn.functional.mse_loss "
+                        "or an instance such as nn.CrossEntropyLoss()")
 
 
 def check_loss(loss: Any, *, training: bool = True, where: str = "the batch") -> torch.Tensor:
@@ -125,6 +134,7 @@ class LossHead:
                  weights: Sequence[float], restructure: Callable[[Any], Any] = lambda o: o,
                  *, training: bool = True, grad_scale: float = 1.0,
                  upcast: bool = False) -> None:
+        check_loss_fn(loss_fn)
         self.loss_fn = loss_fn
         self.targets = list(targets)
         self.weights = list(weights)

@@ -78,8 +78,10 @@ def scatter(values: list[Any], chunks: int) -> list[list[Any]]:
     batch = batch_size(values)
     if batch is None:
         if chunks > 1:
+            kinds = ", ".join(type(v).__name__ for v in values)
             raise ChunksError(f"chunks={chunks} but no input tensor has a batch dimension to "
-                              "split; pass chunks=1 or batched inputs")
+                              f"split (the inputs are: {kinds}); pass torch tensors with the "
+                              "batch as dim 0, or chunks=1")
         return [list(values)]
     if batch == 0:
         raise ChunksError(f"the batch is empty (dim 0 of the inputs has size 0) and "

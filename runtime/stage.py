@@ -28,6 +28,7 @@ from torch import nn
 
 from partitioner.errors import BackwardError, StageExecutionError
 from partitioner.runtime.fused_linear import WeightGrads, deferring
+from partitioner.runtime.input_hint import input_hint
 from partitioner.runtime.precision import autocast
 from partitioner.runtime.rng import fork, use_generator, use_shard_generator
 
@@ -115,7 +116,8 @@ class StageRunner:
             where = f", node {node}" if node else ""
             raise StageExecutionError(
                 f"stage {self.index} (micro-batch {i}{where}) raised "
-                f"{type(error).__name__}: {error}{self._dtype_hint(error, inputs)}",
+                f"{type(error).__name__}: {error}{self._dtype_hint(error, inputs)}"
+                f"{input_hint(self.graph_module, inputs) if self.index == 0 else ''}",
                 self.index, i, node) from error
 
     def _dtype_hint(self, error: Exception, inputs: list[Any]) -> str:

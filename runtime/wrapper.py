@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.errors import ClosedError, StrategyError
-from partitioner.runtime.loss_head import check_loss, loss_reduction_problem
+from partitioner.runtime.loss_head import check_loss, check_loss_fn, loss_reduction_problem
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["ModelWrapper", "NormCombiner", "local_norms", "GroupNorms", "BUILD_LOCK"]
@@ -215,6 +215,7 @@ class ModelWrapper(nn.Module):
                 that does not require grad.
         """
         check_loss_reduction(loss_reduction)
+        check_loss_fn(loss_fn)
         self._ensure_open("train")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         loss = loss_fn(self(*args, **dict(kwargs or {})), targets)
@@ -229,6 +230,7 @@ class ModelWrapper(nn.Module):
         """:meth:`step` through a one-process pipeline's own ``step`` (its schedule);
         ``grad_scale`` multiplies the gradients only (fp16 loss scaling)."""
         check_loss_reduction(loss_reduction)
+        check_loss_fn(loss_fn)
         self._ensure_open("train")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         values = bind(args, dict(kwargs or {}))

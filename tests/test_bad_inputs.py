@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import PartitionError, Plan, load_plan, make_plan, partition
+from partitioner import Mesh, PartitionError, Plan, load_plan, make_plan, partition
 from partitioner.cli import main
 from partitioner.distributed import partition_distributed
 from partitioner.errors import (
@@ -21,16 +21,22 @@ from partitioner.errors import (
     ChunksError,
     DeviceError,
     ExampleInputsError,
+    LossError,
     MemoryLimitError,
+    MeshError,
     ModelError,
     PlanFormatError,
     PlanMismatchError,
     PlanWriteError,
+    PrecisionError,
+    ScheduleError,
     SpecError,
     StageCountError,
     StageExecutionError,
     StrategyError,
+    TensorParallelError,
     TraceError,
+    TuneError,
 )
 from partitioner.request import PlanRequest
 from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, read_checkpoint
@@ -175,7 +181,133 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      PlanMismatchError, "stage 0 holds ['3', '4']; stage 1 holds ['0', '1', '2']"),
     ("plan saved into a missing folder", lambda: make_plan(_model(), ["cpu"], balance=[5])
      .save("no/such/folder/plan.json"), PlanWriteError, "'no/such/folder'"),
+    # As a new user tries them (issue #19): devices written the wrong way,
+    ("devices one string", lambda: partition(_model(), "cpu,cpu", example_inputs=(X,)),
+     DeviceError, "'cpu,cpu'"),
+    ("device index not a number", lambda: partition(_model(), ["cpu:x"], example_inputs=(X,)),
+     DeviceError, "'cpu:x'"),
+    ("device upper case", lambda: partition(_model(), ["CUDA"], example_inputs=(X,)),
+     DeviceError, "'CUDA'"),
+    ("devices negative", lambda: partition(_model(), -2, example_inputs=(X,)), DeviceError,
+     "devices=-2"),
+    ("devices a dict", lambda: partition(_model(), {"cpu": 2}, example_inputs=(X,)),  # type: ignore[arg-type]
+     DeviceError, "devices={'cpu': 2}"),
+    # options of the wrong type or value,
+    ("chunks a string", lambda: partition(_model(), CPU2, example_inputs=(X,), chunks="2"),  # type: ignore[arg-type]
+     ChunksError, "chunks='2'"),
+    ("balance with a zero", lambda: partition(_model(), CPU2, balance=[0, 5]), BalanceError,
+     "balance=[0, 5]"),
+    ("balance negative", lambda: partition(_model(), CPU2, balance=[-1, 6]), BalanceError,
+     "balance=[-1, 6]"),
+    ("balance floats", lambda: partition(_model(), CPU2, balance=[2.5, 2.5]),  # type: ignore[list-item]
+     BalanceError, "balance=[2.5, 2.5]"),
+    ("balance a dict", lambda: partition(_model(), CPU2, balance={"a": 1}),  # type: ignore[arg-type]
+     BalanceError, "balance={'a': 1}"),
+    ("split points numbers", lambda: partition(_model(), CPU2, split_points=[2]),  # type: ignore[list-item]
+     BalanceError, "split_points=[2]"),
+    ("schedule unknown", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                           schedule="pipedream"),
+     ScheduleError, "'pipedream'"),
+    ("schedule a number", lambda: partition(_model(), CPU2, example_inputs=(X,), schedule=1),  # type: ignore[arg-type]
+     ScheduleError, "schedule=1"),
+    ("virtual stages zero", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                              virtual_stages=0),
+     ScheduleError, "virtual_stages=0"),
+    ("checkpoint a bool", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                            checkpoint=True),  # type: ignore[arg-type]
+     StrategyError, "checkpoint=True"),
+    ("memory limit strings", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                               memory_limit=["1G", "1G"]),  # type: ignore[arg-type]
+     MemoryLimitError, "['1G', '1G']"),
+    ("strategy a number", lambda: partition(_model(), CPU2, 3, example_inputs=(X,)),  # type: ignore[arg-type]
+     StrategyError, "strategy=3"),
+    ("tensor parallel a string", lambda: partition(_model(), CPU2, tensor_parallel="2",
+                                                   example_inputs=(X,)),
+     TensorParallelError, "tensor_parallel='2'"),
+    ("tensor parallel a float", lambda: partition(_model(), CPU2, tensor_parallel=2.0,  # type: ignore[arg-type]
+                                                  example_inputs=(X,)),
+     TensorParallelError, "tensor_parallel=2.0"),
+    ("precision unknown", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                            precision="fp8"),
+     PrecisionError, "'fp8'"),
+    ("precision a number", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                             precision=16),  # type: ignore[arg-type]
+     PrecisionError, "precision=16"),
+    ("tune a string", lambda: partition(_model(), CPU2, example_inputs=(X,), tune="yes"),  # type: ignore[arg-type]
+     TuneError, "tune='yes'"),
+    ("tune negative", lambda: partition(_model(), CPU2, example_inputs=(X,), tune=-1),
+     TuneError, "tune=-1"),
+    # inputs and models that do not fit,
+    ("inputs of the wrong width", lambda: partition(_model(), CPU2,
+                                                    example_inputs=(torch.randn(8, 5),)),
+     ExampleInputsError, "(8, 5) float32"),
+    ("example kwargs forward lacks", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                                       example_kwargs={"mask": X}),
+     CallError, "'mask'"),
+    ("data-dependent control flow", lambda: partition(DataDependent(), CPU2,
+                                                      example_inputs=(X,)),
+     TraceError, "if h.sum() > 0"),
+    ("a model already partitioned", lambda: partition(_pm(), CPU2, example_inputs=(X,)),
+     ModelError, "already partitioned"),
+    ("a plan for another model", lambda: partition(_model(), CPU2, plan=_other_plan()),
+     PlanMismatchError, "another model"),
+    ("spec stages a string", lambda: load_plan({"stages": "0-2"}), SpecError, "'0-2'"),
+    ("spec layers a number", lambda: load_plan({"stages": [{"layers": 3}]}), SpecError,
+     "layers: 3"),
+    ("mesh larger than the devices", lambda: partition(_model(), CPU2, example_inputs=(X,),
+                                                       mesh=Mesh(dp=2, pp=2)),
+     MeshError, "spans 4 devices"),
+    ("mesh a tuple", lambda: partition(_model(), CPU2, example_inputs=(X,), mesh=(2, 1, 1)),  # type: ignore[arg-type]
+     MeshError, "mesh=(2, 1, 1)"),
+    # calls that differ from the planned ones,
+    ("call with fewer inputs than planned", lambda: _two_inputs()(X), CallError, "'y'"),
+    ("call with a numpy array", lambda: _pm()(X.numpy()), ChunksError, "ndarray"),
+    ("call with None", lambda: _pm()(None), ChunksError, "NoneType"),
+    ("step with a loss name", lambda: _pm().step(X, torch.randn(8, 2), "mse"),  # type: ignore[arg-type]
+     LossError, "loss_fn='mse'"),
+    ("step with a loss class", lambda: _pm().step(X, torch.randn(8, 2), nn.MSELoss),  # type: ignore[arg-type]
+     LossError, "MSELoss"),
+    ("step targets of another batch", lambda: _pm().step(X, torch.randn(7, 2),
+                                                         nn.functional.mse_loss),
+     ChunksError, "batch size 7"),
+    ("step loss not reduced", lambda: _pm().step(X, torch.randn(8, 2),
+                                                 lambda o, t: (o - t) ** 2),
+     LossError, "(4, 2)"),
 ]
+
+
+class DataDependent(nn.Module):
+    """Branches on a value computed from the input: no one graph holds both paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.b(h)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + y)
+
+
+def _two_inputs() -> Any:
+    return partition(TwoInputs(), CPU2, "pipeline", example_inputs=(X, torch.randn(8, 4)),
+                     chunks=2)
+
+
+def _other_plan() -> dict[str, Any]:
+    other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(),
+                          nn.Linear(8, 2))
+    return make_plan(other, CPU2, balance=[3, 2]).to_dict()
 
 
 def _plan_dict() -> dict[str, Any]:
@@ -205,7 +337,7 @@ def test_mistake_raises_a_partition_error_naming_the_value(call: Callable[[], An
     assert isinstance(info.value, (ValueError, TypeError))
     assert names in str(info.value)
     fixes = ("pass", "use", "drop", "call", "check", "write", "set", "keep", "give", "make",
-             "did you mean")
+             "re-plan", "load", "return", "did you mean")
     assert any(word in str(info.value) for word in fixes), f"no fix in: {info.value}"
 
 
@@ -280,3 +412,30 @@ def test_a_call_in_another_float_dtype_than_the_model_says_what_to_pass() -> Non
         _pm()(X.double())
     assert "the inputs are float64 but the model's parameters are float32" in str(info.value)
     assert "pass float32 inputs (x.to(torch.float32))" in str(info.value)
+
+
+def test_a_plan_file_that_is_not_json_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("{stages: [")   # YAML-ish, hand-written
+    with pytest.raises(SpecError) as info:
+        load_plan(path)
+    assert str(path) in str(info.value) and "not valid JSON" in str(info.value)
+
+
+@pytest.mark.parametrize(("call", "names"), [
+    (lambda pm: pm(torch.randn(8, 5)), "input is (B, 5) float32 where the model was "
+                                       "partitioned with (B, 4) float32"),
+    (lambda pm: pm(X.long()), "input is (B, 4) int64 where the model was partitioned with "
+                              "(B, 4) float32"),
+    (lambda pm: pm([X]), "input is a list where the model was partitioned with a (B, 4) "
+                         "float32 tensor"),
+    (lambda pm: pm({"x": X}), "input is a dict where"),
+], ids=["wider", "int64", "a list", "a dict"])
+def test_a_call_unlike_the_example_names_the_input_and_the_fix(
+        call: Callable[[Any], Any], names: str) -> None:
+    """Regression: torch's message ("mat1 and mat2 shapes cannot be multiplied", "'list'
+    object has no attribute 'requires_grad'") about a graph node, and no fix."""
+    with pytest.raises(StageExecutionError) as info:
+        call(_pm())
+    assert names in str(info.value)
+    assert "pass inputs like the example inputs" in str(info.value)

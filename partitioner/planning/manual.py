@@ -36,7 +36,8 @@ def boundaries_from_balance(balance: Sequence[int], n_layers: int,
                         f"devices; pass one entry per device")
     bad = [b for b in entries if not isinstance(b, int) or isinstance(b, bool) or b < 1]
     if bad:
-        problems.append(f"balance entries must be positive integers, got {bad}")
+        problems.append(f"balance entries must be positive integers, got {bad} in "
+                        f"balance={entries}; pass a layer count >= 1 per stage")
     if not bad and sum(entries) != n_layers:
         problems.append(f"balance sums to {sum(entries)} but the model has {n_layers} layers; "
                         f"pass balance summing to {n_layers} or omit it")
