@@ -107,7 +107,7 @@ import partitioner  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.runtime.host_memory import keep_freed_memory  # noqa: E402
 from partitioner.runtime.local import thread_plan  # noqa: E402
-from partitioner.runtime.schedules import gpipe as gpipe_schedule  # noqa: E402
+from partitioner.runtime.schedule_generators import gpipe as gpipe_schedule  # noqa: E402
 from partitioner.runtime.worker import thread_default  # noqa: E402
 
 

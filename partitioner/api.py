@@ -56,7 +56,7 @@ from partitioner.planning.tune import (
 )
 from partitioner.plans.explain import tuned_line
 from partitioner.plans.plan import Mesh, Plan
-from partitioner.plans.precision import planned_precision
+from partitioner.plans.plan_precision import planned_precision
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
 from partitioner.runtime.materialize import InitFn, MaterializerFactory, materializer_for

@@ -29,7 +29,7 @@ from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
-from partitioner.plans.precision import check_master_weights
+from partitioner.plans.plan_precision import check_master_weights
 from partitioner.request import PlanRequest
 from partitioner.runtime.checkpointing import checkpoint_stop
 from partitioner.runtime.materialize import MaterializerFactory

@@ -64,7 +64,7 @@ from partitioner.planning.tune import tune_count
 from partitioner.planning.world import Degrees
 from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
-from partitioner.plans.precision import distributed_precision
+from partitioner.plans.plan_precision import distributed_precision
 from partitioner.request import PlanRequest
 from partitioner.runtime.device import batches_sends
 from partitioner.runtime.distributed.agreement import check_same_settings
@@ -545,6 +545,7 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
     stage = route_module_randomness(
         shard_stage(graph, model, shard_plan, mesh.shard, device, source)).graph_module
     setattr(stage, COMM_ATTR, comm)
+    keep_non_persistent(stage, non_persistent_names(graph))
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)
 
 
@@ -555,7 +556,6 @@ def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: MeshShape,
         "layers": [list(s.layers) for s in plan.stages], "chunks": plan.chunks,
         "checkpoint": plan.checkpoint, "schedule": plan.schedule,
         "virtual_stages": settings.virtual,
-    keep_non_persistent(stage, non_persistent_names(graph))
         "mesh": [shape.pp, shape.dp, shape.tp], "loss_reduction": settings.loss_reduction,
         "shard_specs": sorted((k, repr(v)) for k, v in plan.shard_specs.items()),
         "bucket_bytes": settings.bucket_bytes, "seed": settings.seed,

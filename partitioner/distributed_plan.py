@@ -29,7 +29,7 @@ from partitioner import errors
 from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
 from partitioner.cost.machine import cpu_spec
-from partitioner.cost.precision import precision_workload
+from partitioner.cost.precision_cost import precision_workload
 from partitioner.errors import MemoryLimitError, PartitionError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
@@ -80,7 +80,7 @@ class AutoOptions:
         memory_limit: bytes per rank.
         memory_reserve: share of each device's memory left unused.
         rules: ``tensor_parallel=`` rules (with a fixed ``tp``).
-        precision: the compute precision the search costs (``partitioner.cost.precision``).
+        precision: the compute precision the search costs (``partitioner.cost.precision_cost``).
         optimizer_sharding: ZeRO-1 fixed on or off; ``None``: chosen only when no
             configuration fits memory without it.
     """

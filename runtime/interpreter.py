@@ -21,7 +21,7 @@ and the schedules know nothing of either: one registry of action lists
 
 Example:
     >>> import torch
-    >>> from partitioner.runtime.schedules import one_f_one_b
+    >>> from partitioner.runtime.schedule_generators import one_f_one_b
     >>> from partitioner.runtime.stage import StageRunner
     >>> class Here:  # a transport for one device holding the only stage
     ...     def __init__(self, x): self.x, self.grads = x, None

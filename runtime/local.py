@@ -392,7 +392,7 @@ def thread_plan(schedule: Schedule, on_cpu: Sequence[bool], budget: int
     busy alongside it in the schedule's clock ticks (the most at any of its ticks).
 
     Example:
-        >>> from partitioner.runtime.schedules import gpipe
+        >>> from partitioner.runtime.schedule_generators import gpipe
         >>> plan = thread_plan(gpipe(2, 2), [True, True], budget=2)
         >>> {str(a): n for a, n in plan.items()}["0F0"], {str(a): n for a, n in plan.items()}["0F1"]
         (2, 1)
@@ -424,7 +424,7 @@ def split_phases(schedule: Schedule) -> tuple[Schedule, Schedule]:
         ScheduleError: Naming every stage that runs a forward after a backward.
 
     Example:
-        >>> from partitioner.runtime.schedules import gpipe
+        >>> from partitioner.runtime.schedule_generators import gpipe
         >>> forwards, backwards = split_phases(gpipe(2, 2))
         >>> [str(a) for a in forwards[0]], [str(a) for a in backwards[0]]
         (['0F0', '0F1'], ['0B1', '0B0'])

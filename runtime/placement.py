@@ -7,7 +7,7 @@ function; the validator, the runtimes, the predictor and the simulator read the 
 of assuming one. Two shapes exist today:
 
 * :func:`looped`, GPipe's, 1F1B's and Megatron's interleaving: stage ``k`` on ``k % P``;
-* a V (``partitioner.runtime.schedules.v_shape``): down the devices, then back up.
+* a V (``partitioner.runtime.schedule_generators.v_shape``): down the devices, then back up.
 
 Example:
     >>> looped(3, 2)

@@ -9,12 +9,12 @@ stage runs (``partitioner.runtime.action``, re-exported here). An action prints 
 ``"1F0"`` (stage 1, forward, micro-batch 0); its ``stage`` is the virtual stage it runs,
 stage ``j`` holding virtual stages ``j, j + P, ..., j + (v - 1) P`` (Megatron-LM's
 placement; with ``v = 1`` the two are one). Schedules are built by pure functions
-(``partitioner.runtime.schedules``), found by name in one registry
+(``partitioner.runtime.schedule_generators``), found by name in one registry
 (``partitioner.runtime.schedule_registry``), checked by :func:`validate` and only *run* by
 an executor, so the ordering rules live here and tests check a schedule without a model.
 
 Example:
-    >>> from partitioner.runtime.schedules import gpipe
+    >>> from partitioner.runtime.schedule_generators import gpipe
     >>> print(render(gpipe(2, 2), backward_time=1.0))
     0F0 0F1   .   . 0B1 0B0
       . 1F0 1F1 1B1 1B0   .
@@ -129,7 +129,7 @@ def validate(
         ScheduleError: Listing every problem, if there is any.
 
     Example:
-        >>> from partitioner.runtime.schedules import gpipe
+        >>> from partitioner.runtime.schedule_generators import gpipe
         >>> validate(gpipe(2, 3), 2, 3)
         >>> broken = (tuple(map(Action.parse, ["0F0", "0B0"])), (Action.parse("1F0"),))
         >>> try:
@@ -402,7 +402,7 @@ def clock_ticks(
         ScheduleError: If the schedule is invalid or the time ratio is not a whole number.
 
     Example:
-        >>> from partitioner.runtime.schedules import gpipe
+        >>> from partitioner.runtime.schedule_generators import gpipe
         >>> [[str(a) if a else "." for a in tick] for tick in clock_ticks(gpipe(2, 1))]
         [['0F0', '.'], ['.', '1F0'], ['.', '1B0'], ['.', '1B0'], ['0B0', '.'], ['0B0', '.']]
     """
@@ -454,7 +454,7 @@ def in_flight(schedule: Schedule) -> tuple[int, ...]:
         The peak per stage.
 
     Example:
-        >>> from partitioner.runtime.schedules import gpipe, one_f_one_b
+        >>> from partitioner.runtime.schedule_generators import gpipe, one_f_one_b
         >>> in_flight(gpipe(3, 4)), in_flight(one_f_one_b(3, 4))
         ((4, 4, 4), (3, 2, 1))
     """
@@ -489,7 +489,7 @@ def bubble_fraction(
         ScheduleError: As :func:`clock_ticks` does.
 
     Example:
-        >>> from partitioner.runtime.schedules import gpipe
+        >>> from partitioner.runtime.schedule_generators import gpipe
         >>> bubble_fraction(gpipe(4, 8))
         0.2727272727272727
     """
@@ -514,7 +514,7 @@ def render(schedule: Schedule, forward_time: float = 1.0, backward_time: float =
         ScheduleError: As :func:`clock_ticks` does.
 
     Example:
-        >>> from partitioner.runtime.schedules import one_f_one_b
+        >>> from partitioner.runtime.schedule_generators import one_f_one_b
         >>> print(render(one_f_one_b(2, 2), backward_time=1.0))
         0F0 0F1   . 0B0   . 0B1
           . 1F0 1B0 1F1 1B1   .

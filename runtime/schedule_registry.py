@@ -2,7 +2,7 @@
 
 Plans, specs, the predictor, the simulator, the search and the runtimes all look a
 schedule up here. Each :class:`ScheduleKind` holds its generator (a pure function of
-``partitioner.runtime.schedules``), whether it needs virtual stages, the rules its counts
+``partitioner.runtime.schedule_generators``), whether it needs virtual stages, the rules its counts
 must keep, the :class:`Runtime` s that execute it, where its virtual stages run (its
 placement, ``partitioner.runtime.placement``) and its own time and memory hooks (``chain``,
 ``bound``, ``peak``), so the predictor and the search never branch on a schedule's name. A
@@ -11,7 +11,7 @@ schedule no runtime executes is still simulated and predicted. The one interpret
 ``1f1b``, ``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``, the
 one-process runtime also ``v_shape`` (its chunks placed in a V). What each runtime runs
 besides schedules is published here too (:data:`CAPABILITIES`). Adding a schedule is
-adding its generator (and placement, if new) to ``partitioner.runtime.schedules`` and one
+adding its generator (and placement, if new) to ``partitioner.runtime.schedule_generators`` and one
 entry to :data:`SCHEDULES`; the tests then validate it over a grid of sizes and simulate it.
 
 Example:
@@ -36,7 +36,7 @@ from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Schedule
 from partitioner.runtime.placement import Placement, looped
 from partitioner.runtime.schedule import count_problems, in_flight
-from partitioner.runtime.schedules import (
+from partitioner.runtime.schedule_generators import (
     gpipe,
     interleaved,
     one_f_one_b,
@@ -336,7 +336,7 @@ def make_schedule(name: str, n_stages: int, n_microbatches: int, virtual: int = 
         ScheduleError: If the name is unknown or the counts do not suit the schedule.
 
     Example:
-        >>> from partitioner.runtime.schedules import one_f_one_b
+        >>> from partitioner.runtime.schedule_generators import one_f_one_b
         >>> make_schedule("1f1b", 2, 2) == one_f_one_b(2, 2)
         True
     """

@@ -32,7 +32,7 @@ from partitioner.analysis import Analysis
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.machine import local_cluster
-from partitioner.cost.precision import precision_workload
+from partitioner.cost.precision_cost import precision_workload
 from partitioner.errors import (
     BalanceError,
     ChunksError,

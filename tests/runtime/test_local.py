@@ -22,7 +22,7 @@ from partitioner.errors import (
 )
 from partitioner.runtime.action import Schedule
 from partitioner.runtime.local import LocalPipeline, split_phases
-from partitioner.runtime.schedules import gpipe, one_f_one_b
+from partitioner.runtime.schedule_generators import gpipe, one_f_one_b
 
 
 class _Boom(nn.Module):

@@ -1,4 +1,4 @@
-"""Tests of runtime/schedule.py, runtime/schedules.py and runtime/schedule_registry.py:
+"""Tests of runtime/schedule.py, runtime/schedule_generators.py and runtime/schedule_registry.py:
 schedules are checked as data, without running a model."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 
 import partitioner.runtime.schedule
+import partitioner.runtime.schedule_generators
 import partitioner.runtime.schedule_registry
-import partitioner.runtime.schedules
 from partitioner.errors import PartitionError, ScheduleError
 from partitioner.runtime.schedule import (
     Action,
@@ -22,11 +22,14 @@ from partitioner.runtime.schedule import (
     render,
     validate,
 )
+from partitioner.runtime.schedule_generators import gpipe, interleaved, one_f_one_b
 from partitioner.runtime.schedule_registry import (
+    CAPABILITIES,
     GPIPE,
     INTERLEAVED,
     ONE_F_ONE_B,
     SCHEDULES,
+    V_SHAPE,
     ZERO_BUBBLE,
     Runtime,
     ScheduleKind,
@@ -36,7 +39,6 @@ from partitioner.runtime.schedule_registry import (
     schedule_kind,
     schedule_names,
 )
-from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
 VIRTUAL = [1, 2, 3, 4]
@@ -182,7 +184,7 @@ def test_make_schedule_builds_by_name() -> None:
     assert make_schedule("gpipe", 3, 5) == gpipe(3, 5)
     assert make_schedule("1f1b", 3, 5) == one_f_one_b(3, 5)
     assert make_schedule("interleaved", 3, 6, 2) == interleaved(3, 6, 2)
-    assert tuple(SCHEDULES) == (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
+    assert tuple(SCHEDULES) == (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, V_SHAPE)
     assert all(name == kind.name for name, kind in SCHEDULES.items())
 
 
@@ -206,7 +208,7 @@ def test_every_registered_schedule_validates(
     kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
 ) -> None:
     schedule = kind.build(n_stages, n_microbatches, virtual)
-    validate(schedule, n_stages, n_microbatches, virtual)
+    validate(schedule, n_stages, n_microbatches, virtual, kind.place(n_stages, virtual))
     assert make_schedule(kind.name, n_stages, n_microbatches, virtual) == schedule
     clock_ticks(schedule)  # its own P, m and v are read back from the actions
 
@@ -265,9 +267,10 @@ def test_virtual_stages_are_asked_of_interleaved_only() -> None:
 
 def test_runtimes_execute_what_the_registry_says() -> None:
     every = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
-    assert schedule_names([Runtime.ONE_PROCESS]) == every
+    assert schedule_names([Runtime.ONE_PROCESS]) == (*every, V_SHAPE)
     assert schedule_names([Runtime.MULTI_PROCESS]) == every
-    assert schedule_names(virtual=True) == (INTERLEAVED,)
+    assert schedule_names(virtual=True) == (INTERLEAVED, V_SHAPE)
+    assert schedule_names(searched=True) == every
     assert check_runtime(GPIPE, Runtime.ONE_PROCESS) is SCHEDULES[GPIPE]
     assert runtime_problem(ZERO_BUBBLE, Runtime.MULTI_PROCESS) is None
     with pytest.raises(ScheduleError, match="schedule='zb' is not a registered schedule"):
@@ -531,9 +534,27 @@ def test_validate_with_virtual_stages_checks_each_chunk_s_order_and_dependencies
             "stage 1 waits on 1B0 which needs 2B0") in stuck
 
 
-@pytest.mark.parametrize("module", [partitioner.runtime.schedule, partitioner.runtime.schedules,
+@pytest.mark.parametrize("module", [partitioner.runtime.schedule,
+                                    partitioner.runtime.schedule_generators,
                                     partitioner.runtime.schedule_registry])
 def test_docstring_examples_run(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_each_schedule_times_its_own_fill_and_drain() -> None:
+    # The predictor and the search call these hooks instead of branching on a name.
+    forward, backward = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]
+    assert SCHEDULES[ONE_F_ONE_B].chain(forward, backward, 0.5) == 9.0
+    # Split backward: the input halves chain (3 x 1), the last weight half on stage 0 (1).
+    assert SCHEDULES[ZERO_BUBBLE].chain(forward, backward, 0.5) == 3.0 + 3.0 + 1.0
+    assert SCHEDULES[ONE_F_ONE_B].bound(3, 4, 1, forward, backward, 0.5) == (4 + 2) * 9 / 3
+    assert SCHEDULES[ZERO_BUBBLE].bound(3, 4, 1, forward, backward, 0.5) == 4 * 9 / 3
+    assert SCHEDULES[V_SHAPE].bound(3, 1, 2, forward, backward, 0.5) == 9.0
+
+
+def test_each_runtime_publishes_what_it_runs_besides_schedules() -> None:
+    assert CAPABILITIES[Runtime.MULTI_PROCESS].optimizer_sharding
+    assert not CAPABILITIES[Runtime.ONE_PROCESS].optimizer_sharding
+    assert not any(c.virtual_with_tp for c in CAPABILITIES.values())

@@ -1,6 +1,6 @@
 """The V-shaped schedule (``v_shape``): a placement other than ``k % P`` read everywhere.
 
-Adding it touched two files, ``runtime/schedules.py`` (its generator and ``zigzag``
+Adding it touched two files, ``runtime/schedule_generators.py`` (its generator and ``zigzag``
 placement) and ``runtime/schedule_registry.py`` (its entry); these tests check the
 schedule as data, train a model with it in one process, and simulate it.
 """
@@ -19,6 +19,7 @@ from partitioner.errors import ScheduleError
 from partitioner.runtime.local import fill_drain
 from partitioner.runtime.placement import looped, placement_of
 from partitioner.runtime.schedule import bubble_fraction, in_flight, validate
+from partitioner.runtime.schedule_generators import one_f_one_b, v_shape, zigzag
 from partitioner.runtime.schedule_registry import (
     V_SHAPE,
     Runtime,
@@ -26,7 +27,6 @@ from partitioner.runtime.schedule_registry import (
     make_schedule,
     schedule_kind,
 )
-from partitioner.runtime.schedules import one_f_one_b, v_shape, zigzag
 
 
 def test_the_v_goes_down_the_devices_and_back() -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from partitioner.runtime.local import LocalPipeline, thread_plan
-from partitioner.runtime.schedules import gpipe
+from partitioner.runtime.schedule_generators import gpipe
 from partitioner.runtime.worker import Worker, shared_threads
 
 

@@ -17,7 +17,7 @@ from partitioner.cost.memory import (
 )
 from partitioner.runtime.schedule import Phase
 from partitioner.runtime.schedule import in_flight as schedule_in_flight
-from partitioner.runtime.schedules import gpipe, interleaved, one_f_one_b
+from partitioner.runtime.schedule_generators import gpipe, interleaved, one_f_one_b
 
 
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 5), (4, 8), (4, 2), (8, 3)])

@@ -11,7 +11,7 @@ from models import mlp
 from partitioner import make_plan, partition
 from partitioner.plans.plan import Plan, Stage
 from partitioner.runtime.schedule import Action, bubble_fraction
-from partitioner.runtime.schedules import gpipe
+from partitioner.runtime.schedule_generators import gpipe
 from partitioner.viz import (
     Timeline,
     measured_timeline,
