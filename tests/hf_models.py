@@ -1,7 +1,8 @@
-"""Small transformers decoders for the meta-device tests: Llama (grouped-query attention,
+"""Small decoders for the meta-device tests: transformers' Llama (grouped-query attention,
 rotary), Mistral (sliding-window attention) and Mixtral (mixture of experts), each built
-from a config with random weights (no download), plus their batches, loss and the whole
-model's bf16 training (what a partitioned run is compared with)."""
+from a config with random weights (no download), and the project's own GPT; their
+batches, loss and the whole model's bf16 training (what a partitioned run is compared
+with)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ def config(family: str) -> Any:
 
 
 def build(family: str) -> nn.Module:
-    """The model of ``family`` with its own initialization (under any default device)."""
+    """The model of ``family`` with its own initialization (under any default device);
+    ``"gpt"`` is the project's own nanoGPT-style decoder (``partitioner.zoo``)."""
+    if family == "gpt":
+        from partitioner.zoo import gpt
+
+        return gpt(2, 64, 4, VOCAB, SEQ)
     import transformers
 
     classes = {"llama": transformers.LlamaForCausalLM,

@@ -32,9 +32,10 @@ def main() -> None:
         filled.append(type(module).__name__)
         model._init_weights(module)  # transformers' own initialization, rotary included
 
+    # The project's GPT: its modules' own reset_parameters().
+    own = init_fn if hasattr(model, "_init_weights") else None
     dpm = partition_distributed(model, (data[0][0],), pp=args.get("pp"), tp=args.get("tp"),
-                                dp=args.get("dp"), chunks=2, precision="bf16",
-                                init_fn=init_fn)
+                                dp=args.get("dp"), chunks=2, precision="bf16", init_fn=own)
     if args.get("weights"):
         dpm.load(args["weights"])
     optimizer = torch.optim.SGD(dpm.parameters(), lr=args.get("lr", 0.5))
