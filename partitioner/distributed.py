@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,23 +46,28 @@ from partitioner.apply import layers_problem
 from partitioner.cost.devices import Cluster
 from partitioner.distributed_plan import (
     AutoOptions,
+    auto_options,
+    check_sharding,
     choose_plan,
     describe_cluster,
     local_batch,
+    mesh_sizes,
+    on_mesh,
+    run_settings,
     tuned_choice,
+    virtual_stages_of,
 )
-from partitioner.errors import ScheduleError, StageCountError, StrategyError, TuneError
+from partitioner.errors import StageCountError, StrategyError, TuneError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.passes.unbake_meta import unbake_meta
-from partitioner.planning.given_mesh import mesh_degrees
+from partitioner.planning.compile import shard_specs, split_layers
+from partitioner.planning.options import Options, resolve_options
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.tune import tune_count
-from partitioner.planning.world import Degrees
-from partitioner.plans.plan import Mesh as PlanMesh
 from partitioner.plans.plan import Plan
 from partitioner.plans.plan_precision import distributed_precision
 from partitioner.request import PlanRequest
@@ -75,14 +80,13 @@ from partitioner.runtime.distributed.failure import (
     check_same_plan,
     start_watchdog,
 )
-from partitioner.runtime.distributed.mesh import Mesh, MeshShape, init_distributed
+from partitioner.runtime.distributed.mesh import DistInfo, ProcessMesh, init_distributed
 from partitioner.runtime.distributed.model import (
     DistributedModel,
     RunSettings,
     assemble,
     find_ties,
     model_device,
-    sharding_problem,
 )
 from partitioner.runtime.materialize import (
     InitFn,
@@ -90,7 +94,7 @@ from partitioner.runtime.materialize import (
     materialize_module,
     materializer_for,
 )
-from partitioner.runtime.schedule_registry import schedule_kind
+from partitioner.runtime.mesh import Mesh
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.tensor_parallel import device_groups, plan_groups, shard_stage, stage_shardings
@@ -114,8 +118,9 @@ def partition_distributed(
         memory_reserve: float | None = None,
         virtual_stages: int | None = None,
         optimizer_sharding: bool | None = None, precision: str | None = None,
-        mesh: PlanMesh | None = None, init_fn: InitFn | None = None,
-        tune: bool | int = False) -> DistributedModel:
+        mesh: Mesh | None = None, init_fn: InitFn | None = None,
+        tune: bool | int = False,
+        options: Options | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -195,6 +200,11 @@ def partition_distributed(
             of each (the slowest rank's median), restores the model's tensors and runs the
             measured fastest; ``plan.candidates`` and ``plan.explain()`` show the predicted
             and measured step times (``partitioner.planning.tune``).
+        options: the same settings as one :class:`partitioner.Options` value, shared with
+            ``partition`` and ``make_plan`` (``mesh`` a ``Mesh`` or ``Degrees(pp=...)``,
+            ``Schedule``, ``Precision``, ``Sharding``, ``checkpoint``, ``strategy``,
+            ``tune``, ``init_fn``, ``seed``); the keywords above are sugar for it, and one
+            setting given both ways with different values is refused (``OptionsError``).
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -207,116 +217,238 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
-    count = tune_count(tune)
-    if count and strategy != "auto":
-        raise TuneError(f"tune={tune!r} with strategy={strategy!r}: tuning times the "
-                        "candidates of strategy='auto'; pass strategy='auto' or drop tune=")
-    if optimizer_sharding is not None:
-        check_sharding(optimizer_sharding, None)
-    pp, dp, tp = mesh_degrees(mesh, pp=pp, dp=dp, tp=tp)
-    given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-    precision = distributed_precision(model, given, precision)
-    materializer = materializer_for(model, init_fn, seed)
-    auto = _auto_options(strategy, given, pp, dp, tp, tensor_parallel, chunks, schedule,
-                         checkpoint, balance, split_points, memory_limit, cluster,
-                         memory_reserve)
-    if auto is None:
-        pp, dp, tp = _mesh_sizes(given, pp, dp, tp)
-        if tensor_parallel is not None and tp == 1:
-            raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
-                                "stage, but tp=1; pass tp=2 (or more) with them")
+    opts = resolve_options(options, **_sugar(
+        pp=pp, dp=dp, tp=tp, mesh=mesh, chunks=chunks, schedule=schedule,
+        virtual_stages=virtual_stages, checkpoint=checkpoint, precision=precision,
+        optimizer_sharding=optimizer_sharding, strategy=strategy,
+        tune=tune, init_fn=init_fn, seed=seed))
+    call = _parse(model, opts, plan, Fixed(tensor_parallel, balance, split_points,
+                                           memory_limit, cluster, memory_reserve),
+                  Running(loss_reduction, bucket_mb, fuse_weight_grads, failure, backend))
     info = init_distributed(backend)
     watchdog = start_watchdog(failure)
-    # Before anything collective: ranks asked for other meshes would wait in each other's groups.
+    _agree(call)
+    planned = _plan(model, call, info, example_inputs, example_kwargs)
+    return _build(model, planned, call, info, watchdog)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """What only the multi-process front takes besides :class:`Options`: tensor-parallel
+    rules, a fixed split, the memory limit, the cluster and reserve the search plans for."""
+
+    rules: Mapping[str, str] | None = None
+    balance: Sequence[int] | None = None
+    split_points: Sequence[str] | None = None
+    memory_limit: float | None = None
+    cluster: Cluster | str | None = None
+    memory_reserve: float | None = None
+
+
+@dataclass(frozen=True)
+class Running:
+    """How the ranks run (read by the build, not the plan)."""
+
+    loss_reduction: str = "mean"
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
+    fuse_weight_grads: bool = True
+    failure: FailurePolicy | None = None
+    backend: str | None = None
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One call, checked before anything collective: the options, a given plan, the
+    search's options (``strategy="auto"``), the mesh sizes known so far."""
+
+    options: Options
+    fixed: Fixed
+    running: Running
+    given: Plan | None
+    auto: AutoOptions | None
+    sizes: tuple[int | None, int | None, int | None]
+    precision: str
+    sharding: str
+    count: int
+    materializer: MaterializerFactory | None
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan every rank runs, this rank's capture of the model, the mesh."""
+
+    plan: Plan
+    analysis: Analysis
+    shard_plan: ShardPlan | None
+    shape: Mesh
+    virtual: int
+    optimizer_sharding: bool
+
+
+def _sugar(**given: Any) -> dict[str, Any]:
+    """The keywords as given, with the counts checked as this front always has (a
+    ``StrategyError`` naming ``tp=`` or ``virtual_stages=``)."""
+    for key, what in (("tp", "a whole number of tensor-parallel shards >= 1"),
+                      ("virtual_stages", "the model chunks per pipeline rank, an int >= 1 "
+                                         "(2 or more for schedule='interleaved')")):
+        value = given[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise StrategyError(f"{key}={value!r}; pass {what}")
+    return given
+
+
+def _parse(model: nn.Module, opts: Options, plan: Plan | str | Path | None, fixed: Fixed,
+           running: Running) -> Parsed:
+    """The call checked and completed (no collective): tuning only with ``"auto"``, the
+    sharding, a given plan loaded, the precision settled, the search's options."""
+    count = tune_count(opts.tune)
+    if count and opts.strategy != "auto":
+        raise TuneError(f"tune={opts.tune!r} with strategy={opts.strategy!r}: tuning times "
+                        "the candidates of strategy='auto'; pass strategy='auto' or drop tune=")
+    given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    precision = distributed_precision(model, given, opts.precision.compute)
+    pp, dp, tp = opts.sizes()
+    schedule = opts.schedule
+    auto = auto_options(opts.strategy, given, pp, dp, tp, fixed.rules, schedule.chunks,
+                        schedule.name, opts.checkpoint, fixed.balance, fixed.split_points,
+                        fixed.memory_limit, fixed.cluster, fixed.memory_reserve)
+    if auto is None:
+        pp, dp, tp = mesh_sizes(given, pp, dp, tp)
+        if fixed.rules is not None and tp == 1:
+            raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
+                                "stage, but tp=1; pass tp=2 (or more) with them")
+    return Parsed(opts, fixed, running, given, auto, (pp, dp, tp), precision,
+                  opts.sharding.kind or "none", count,
+                  materializer_for(model, opts.init_fn, opts.seed))
+
+
+def _agree(call: Parsed) -> None:
+    """Every rank asked for the same (before anything collective: ranks asked for other
+    meshes would wait in each other's groups)."""
+    opts, fixed, running, given = call.options, call.fixed, call.running, call.given
+    pp, dp, tp = call.sizes
     check_same_settings(dict(
-        pp=pp, dp=dp, tp=tp, tensor_parallel=tensor_parallel, chunks=chunks, schedule=schedule,
-        checkpoint=checkpoint, balance=balance, split_points=split_points,
-        plan=given.to_dict() if given is not None else None, memory_limit=memory_limit,
-        loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
-        fuse_weight_grads=fuse_weight_grads, strategy=strategy,
-        cluster=describe_cluster(cluster), memory_reserve=memory_reserve,
-        virtual_stages=virtual_stages, optimizer_sharding=optimizer_sharding,
-        precision=precision, tune=count))
-    chosen: Plan | None = None
-    if auto is not None:
-        auto = replace(auto, precision=precision, optimizer_sharding=optimizer_sharding)
-        auto.degrees.check(info.world_size)
-        chosen = choose_plan(model, example_inputs, example_kwargs, auto, info.device)
-        if count:
-            chosen = tuned_choice(model, chosen, count, lambda fixed: partition_distributed(
-                model, **fixed, tensor_parallel=tensor_parallel if fixed["tp"] > 1 else None,
-                loss_reduction=loss_reduction, bucket_mb=bucket_mb, seed=seed,
-                failure=failure, fuse_weight_grads=fuse_weight_grads, backend=backend,
-                precision=precision, init_fn=init_fn), example_inputs, example_kwargs)
-        assert chosen.mesh is not None, "the search records the mesh it chose"
+        pp=pp, dp=dp, tp=tp, tensor_parallel=fixed.rules, chunks=opts.schedule.chunks,
+        schedule=opts.schedule.name, checkpoint=opts.checkpoint, balance=fixed.balance,
+        split_points=fixed.split_points,
+        plan=given.to_dict() if given is not None else None, memory_limit=fixed.memory_limit,
+        loss_reduction=running.loss_reduction, bucket_mb=running.bucket_mb, seed=opts.seed,
+        fuse_weight_grads=running.fuse_weight_grads, strategy=opts.strategy,
+        cluster=describe_cluster(fixed.cluster), memory_reserve=fixed.memory_reserve,
+        virtual_stages=opts.schedule.virtual_stages,
+        optimizer_sharding=opts.sharding.optimizer, precision=call.precision,
+        tune=call.count, sharding=call.sharding))
+
+
+def _chosen(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...] | None,
+            kwargs: dict[str, Any] | None) -> Plan:
+    """Rank 0's search for this world (tuned when asked), on every rank."""
+    assert call.auto is not None
+    running, opts = call.running, call.options
+    auto = replace(call.auto, precision=call.precision, optimizer_sharding=False
+                   if call.sharding == "fsdp" else opts.sharding.optimizer)
+    auto.degrees.check(info.world_size)
+    chosen = choose_plan(model, inputs, kwargs, auto, info.device)
+    if call.count:
+        rules = call.fixed.rules
+        chosen = tuned_choice(model, chosen, call.count, lambda fixed: partition_distributed(
+            model, **fixed, tensor_parallel=rules if fixed["tp"] > 1 else None,
+            loss_reduction=running.loss_reduction, bucket_mb=running.bucket_mb,
+            seed=opts.seed, failure=running.failure,
+            fuse_weight_grads=running.fuse_weight_grads, backend=running.backend,
+            precision=call.precision, init_fn=opts.init_fn), inputs, kwargs)
+    assert chosen.mesh is not None, "the search records the mesh it chose"
+    return chosen
+
+
+def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...] | None,
+          kwargs: dict[str, Any] | None) -> Planned:
+    """The plan every rank runs: rank 0's search (``"auto"``), a given plan, or the split
+    planned for the sizes given; and this rank's capture of the model."""
+    opts, fixed, given = call.options, call.fixed, call.given
+    (pp, dp, tp), chosen = call.sizes, None
+    chunks, schedule, checkpoint = opts.schedule.chunks, opts.schedule.name, opts.checkpoint
+    virtual_stages, sharded = opts.schedule.virtual_stages, opts.sharding.optimizer
+    if call.auto is not None:
+        chosen = _chosen(model, call, info, inputs, kwargs)
+        assert chosen.mesh is not None
         pp, dp, tp = chosen.mesh.pp, chosen.mesh.dp, chosen.mesh.tp
         chunks, schedule, checkpoint = chosen.chunks, chosen.schedule, chosen.checkpoint
-        virtual_stages = chosen.virtual_stages
-        optimizer_sharding = chosen.optimizer_sharding
-        example_inputs, example_kwargs = local_batch(example_inputs, example_kwargs, dp)
-        # A tensor-parallel mesh plans its own split (layers merged around the splits).
-        given = chosen if tp == 1 else None
+        virtual_stages, sharded = chosen.virtual_stages, chosen.optimizer_sharding
+        inputs, kwargs = local_batch(inputs, kwargs, dp)
+        given = chosen  # a tensor-parallel one already cut from merged layers by rank 0
     assert tp is not None
-    shape = MeshShape.infer(info.world_size, pp=pp, dp=dp, tp=tp)
-    optimizer_sharding = bool(optimizer_sharding)
-    check_sharding(optimizer_sharding, shape.dp)
-    chunks, schedule, checkpoint = _run_settings(model, given, chunks, schedule, checkpoint,
-                                                 balance, split_points)
-    virtual = _virtual_stages(given, virtual_stages, schedule, shape, chunks, balance)
-    if given is not None and shape.tp > 1:
-        balance = given.balance  # planned again to check its layers and shard specs
+    shape = Mesh.infer(info.world_size, pp=pp, dp=dp, tp=tp)
+    check_sharding(bool(sharded) and call.sharding != "fsdp", shape.dp)  # fsdp: assemble's
+    chunks, schedule, checkpoint = run_settings(model, given, chunks, schedule, checkpoint,
+                                                fixed.balance, fixed.split_points)
+    virtual = virtual_stages_of(given, virtual_stages, schedule, shape, chunks, fixed.balance)
+    balance = given.balance if given is not None and shape.tp > 1 else fixed.balance
     request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
-                               example_inputs=example_inputs, example_kwargs=example_kwargs,
-                               chunks=chunks, checkpoint=checkpoint, balance=balance,
-                               split_points=split_points, memory_limit=memory_limit,
-                               precision=precision)
-    shard_plan: ShardPlan | None = None
-    if shape.tp > 1:
-        made, analysis, shard_plan = _agree_on_split_plan(model, given, request, shape,
-                                                          tensor_parallel)
-    else:
-        try:
-            made, analysis = _agree_on_plan(model, given, request)
-        except StageCountError as error:
-            if virtual == 1:
-                raise
-            raise StrategyError(
-                f"pp={shape.pp} x virtual_stages={virtual} needs {shape.pp * virtual} "
-                f"stages, but the model cannot be cut so ({error}); pass a smaller "
-                "virtual_stages or pp") from error
+                               example_inputs=inputs, example_kwargs=kwargs, chunks=chunks,
+                               checkpoint=checkpoint, balance=balance,
+                               split_points=fixed.split_points,
+                               memory_limit=fixed.memory_limit, precision=call.precision)
+    made, analysis, shard_plan = _agreed_plan(model, given, request, shape, virtual,
+                                              fixed.rules)
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
-    made = _on_mesh(replace(made, schedule=schedule, precision=precision), shape, virtual)
+    made = on_mesh(replace(made, schedule=schedule, precision=call.precision), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
     _check_layers(analysis, made, given is not None)
-    home = model_device(model)
-    here = tuple(replace(s, device=str(home)) for s in made.stages)  # as devices must say
-    # Cut as a flat pipeline of P v stages: virtual stage k is graph k.
-    graphs = build_stage_graphs(analysis, replace(
-        made, devices=(str(home),) * len(here), stages=here, virtual_stages=1,
-        mesh=PlanMesh(shape.dp, len(here), shape.tp)))
-    settings = RunSettings(made.schedule, made.chunks, made.checkpoint, loss_reduction,
-                           int(bucket_mb * 2**20), seed, made.to_dict(), virtual,
-                           optimizer_sharding, precision)
-    ranks = Mesh(shape)
+    return Planned(made, analysis, shard_plan, shape, virtual, bool(sharded))
+
+
+def _agreed_plan(model: nn.Module, given: Plan | None, request: PlanRequest, shape: Mesh,
+                 virtual: int, rules: Mapping[str, str] | None
+                 ) -> tuple[Plan, Analysis, ShardPlan | None]:
+    """:func:`_agree_on_split_plan` for ``tp > 1``, else :func:`_agree_on_plan` (a model
+    too small for ``pp x virtual`` stages named as such)."""
+    analysis = analyze(model, request.example_inputs, request.kwargs,
+                       need_costs=given is None and not request.fixes_split)
+    if shape.tp > 1:
+        return _agree_on_split_plan(model, analysis, given, request, shape, rules)
+    try:
+        made = _agree_on_plan(model, analysis, given, request)
+    except StageCountError as error:
+        if virtual == 1:
+            raise
+        raise StrategyError(
+            f"pp={shape.pp} x virtual_stages={virtual} needs {shape.pp * virtual} stages, "
+            f"but the model cannot be cut so ({error}); pass a smaller virtual_stages or "
+            "pp") from error
+    return made, analysis, None
+
+
+def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
+           watchdog: Any) -> DistributedModel:
+    """This rank's model: the stage graphs cut, every rank checked to hold the same, this
+    rank's stage (or its tensor-parallel slice) on its device, handed to the runtime."""
+    made, shape, virtual, running = planned.plan, planned.shape, planned.virtual, call.running
+    graphs = _stage_graphs(model, planned, info)
+    sharded = planned.optimizer_sharding and call.sharding != "fsdp"  # FSDP cuts it itself
+    settings = RunSettings(made.schedule, made.chunks, made.checkpoint,
+                           running.loss_reduction, int(running.bucket_mb * 2**20),
+                           call.options.seed, made.to_dict(), virtual, sharded,
+                           call.precision)
+    ranks = ProcessMesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     if virtual > 1:
-        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, materializer)[0]
+        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device,
+                                 call.materializer)[0]
                   for k in range(ranks.stage, len(graphs), shape.pp)}
-    if home.type == "meta":  # the capture ran on meta; the stages run here
-        for graph in graphs:
-            unbake_meta(graph, info.device)
         shards = None
     else:
-        stage, shards = _rank_stage(graphs[ranks.stage], model, shard_plan, ranks, info.device,
-                                    materializer)
+        stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,
+                                    info.device, call.materializer)
         stages = {ranks.stage: stage}
-    if fuse_weight_grads:
+    if running.fuse_weight_grads:
         for graph in stages.values():
             fuse_linear_grads(graph)
-    captured = analysis.captured
+    captured = planned.analysis.captured
     return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
                     ranks, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
@@ -324,135 +456,34 @@ def partition_distributed(
                     ties=ties)
 
 
-def check_sharding(optimizer_sharding: object, dp: int | None) -> None:
-    """Raises a :class:`StrategyError` unless ``optimizer_sharding`` is a bool that fits
-    ``dp`` replicas (``None``: not known yet)."""
-    if not isinstance(optimizer_sharding, bool):
-        raise StrategyError(f"optimizer_sharding={optimizer_sharding!r}; pass True (shard the "
-                            "optimizer state over the data-parallel replicas) or False")
-    if optimizer_sharding and dp is not None and dp < 2:
-        raise StrategyError(sharding_problem(dp))
+def _stage_graphs(model: nn.Module, planned: Planned, info: DistInfo) -> list[fx.GraphModule]:
+    """The plan's stage graphs, cut as a flat pipeline of ``P v`` stages (virtual stage
+    ``k`` is graph ``k``) where the model's tensors are."""
+    made, shape = planned.plan, planned.shape
+    home = model_device(model)
+    here = tuple(replace(s, device=str(home)) for s in made.stages)  # as devices must say
+    graphs = build_stage_graphs(planned.analysis, replace(
+        made, devices=(str(home),) * len(here), stages=here, virtual_stages=1,
+        mesh=Mesh(dp=shape.dp, pp=len(here), tp=shape.tp)))
+    if home.type == "meta":  # the capture ran on meta; the stages run here
+        for graph in graphs:
+            unbake_meta(graph, info.device)
+    return graphs
 
 
-def _auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: int | None,
-                  tp: int | None, rules: Mapping[str, str] | None, chunks: int | None,
-                  schedule: str | None, checkpoint: str | None,
-                  balance: Sequence[int] | None, split_points: Sequence[str] | None,
-                  memory_limit: float | None, cluster: Cluster | str | None,
-                  memory_reserve: float | None) -> AutoOptions | None:
-    """The search's options when ``strategy="auto"`` (``None`` otherwise), after refusing
-    options that fix what the search chooses, or that only the search reads."""
-    if strategy not in (None, "auto", "pipeline"):
-        raise StrategyError(f"strategy={strategy!r} is unknown; pass 'auto' (search the mesh, "
-                            "schedule and micro-batches) or 'pipeline' (the sizes as given)")
-    if strategy != "auto":
-        if cluster is not None or memory_reserve is not None:
-            raise StrategyError("cluster= and memory_reserve= shape the search of "
-                                "strategy='auto'; pass strategy='auto' or drop them")
-        return None
-    fixed = [name for name, value in (("plan", given), ("balance", balance),
-                                      ("split_points", split_points)) if value is not None]
-    if fixed:
-        raise StrategyError(f"strategy='auto' chooses the split, but {fixed[0]}= fixes it; "
-                            f"drop {fixed[0]}= or strategy='auto'")
-    if rules is not None and (tp is None or tp == 1):
-        raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
-                            f"stage, but tp={tp}; pass tp=2 (or more) with them")
-    memory = float(memory_limit) if memory_limit is not None else None
-    return AutoOptions(Degrees(pp, dp, tp), cluster, chunks, schedule, checkpoint, memory,
-                       memory_reserve, rules)
-
-
-def _mesh_sizes(given: Plan | None, pp: int | None, dp: int | None, tp: int | None
-                ) -> tuple[int | None, int | None, int]:
-    """The call's mesh sizes, completed from a given plan: it fixes the stages, and a
-    replica count it names (> 1) is kept unless overridden."""
-    if given is not None:
-        pp = len(given.stages) // given.virtual_stages if pp is None else pp
-        if dp is None and given.mesh is not None and given.mesh.dp > 1:
-            dp = given.mesh.dp
-        if tp is None and given.mesh is not None:
-            tp = given.mesh.tp
-    tp = 1 if tp is None else tp
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise StrategyError(f"tp={tp!r}; pass a whole number of tensor-parallel shards >= 1")
-    return pp, dp, tp
-
-
-def _run_settings(model: nn.Module, given: Plan | None, chunks: int | None,
-                  schedule: str | None, checkpoint: str | None,
-                  balance: Sequence[int] | None, split_points: Sequence[str] | None
-                  ) -> tuple[int, str, str]:
-    """Chunks, schedule and checkpoint mode (the call's, else the given plan's, else the
-    defaults), after checking a given plan fits the model and is not overridden."""
-    if given is not None:
-        if balance is not None or split_points is not None:
-            raise StrategyError("plan= fixes the split; drop balance= and split_points=")
-        _check_fingerprint(model, given)
-    return (chunks or (given.chunks if given else 1),
-            schedule or (given.schedule if given else "1f1b"),
-            checkpoint or (given.checkpoint if given else "never"))
-
-
-def _virtual_stages(given: Plan | None, virtual: int | None, schedule: str, shape: MeshShape,
-                    chunks: int, balance: Sequence[int] | None) -> int:
-    """Virtual stages per rank (the call's, else the given plan's, else 1), checked against
-    the schedule, the mesh and ``balance``.
-
-    Raises:
-        StrategyError: If ``virtual`` is not a positive int, or ``balance`` does not list
-            ``pp * virtual`` stages.
-        ScheduleError: If the schedule does not suit ``pp``, ``chunks`` and ``virtual``.
-    """
-    v = virtual if virtual is not None else (given.virtual_stages if given else 1)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise StrategyError(f"virtual_stages={v!r}; pass the model chunks per pipeline rank, "
-                            "an int >= 1 (2 or more for schedule='interleaved')")
-    problems = schedule_kind(schedule).problems(shape.pp, chunks, v)
-    if problems:
-        raise ScheduleError("; ".join(problems))
-    if balance is not None and len(balance) != shape.pp * v:
-        raise StrategyError(f"balance has {len(balance)} entries but pp={shape.pp} x "
-                            f"virtual_stages={v} needs {shape.pp * v} (layers per virtual "
-                            f"stage, stage k on rank k % {shape.pp}); pass {shape.pp * v}")
-    return v
-
-
-def _on_mesh(made: Plan, shape: MeshShape, virtual: int) -> Plan:
-    """``made`` (``P v`` stages in order) on the mesh: ``P`` devices, virtual stage ``k``
-    on ``devices[k % P]``.
-
-    Raises:
-        StrategyError: If the plan does not have ``P v`` stages (too few layers, say).
-    """
-    p = shape.pp
-    if virtual == 1 and made.virtual_stages == 1:
-        return replace(made, mesh=PlanMesh(shape.dp, p, shape.tp))
-    if len(made.stages) != p * virtual:
-        raise StrategyError(f"the plan has {len(made.stages)} stages but pp={p} x "
-                            f"virtual_stages={virtual} needs {p * virtual}; the model may "
-                            f"have too few layers: pass a smaller virtual_stages or pp")
-    devices = tuple(made.devices[k % len(made.devices)] for k in range(p))
-    stages = tuple(replace(s, device=devices[s.index % p]) for s in made.stages)
-    return replace(made, devices=devices, stages=stages, virtual_stages=virtual,
-                   mesh=PlanMesh(shape.dp, p, shape.tp))
-
-
-def _agree_on_plan(model: nn.Module, given: Plan | None, request: PlanRequest
-                   ) -> tuple[Plan, Analysis]:
-    """The plan every rank runs (a given plan as it is), and this rank's capture of the model.
+def _agree_on_plan(model: nn.Module, analysis: Analysis, given: Plan | None,
+                   request: PlanRequest) -> Plan:
+    """The plan every rank runs (a given plan as it is), from this rank's capture.
 
     A given plan, ``balance=`` or ``split_points=`` is deterministic. The costed planner
     measures this machine, so near-equal splits could come out differently on two ranks:
     every rank plans, then all adopt rank 0's plan (the hash check that follows still
     compares the graphs and parameters every rank built).
     """
-    analysis = analyze(model, request.example_inputs, request.kwargs,
-                       need_costs=given is None and not request.fixes_split)
     if given is not None:
-        return given, analysis
+        return given
     made = record(plan_request(analysis, request), model, analysis, request, request.strategy)
-    return (made if request.fixes_split else _rank0_plan(made)), analysis
+    return made if request.fixes_split else _rank0_plan(made)
 
 
 def _rank0_plan(made: Plan) -> Plan:
@@ -462,50 +493,39 @@ def _rank0_plan(made: Plan) -> Plan:
     return Plan.from_dict(box[0])
 
 
-def _agree_on_split_plan(model: nn.Module, given: Plan | None, request: PlanRequest,
-                         shape: MeshShape, rules: Mapping[str, str] | None
+def _agree_on_split_plan(model: nn.Module, analysis: Analysis, given: Plan | None,
+                         request: PlanRequest,
+                         shape: Mesh, rules: Mapping[str, str] | None
                          ) -> tuple[Plan, Analysis, ShardPlan]:
     """The plan every rank runs when stages are split over ``tp`` ranks, with the capture
     (layers merged so that no stage boundary cuts a column/row pair) and the shard plan.
 
     The tensor-parallel pass decides the splits from the model alone, so every rank finds
-    the same; the stage split follows :func:`_agree_on_plan`'s rules. A given plan must
-    name the same layers and shard specs as the model and rules give here (and is returned
-    as it is).
+    the same; the stage split follows :func:`_agree_on_plan`'s rules. A given plan (a file,
+    or rank 0's search, already cut from merged layers) is not planned again: it must name
+    the layers and shard specs this rank's capture, merged for ``tp``, gives (and is
+    returned as it is).
     """
     groups, parsed = device_groups([[d] * shape.tp for d in request.devices],
                                    dict(rules) if rules else shape.tp)
-    setup = plan_groups(model, groups, parsed, request)
-    made = setup.plan
-    if given is not None:
-        if list(given.layers) != list(made.layers):
-            raise StrategyError(
-                f"the plan's layers {list(given.layers)[:6]} are not the tensor-parallel "
-                f"layers of this model {list(made.layers)[:6]}; re-plan the model with tp="
-                f"{shape.tp}")
-        if dict(given.shard_specs) != dict(made.shard_specs):
-            differ = sorted(set(given.shard_specs.items()) ^ set(made.shard_specs.items()))
-            raise StrategyError(
-                f"the plan splits parameters otherwise than tp={shape.tp} with these rules "
-                f"does (first differences: {differ[:4]}); pass the tensor_parallel= rules "
-                "the plan was made with")
-        made = given
-    elif not request.fixes_split:
-        made = _rank0_plan(made)
-    return made, setup.analysis, setup.shard_plan
-
-
-def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
-    if plan.fingerprint is None:
-        return
-    from partitioner.plans.fingerprint import differences, fingerprint
-
-    found = differences(plan.fingerprint, fingerprint(model))
-    if found:
-        raise StrategyError("the plan was made for another model:\n"
-                            + "\n".join(f"  - {line}" for line in found[:10])
-                            + "\nre-plan this model, or run the plan on the model it was "
-                              "made for")
+    if given is None:
+        setup = plan_groups(model, groups, parsed, request, analysis=analysis)
+        made = setup.plan if request.fixes_split else _rank0_plan(setup.plan)
+        return made, setup.analysis, setup.shard_plan
+    merged, split = split_layers(analysis, model, shape.tp, parsed)
+    if list(given.layers) != merged.layer_names:
+        raise StrategyError(
+            f"the plan's layers {list(given.layers)[:6]} are not the tensor-parallel "
+            f"layers of this model {merged.layer_names[:6]}; re-plan the model with tp="
+            f"{shape.tp}")
+    specs = shard_specs(split.shard_plan)
+    if dict(given.shard_specs) != specs:
+        differ = sorted(set(given.shard_specs.items()) ^ set(specs.items()))
+        raise StrategyError(
+            f"the plan splits parameters otherwise than tp={shape.tp} with these rules "
+            f"does (first differences: {differ[:4]}); pass the tensor_parallel= rules "
+            "the plan was made with")
+    return given, merged, split.shard_plan
 
 
 def _check_layers(analysis: Analysis, plan: Plan, given: bool) -> None:
@@ -528,7 +548,7 @@ def _check_layers(analysis: Analysis, plan: Plan, given: bool) -> None:
 
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
-                mesh: Mesh, device: torch.device,
+                mesh: ProcessMesh, device: torch.device,
                 materializer: MaterializerFactory | None = None
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
@@ -549,7 +569,7 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)
 
 
-def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: MeshShape,
+def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: Mesh,
             settings: RunSettings) -> tuple[str, str]:
     """What every rank must agree on: the split, the settings, each stage's code and tensors."""
     body = {

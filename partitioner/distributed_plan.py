@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,9 +30,10 @@ from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
 from partitioner.cost.machine import cpu_spec
 from partitioner.cost.precision_cost import precision_workload
-from partitioner.errors import MemoryLimitError, PartitionError, StrategyError
+from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
+from partitioner.planning.compile import shard_specs, split_layers
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
@@ -61,10 +62,15 @@ from partitioner.request import PlanRequest
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.link_probe import probe_link
+from partitioner.runtime.distributed.model import sharding_problem
+from partitioner.runtime.mesh import Mesh
 from partitioner.runtime.microbatch import batch_size, scatter
+from partitioner.runtime.schedule_registry import schedule_kind
 
 __all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
-           "tensor_parallel_check", "tuned_choice", "fixed_options"]
+           "tensor_parallel_check", "tuned_choice", "fixed_options", "check_sharding",
+           "auto_options", "mesh_sizes", "run_settings", "virtual_stages_of", "on_mesh",
+           "check_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -237,12 +243,37 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
             result = searched(None)
     plan = world_plan(result, analysis.layer_names, cluster,
                       capture=analysis.captured.method, notes=analysis.workload.notes)
+    if plan.mesh is not None and plan.mesh.tp > 1:
+        plan, analysis = _split(model, analysis, options, cluster, capacity, plan)
     plan = record(plan, model, analysis, request, "auto")
     dp = plan.mesh.dp if plan.mesh is not None else 1
     # Recorded at the whole batch; each replica sends its share.
     stages = tuple(replace(s, send_bytes=s.send_bytes // dp if s.send_bytes else s.send_bytes)
                    for s in plan.stages)
     return replace(plan, stages=stages)
+
+
+def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: Cluster,
+           capacity: float | None, plan: Plan) -> tuple[Plan, Analysis]:
+    """A chosen tensor-parallel ``plan`` cut from the layers merged for its ``tp`` on the
+    same capture (no column/row pair across a boundary), its mesh, micro-batches, schedule
+    and checkpoint mode kept, its shard specs filled in: every rank then runs it as a given
+    plan, checking it against its own capture instead of planning again."""
+    assert plan.mesh is not None
+    mesh = plan.mesh
+    merged, split = split_layers(analysis, model, mesh.tp,
+                                 TensorParallelRules.parse(options.rules))
+    assert merged.workload is not None, "a costed analysis stays costed when merged"
+    result = search_world(precision_workload(merged.workload, options.precision), cluster,
+                          Degrees(mesh.pp, mesh.dp, mesh.tp), chunks=plan.chunks,
+                          checkpoint=plan.checkpoint, schedule=plan.schedule,
+                          capacity=capacity, optimizer_sharding=plan.optimizer_sharding)
+    cut = world_plan(result, merged.layer_names, cluster, capture=plan.capture,
+                     notes=merged.workload.notes)
+    return replace(cut, candidates=plan.candidates, notes=plan.notes,
+                   predicted_step_time=plan.predicted_step_time,
+                   predicted_bubble=plan.predicted_bubble,
+                   shard_specs=shard_specs(split.shard_plan)), merged
 
 
 def local_batch(example_inputs: tuple[Any, ...] | None,
@@ -332,3 +363,130 @@ def fixed_options(config: dict[str, Any], inputs: Any, kwargs: Any) -> dict[str,
                 schedule=config["schedule"], checkpoint=config["checkpoint"],
                 virtual_stages=virtual if virtual > 1 else None,
                 optimizer_sharding=bool(config.get("optimizer_sharding", False)))
+
+
+def check_sharding(optimizer_sharding: object, dp: int | None) -> None:
+    """Raises a :class:`StrategyError` unless ``optimizer_sharding`` is a bool that fits
+    ``dp`` replicas (``None``: not known yet)."""
+    if not isinstance(optimizer_sharding, bool):
+        raise StrategyError(f"optimizer_sharding={optimizer_sharding!r}; pass True (shard the "
+                            "optimizer state over the data-parallel replicas) or False")
+    if optimizer_sharding and dp is not None and dp < 2:
+        raise StrategyError(sharding_problem(dp))
+
+
+def auto_options(strategy: str | None, given: Plan | None, pp: int | None, dp: int | None,
+                  tp: int | None, rules: Mapping[str, str] | None, chunks: int | None,
+                  schedule: str | None, checkpoint: str | None,
+                  balance: Sequence[int] | None, split_points: Sequence[str] | None,
+                  memory_limit: float | None, cluster: Cluster | str | None,
+                  memory_reserve: float | None) -> AutoOptions | None:
+    """The search's options when ``strategy="auto"`` (``None`` otherwise), after refusing
+    options that fix what the search chooses, or that only the search reads."""
+    if strategy not in (None, "auto", "pipeline"):
+        raise StrategyError(f"strategy={strategy!r} is unknown; pass 'auto' (search the mesh, "
+                            "schedule and micro-batches) or 'pipeline' (the sizes as given)")
+    if strategy != "auto":
+        if cluster is not None or memory_reserve is not None:
+            raise StrategyError("cluster= and memory_reserve= shape the search of "
+                                "strategy='auto'; pass strategy='auto' or drop them")
+        return None
+    fixed = [name for name, value in (("plan", given), ("balance", balance),
+                                      ("split_points", split_points)) if value is not None]
+    if fixed:
+        raise StrategyError(f"strategy='auto' chooses the split, but {fixed[0]}= fixes it; "
+                            f"drop {fixed[0]}= or strategy='auto'")
+    if rules is not None and (tp is None or tp == 1):
+        raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
+                            f"stage, but tp={tp}; pass tp=2 (or more) with them")
+    memory = float(memory_limit) if memory_limit is not None else None
+    return AutoOptions(Degrees(pp, dp, tp), cluster, chunks, schedule, checkpoint, memory,
+                       memory_reserve, rules)
+
+
+def mesh_sizes(given: Plan | None, pp: int | None, dp: int | None, tp: int | None
+                ) -> tuple[int | None, int | None, int]:
+    """The call's mesh sizes, completed from a given plan: it fixes the stages, and a
+    replica count it names (> 1) is kept unless overridden."""
+    if given is not None:
+        pp = len(given.stages) // given.virtual_stages if pp is None else pp
+        if dp is None and given.mesh is not None and given.mesh.dp > 1:
+            dp = given.mesh.dp
+        if tp is None and given.mesh is not None:
+            tp = given.mesh.tp
+    tp = 1 if tp is None else tp
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise StrategyError(f"tp={tp!r}; pass a whole number of tensor-parallel shards >= 1")
+    return pp, dp, tp
+
+
+def run_settings(model: nn.Module, given: Plan | None, chunks: int | None,
+                  schedule: str | None, checkpoint: str | None,
+                  balance: Sequence[int] | None, split_points: Sequence[str] | None
+                  ) -> tuple[int, str, str]:
+    """Chunks, schedule and checkpoint mode (the call's, else the given plan's, else the
+    defaults), after checking a given plan fits the model and is not overridden."""
+    if given is not None:
+        if balance is not None or split_points is not None:
+            raise StrategyError("plan= fixes the split; drop balance= and split_points=")
+        check_fingerprint(model, given)
+    return (chunks or (given.chunks if given else 1),
+            schedule or (given.schedule if given else "1f1b"),
+            checkpoint or (given.checkpoint if given else "never"))
+
+
+def virtual_stages_of(given: Plan | None, virtual: int | None, schedule: str, shape: Mesh,
+                    chunks: int, balance: Sequence[int] | None) -> int:
+    """Virtual stages per rank (the call's, else the given plan's, else 1), checked against
+    the schedule, the mesh and ``balance``.
+
+    Raises:
+        StrategyError: If ``virtual`` is not a positive int, or ``balance`` does not list
+            ``pp * virtual`` stages.
+        ScheduleError: If the schedule does not suit ``pp``, ``chunks`` and ``virtual``.
+    """
+    v = virtual if virtual is not None else (given.virtual_stages if given else 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise StrategyError(f"virtual_stages={v!r}; pass the model chunks per pipeline rank, "
+                            "an int >= 1 (2 or more for schedule='interleaved')")
+    problems = schedule_kind(schedule).problems(shape.pp, chunks, v)
+    if problems:
+        raise ScheduleError("; ".join(problems))
+    if balance is not None and len(balance) != shape.pp * v:
+        raise StrategyError(f"balance has {len(balance)} entries but pp={shape.pp} x "
+                            f"virtual_stages={v} needs {shape.pp * v} (layers per virtual "
+                            f"stage, stage k on rank k % {shape.pp}); pass {shape.pp * v}")
+    return v
+
+
+def on_mesh(made: Plan, shape: Mesh, virtual: int) -> Plan:
+    """``made`` (``P v`` stages in order) on the mesh: ``P`` devices, virtual stage ``k``
+    on ``devices[k % P]``.
+
+    Raises:
+        StrategyError: If the plan does not have ``P v`` stages (too few layers, say).
+    """
+    p = shape.pp
+    if virtual == 1 and made.virtual_stages == 1:
+        return replace(made, mesh=Mesh(dp=shape.dp, pp=p, tp=shape.tp))
+    if len(made.stages) != p * virtual:
+        raise StrategyError(f"the plan has {len(made.stages)} stages but pp={p} x "
+                            f"virtual_stages={virtual} needs {p * virtual}; the model may "
+                            f"have too few layers: pass a smaller virtual_stages or pp")
+    devices = tuple(made.devices[k % len(made.devices)] for k in range(p))
+    stages = tuple(replace(s, device=devices[s.index % p]) for s in made.stages)
+    return replace(made, devices=devices, stages=stages, virtual_stages=virtual,
+                   mesh=Mesh(dp=shape.dp, pp=p, tp=shape.tp))
+
+
+def check_fingerprint(model: nn.Module, plan: Plan) -> None:
+    if plan.fingerprint is None:
+        return
+    from partitioner.plans.fingerprint import differences, fingerprint
+
+    found = differences(plan.fingerprint, fingerprint(model))
+    if found:
+        raise StrategyError("the plan was made for another model:\n"
+                            + "\n".join(f"  - {line}" for line in found[:10])
+                            + "\nre-plan this model, or run the plan on the model it was "
+                              "made for")

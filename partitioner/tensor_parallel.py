@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from partitioner.analysis import analyze, recapture
+from partitioner.analysis import Analysis, analyze, recapture
 from partitioner.build import (
     TensorParallelSetup,
     attr_shardings,
@@ -146,7 +146,7 @@ def plan_tensor_parallel(
 
 def plan_groups(model: nn.Module, groups: list[list[torch.device]],
                 rules: TensorParallelRules, request: PlanRequest, *,
-                search: bool = False) -> TensorParallelSetup:
+                search: bool = False, analysis: Analysis | None = None) -> TensorParallelSetup:
     """:func:`plan_tensor_parallel` for device groups and a request already validated.
 
     Args:
@@ -156,8 +156,11 @@ def plan_groups(model: nn.Module, groups: list[list[torch.device]],
         request: the planning options, one device per stage (``groups``' first ones).
         search: search micro-batches, checkpoint mode and schedule for the groups
             (``strategy="auto"``) instead of planning ``request``'s pipeline.
+        analysis: the model already captured from ``request``'s example inputs (default:
+            captured here).
     """
-    analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False)
+    if analysis is None:
+        analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False)
     merged, split = split_layers(analysis, model, len(groups[0]), rules)
     made = tensor_parallel_plan(merged, request, groups) if search else \
         plan_request(merged, request)

@@ -46,7 +46,7 @@ from partitioner.plans.plan import Mesh, Plan, PlannerInputs, ShardSpec
 from partitioner.request import PlanRequest
 
 __all__ = ["Compiled", "TensorParallelSplit", "compile_model", "split_layers", "split_plan",
-           "tensor_parallel_record", "device_groups_of"]
+           "tensor_parallel_record", "device_groups_of", "shard_specs"]
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,17 @@ def tensor_parallel_record(plan: Plan, model: nn.Module, analysis: Analysis,
     """``plan`` recorded (``record``) with the tensor-parallel mesh, the shard spec of
     every split parameter and which devices each stage's ranks run on."""
     plan = record(plan, model, analysis, request, request.strategy)
-    specs = {name: ShardSpec(int(s.dim or 0), s.kind) for name, s in shard_plan.split().items()}
+    specs = shard_specs(shard_plan)
     notes = [*shard_plan.notes(),
              *(f"stage {j}: tensor-parallel devices {[str(d) for d in g]}"
                for j, g in enumerate(groups))]
     return replace(plan, mesh=Mesh(dp=1, pp=len(groups), tp=shard_plan.tp), shard_specs=specs,
                    notes=(*plan.notes, *notes))
+
+
+def shard_specs(shard_plan: ShardPlan) -> dict[str, ShardSpec]:
+    """The plan's shard spec of every split parameter."""
+    return {name: ShardSpec(int(s.dim or 0), s.kind) for name, s in shard_plan.split().items()}
 
 
 def _merged_names(layers: tuple[Layer, ...], merged: tuple[Layer, ...]) -> list[list[str]]:

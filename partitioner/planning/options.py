@@ -27,7 +27,7 @@ Example:
     >>> resolve_options(Options(mesh=Mesh(pp=4)), pp=2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    partitioner.errors.OptionsError: pp=2 and options.mesh=Mesh(dp=1, pp=4, tp=1) given; ...
+    partitioner.errors.MeshError: options.mesh=Mesh(dp=1, pp=4, tp=1) but pp=2 given; ...
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def resolve_options(options: Options | None = None, **given: Any) -> Options:
     Raises:
         OptionsError: ``options`` is not an Options, a keyword is unknown, or a keyword and
             ``options`` (or two keywords) give one setting different values.
+        MeshError: ``pp=``/``dp=``/``tp=`` disagree with ``mesh=`` or ``options.mesh``.
         PartitionError: a subclass, when a value is invalid.
     """
     if options is None:
@@ -327,8 +328,8 @@ def _with_mesh(options: Options, mesh: Any, sizes: dict[str, Any]) -> Options:
         clash = [f"{k}={v}" for k, v in given.items() if getattr(current, k) not in (None, v)]
         if clash:
             where = "mesh" if mesh is not None else "options.mesh"
-            raise OptionsError(f"{', '.join(clash)} and {where}={current} given; pass the "
-                               "mesh once, in options= or as pp=/dp=/tp=")
+            raise MeshError(f"{where}={current} but {', '.join(clash)} given; pass the "
+                            f"degrees once, in {where}= or as pp=/dp=/tp=")
         if isinstance(current, Mesh):
             return options
     merged = {k: given.get(k, getattr(current, k) if current is not None else None)

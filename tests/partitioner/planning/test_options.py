@@ -55,8 +55,7 @@ def test_keywords_that_agree_with_options_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("options, given, named", [
-    (Options(mesh=Mesh(pp=4)), {"pp": 2}, "pp=2"),
-    (None, {"mesh": Mesh(pp=4), "pp": 2}, "pp=2"),
+    (Options(mesh=Mesh(pp=4)), {"mesh": Mesh(pp=2)}, "mesh=Mesh"),
     (Options(schedule=Schedule(chunks=2)), {"chunks": 4}, "chunks=4"),
     (Options(schedule=Schedule("gpipe")), {"schedule": "1f1b"}, "schedule='1f1b'"),
     (Options(precision=Precision("bf16")), {"precision": "fp32"}, "precision='fp32'"),
@@ -68,6 +67,17 @@ def test_keywords_that_agree_with_options_are_accepted() -> None:
 def test_one_setting_given_twice_differently_is_refused(options: Options | None,
                                                          given: dict, named: str) -> None:
     with pytest.raises(OptionsError, match=named):
+        resolve_options(options, **given)
+
+
+@pytest.mark.parametrize("options, given", [
+    (Options(mesh=Mesh(pp=4)), {"pp": 2}),
+    (None, {"mesh": Mesh(pp=4), "pp": 2}),
+    (Options(mesh=Degrees(dp=2)), {"dp": 4}),
+])
+def test_sizes_that_disagree_with_the_mesh_are_refused(options: Options | None,
+                                                        given: dict) -> None:
+    with pytest.raises(MeshError, match="but .*=\\d given; pass the degrees once"):
         resolve_options(options, **given)
 
 
@@ -138,3 +148,17 @@ def test_one_mesh_from_plan_files_to_ranks() -> None:
         Mesh(tp=0)
     mesh = Mesh(dp=2, pp=2, tp=2)
     assert mesh.coords(5).stage == 1 and mesh.groups("tp")[0] == (0, 1)
+
+
+def test_partition_distributed_folds_the_same_options_before_any_collective() -> None:
+    from partitioner import partition_distributed
+    from partitioner.errors import TuneError
+
+    model, x = _mlp()
+    with pytest.raises(MeshError, match="options.mesh=.* but pp=2 given"):
+        partition_distributed(model, (x,), pp=2, options=Options(mesh=Mesh(pp=4)))
+    with pytest.raises(OptionsError, match="optimizer_sharding=True and sharding 'fsdp'"):
+        partition_distributed(model, (x,), optimizer_sharding=True,
+                              options=Options(sharding=Sharding("fsdp")))
+    with pytest.raises(TuneError, match="strategy=None"):
+        partition_distributed(model, (x,), options=Options(tune=True))
