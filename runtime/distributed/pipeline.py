@@ -55,6 +55,7 @@ from partitioner.runtime.loss_head import (
     to_device,
 )
 from partitioner.runtime.microbatch import batch_size, scatter
+from partitioner.runtime.placement import Placement, stages_on
 from partitioner.runtime.schedule import Action, Phase, pipeline_depth, validate
 from partitioner.runtime.schedule_registry import Runtime, runtime_problem, schedule_kind
 from partitioner.runtime.stage import StageRunner
@@ -120,8 +121,10 @@ class DistributedPipeline:
         self.virtual = virtual
         self.pipeline_stages = _pipeline_stages(n_stages, virtual)
         self.stage = min(self.runners)
-        _check_held(self.runners, self.stage, self.pipeline_stages, n_stages)
         self.schedule_kind = schedule_kind(schedule)
+        #: Per virtual stage, the pipeline rank that runs it (the schedule's placement).
+        self.placement = self.schedule_kind.place(self.pipeline_stages, virtual)
+        _check_held(self.runners, self.stage, self.placement)
         found = self.schedule_kind.problems(self.pipeline_stages, chunks, virtual)
         if found:
             raise ScheduleError("; ".join(found))
@@ -164,7 +167,7 @@ class DistributedPipeline:
         if n_microbatches not in self._actions:
             p, v = self.pipeline_stages, self.virtual
             schedule = self.schedule_kind.build(p, n_microbatches, v)
-            validate(schedule, p, n_microbatches, v)
+            validate(schedule, p, n_microbatches, v, self.placement)
             self._actions[n_microbatches] = schedule[self.stage]
         return self._actions[n_microbatches]
 
@@ -240,13 +243,14 @@ def _pipeline_stages(n_stages: int, virtual: int) -> int:
     return pipeline_depth(n_stages, virtual, "rank")
 
 
-def _check_held(runners: Mapping[int, StageRunner], j: int, p: int, n_stages: int) -> None:
-    """A rank holds exactly the virtual stages ``j, j + P, ...`` (stage ``k`` on ``k % P``).
+def _check_held(runners: Mapping[int, StageRunner], j: int, placement: Placement) -> None:
+    """A rank holds exactly the virtual stages the schedule's placement puts on it.
 
     Raises:
         ScheduleError: Naming the stages held and those expected.
     """
-    expected = list(range(j, n_stages, p))
-    if list(runners) != expected or j >= p:
-        raise ScheduleError(f"a rank holds virtual stages {list(runners)}, but virtual stage "
-                            f"k runs on pipeline rank k % {p}: pass stages {expected}")
+    expected = list(stages_on(placement, j))
+    if list(runners) != expected:
+        raise ScheduleError(f"a rank holds virtual stages {list(runners)}, but the schedule "
+                            f"places virtual stage k on pipeline rank {placement}[k]: pass "
+                            f"stages {expected}")
