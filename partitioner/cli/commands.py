@@ -276,7 +276,12 @@ def simulate_command(args: argparse.Namespace) -> int:
     """``partitioner simulate``: the plan's step laid out in time, as text (and a picture)."""
     from partitioner.planning.simulate import simulate
     from partitioner.viz import check_output, write_timeline
-    from partitioner.viz.timeline import per_device, predicted_timeline, simulated_timeline
+    from partitioner.viz.timeline import (
+        per_device,
+        plan_placement,
+        predicted_timeline,
+        simulated_timeline,
+    )
 
     cluster = _cluster(args.cluster)
     if args.out:
@@ -285,7 +290,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     if plan.candidates:
         # The predictor the plan's own step time came from: on its cluster they agree.
         result = simulate(plan, cluster)
-        timeline = per_device(simulated_timeline(result, len(plan.devices)), plan)
+        timeline = per_device(simulated_timeline(result, len(plan.devices),
+                                                 placement=plan_placement(plan)), plan)
         how = f"simulated on {args.cluster or 'the cluster it was planned for'}"
         step = f"  step {result.step_time * 1e3:.2f} ms, bubble {result.bubble:.0%}"
     else:

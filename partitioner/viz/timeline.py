@@ -30,20 +30,22 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from partitioner.errors import TimelineError
 from partitioner.plans.plan import Plan
+from partitioner.runtime.placement import Placement
 from partitioner.runtime.schedule import Action, Phase, clock_ticks
-from partitioner.runtime.schedule_registry import make_schedule
+from partitioner.runtime.schedule_registry import make_schedule, schedule_kind
 from partitioner.viz.dot import device_color, quote
 from partitioner.viz.mesh import device_rows, mesh_shape
 
 __all__ = ["Bar", "Timeline", "TimelineError", "predicted_timeline", "simulated_timeline",
            "per_device", "row_name", "COMPUTE_PHASES", "UPDATE_PHASES",
            "timeline_dot", "timeline_heading", "bar_color", "format_span", "nice_step", "darker",
-           "bar_tip"]
+           "bar_tip", "plan_placement"]
 
 
 COMPUTE_PHASES = "FBIW"
@@ -152,14 +154,16 @@ def predicted_timeline(plan: Plan) -> Timeline:
         from partitioner.planning.simulate import simulate
 
         return per_device(simulated_timeline(simulate(plan), len(plan.devices),
-                                             source="predicted"), plan)
+                                             source="predicted", placement=plan_placement(plan)),
+                          plan)
     return per_device(_ticked_timeline(plan), plan)
 
 
 def _ticked_timeline(plan: Plan) -> Timeline:
     """The clock-tick model of :func:`predicted_timeline`: a row per pipeline device
-    (virtual stage ``k`` on device ``k % P``)."""
+    (virtual stage ``k`` on the device the schedule's placement names)."""
     p, n, m = len(plan.devices), len(plan.stages), plan.chunks
+    where = plan_placement(plan)
     schedule = make_schedule(plan.schedule, p, m, plan.virtual_stages)
     order = list(dict.fromkeys(a for tick in clock_ticks(schedule) for a in tick if a))
     costed = all(s.predicted_time for s in plan.stages)
@@ -171,9 +175,9 @@ def _ticked_timeline(plan: Plan) -> Timeline:
         needs = ([Action(a.stage - 1, a.phase, a.microbatch)] if forward and a.stage else
                  [Action(a.stage + 1, a.phase, a.microbatch)] if not forward
                  and a.stage + 1 < n else [])
-        start = max([free[a.stage % p], *(finish.get(d, 0.0) for d in needs)])
-        finish[a] = free[a.stage % p] = start + per_stage[a.stage] * (1 if forward else 2) / 3
-        events.append((Action(a.stage % p, a.phase, a.microbatch), start, finish[a]))
+        start = max([free[where[a.stage]], *(finish.get(d, 0.0) for d in needs)])
+        finish[a] = free[where[a.stage]] = start + per_stage[a.stage] * (1 if forward else 2) / 3
+        events.append((Action(where[a.stage], a.phase, a.microbatch), start, finish[a]))
     return Timeline.of(events, "s" if costed else "tick", "predicted")
 
 
@@ -202,11 +206,17 @@ def row_name(t: Timeline, j: int, plan: Plan | None = None) -> str:
     return f"stage {j}" + (f" - {device}" if device else "")
 
 
-def simulated_timeline(result: Any, devices: int | None = None, source: str = "simulated"
-                       ) -> Timeline:
+def plan_placement(plan: Plan) -> Placement:
+    """Per virtual stage of ``plan``, its pipeline device: the schedule's placement."""
+    return schedule_kind(plan.schedule).place(len(plan.devices), plan.virtual_stages)
+
+
+def simulated_timeline(result: Any, devices: int | None = None, source: str = "simulated",
+                       placement: Sequence[int] | None = None) -> Timeline:
     """A simulated step (``partitioner.planning.simulate.SimulationResult``) as a timeline:
     a row per pipeline device (``devices``, by default one per entry of
-    ``result.peak_memory``; virtual stage ``k`` on row ``k % devices``), then each device's
+    ``result.peak_memory``; virtual stage ``k`` on row ``placement[k]``, by default
+    ``k % devices``: :func:`plan_placement` gives a plan's), then each device's
     gradient all-reduce (the part after its last backward) and optimizer step, so the
     timeline ends at ``result.step_time``.
 
@@ -222,7 +232,7 @@ def simulated_timeline(result: Any, devices: int | None = None, source: str = "s
     devices = devices or len(result.peak_memory)
     bars, last = [], [0.0] * devices
     for action, start, end in result.timeline:
-        j = action.stage % devices
+        j = placement[action.stage] if placement is not None else action.stage % devices
         bars.append(Bar(j, getattr(action.phase, "value", str(action.phase)), action.microbatch,
                         start, end))
         last[j] = max(last[j], end)

@@ -87,3 +87,16 @@ def test_a_v_pipeline_trains_like_the_model(step: bool) -> None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
     finally:
         pm.close()
+
+
+def test_timelines_put_each_stage_on_its_placed_device() -> None:
+    from types import SimpleNamespace
+
+    from partitioner.runtime.action import Action
+    from partitioner.viz.timeline import simulated_timeline
+
+    done = SimpleNamespace(peak_memory=[0.0, 0.0], updates=[],
+                           timeline=[(Action.parse("3F0"), 0.0, 1.0),
+                                     (Action.parse("2F0"), 1.0, 2.0)])
+    rows = [b.stage for b in simulated_timeline(done, placement=zigzag(2, 2)).bars]  # its row
+    assert rows == [0, 1]  # looped would put 3F0 on device 1 and 2F0 on device 0
