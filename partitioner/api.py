@@ -84,7 +84,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = ..., *,
               memory_reserve: float | None = ..., precision: str | None = ...,
               loss_scale: float | str | None = ..., mesh: Mesh | None = ...,
               init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...,
-              options: Options | None = ...
+              options: Options | None = ..., sequence_parallel: bool = ...
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     ...
 
@@ -103,7 +103,8 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = ..., *,
               memory_reserve: float | None = ..., precision: str | None = ...,
               loss_scale: float | str | None = ..., mesh: None = ...,
               init_fn: InitFn | None = ..., seed: int = ..., tune: bool | int = ...,
-              options: Options | None = ...) -> TensorParallelModule: ...
+              options: Options | None = ..., sequence_parallel: bool = ...
+              ) -> TensorParallelModule: ...
 
 
 def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
@@ -119,7 +120,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
               memory_reserve: float | None = None, precision: str | None = None,
               loss_scale: float | str | None = None, mesh: Mesh | None = None,
               init_fn: InitFn | None = None, seed: int = 0, tune: bool | int = False,
-              options: Options | None = None
+              options: Options | None = None, sequence_parallel: bool = False
               ) -> PartitionedModule | TensorParallelModule | ReplicatedModule:
     """Partition ``model`` into pipeline stages over ``devices``.
 
@@ -193,6 +194,10 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
             ``precision=Precision(compute, loss_scale)``, ``checkpoint``, ``tune``,
             ``init_fn``, ``seed``); the keywords above are sugar for it, and one setting
             given both ways with different values is refused (``OptionsError``).
+        sequence_parallel: with ``tensor_parallel=``, Megatron's sequence parallelism: the
+            norms, residual adds and dropout between the column/row pairs run on each
+            rank's share of the sequence (dim 1), a reduce-scatter and an all-gather in
+            place of each all-reduce (``partitioner.passes.tensor_parallel.sequence_parallel``).
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -237,7 +242,11 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
             model, devices, tensor_parallel, strategy=strategy, example_inputs=example_inputs,
             example_kwargs=example_kwargs, chunks=chunks, checkpoint=checkpoint,
             balance=balance, split_points=split_points, memory_limit=memory_limit,
-            schedule=schedule, memory_reserve=memory_reserve)
+            schedule=schedule, memory_reserve=memory_reserve,
+            sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        raise StrategyError("sequence_parallel=True splits the sequence between tensor-"
+                            "parallel ranks; pass tensor_parallel=<degree> with it")
     if devices is None and plan is None:
         raise DeviceError("devices=None; pass the devices to partition over, e.g. "
                           "devices=['cpu', 'cpu'], or plan= a saved plan that names them")

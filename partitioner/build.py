@@ -26,6 +26,9 @@ from partitioner.analysis import Analysis, build_stage_graphs, output_rows, reca
 from partitioner.errors import DeviceError, PrecisionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.passes.private_rng import route_module_randomness
+from partitioner.passes.tensor_parallel.sequence_parallel import (
+    sequence_parallel as apply_sequence_parallel,
+)
 from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.plans.plan import Plan
@@ -245,8 +248,11 @@ class TensorParallelSetup:
     request: PlanRequest
 
 
-def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> TensorParallelModule:
-    """The one-process module running ``setup.plan``: a thread per tensor-parallel rank."""
+def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup, *,
+                          sequence_parallel: bool = False) -> TensorParallelModule:
+    """The one-process module running ``setup.plan``: a thread per tensor-parallel rank
+    (with ``sequence_parallel``, each rank graph's replicated region on sequence shards:
+    ``partitioner.passes.tensor_parallel.sequence_parallel``)."""
     analysis, plan, shard_plan = setup.analysis, setup.plan, setup.shard_plan
     groups = setup.groups
     store = ShardStore(shard_plan.shardings)
@@ -264,6 +270,8 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup) -> Tenso
                                  make_tensor=store.factory(r, groups[j][r], ids)).graph_module
                      for r in range(len(groups[j]))]
             for rank in ranks:
+                if sequence_parallel:
+                    apply_sequence_parallel(rank, gm, len(ranks))
                 route_module_randomness(rank)
             stages.append(TensorParallelStage(ranks, groups[j]))
         return stages

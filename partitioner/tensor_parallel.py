@@ -176,7 +176,8 @@ def partition_tensor_parallel(
         checkpoint: str | None = None, balance: Sequence[int] | None = None,
         split_points: Sequence[str] | None = None,
         memory_limit: float | Sequence[float] | None = None, schedule: str | None = None,
-        memory_reserve: float | None = None) -> TensorParallelModule:
+        memory_reserve: float | None = None, sequence_parallel: bool = False
+        ) -> TensorParallelModule:
     """``partition()`` with tensor parallelism: pipeline stages of ``tp`` ranks each.
 
     Args: as :func:`partitioner.partition`; ``tensor_parallel`` is the degree or rules.
@@ -197,7 +198,7 @@ def partition_tensor_parallel(
                                  chunks=chunks, checkpoint=checkpoint, balance=balance,
                                  split_points=split_points, memory_limit=memory_limit,
                                  schedule=schedule, memory_reserve=memory_reserve)
-    return build_tensor_parallel(model, setup)
+    return build_tensor_parallel(model, setup, sequence_parallel=sequence_parallel)
 
 
 def parallelize(model: nn.Module, group: Any = None, *,

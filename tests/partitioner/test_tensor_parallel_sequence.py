@@ -1,0 +1,81 @@
+"""partition(..., tensor_parallel=2, sequence_parallel=True): the one-process tensor-parallel
+runtime with each rank graph's replicated region on sequence shards
+(partitioner/build.py build_tensor_parallel, passes/tensor_parallel/sequence_parallel.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from tp_models import Block
+
+from partitioner import partition
+from partitioner.errors import StrategyError
+
+
+def _forward_counts(pm: Any) -> Counter[tuple[str, str]]:
+    counts: Counter[tuple[str, str]] = Counter()
+    for stage in pm.stages.values():
+        for s in stage:
+            counts.update(s.group.members[0].counts)
+    return counts
+
+
+def test_sequence_parallel_blocks_train_like_the_model() -> None:
+    """Outputs and gradients equal the model's; after 3 SGD steps the weights too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32, 4), Block(32, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32)
+    pm = partition(model, ["cpu"] * 2, tensor_parallel=2, example_inputs=(x,),
+                   sequence_parallel=True)
+    try:
+        ours = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
+        theirs = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            out, expected = pm(x), reference(x)
+            torch.testing.assert_close(out, expected)
+            out.pow(2).mean().backward()
+            expected.pow(2).mean().backward()
+            if step == 0:
+                for key, param in reference.named_parameters():
+                    torch.testing.assert_close(pm.full_tensor(key, grad=True), param.grad,
+                                               msg=lambda m, k=key: f"{k}: {m}")
+            for opt in (ours, theirs):
+                opt.step()
+                opt.zero_grad()
+        state = pm.state_dict()
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"{k}: {m}")
+    finally:
+        pm.close()
+
+
+def test_each_block_reduce_scatters_instead_of_all_reducing() -> None:
+    torch.manual_seed(0)
+    blocks = 2
+    model = nn.Sequential(*[Block(32, 4) for _ in range(blocks)])
+    x = torch.randn(2, 8, 32)
+    pm = partition(model, ["cpu"] * 2, tensor_parallel=2, example_inputs=(x,),
+                   sequence_parallel=True)
+    try:
+        with torch.no_grad():
+            pm(x)
+        counts = _forward_counts(pm)
+        assert counts["reduce_scatter", "forward"] == 2 * blocks
+        assert counts["all_reduce", "forward"] == 0
+        # The residual stream stays on shards from block to block: one all-gather per
+        # column-parallel entry, and the output's.
+        assert counts["all_gather", "forward"] == 2 * blocks + 1
+    finally:
+        pm.close()
+
+
+def test_sequence_parallel_needs_tensor_parallel() -> None:
+    with pytest.raises(StrategyError, match="pass tensor_parallel=<degree> with it"):
+        partition(nn.Linear(4, 4), ["cpu"], example_inputs=(torch.randn(2, 4),),
+                  sequence_parallel=True)
