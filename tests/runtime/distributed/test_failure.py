@@ -229,7 +229,7 @@ def test_a_raw_gloo_error_in_a_step_names_the_rank_that_failed_not_this_one() ->
     # Regression: the loss all-reduce raised gloo's bare RuntimeError, which the guard took
     # for this rank's own failure; rank 1 then named itself and rank 3 blamed rank 1.
     watchdog, stops = _watchdog(1, 4)
-    watchdog.store.compare_set("partitioner/watchdog/failed", "",
+    watchdog.store.compare_set(watchdog._key("failed"), "",
                                json.dumps({"rank": 2, "reason": "no heartbeat for 4.0 s"}))
     with pytest.raises(Stopped):
         with watchdog.guard():
@@ -249,8 +249,8 @@ def test_this_rank_s_own_error_is_published_as_the_failure() -> None:
 
 def test_a_peer_that_ended_its_program_is_named_when_an_exchange_with_it_fails() -> None:
     watchdog, stops = _watchdog(0, 2)
-    watchdog.store.add("partitioner/watchdog/exit/1", 1)
-    watchdog.store.add("partitioner/watchdog/exited", 1)
+    watchdog.store.add(watchdog._key("exit", 1), 1)
+    watchdog.store.add(watchdog._key("exited"), 1)
     with pytest.raises(Stopped):
         with watchdog.guard():
             raise CommunicationError("receiving gradients of micro-batch 0 from rank 1 failed")
@@ -272,8 +272,8 @@ def test_a_peer_that_ended_its_program_while_this_rank_waits_in_a_step_is_named(
         watchdog._stop.set()    # the thread ends instead of the process
 
     watchdog._die = die_in_thread  # type: ignore[method-assign]
-    watchdog.store.add("partitioner/watchdog/exit/0", 1)
-    watchdog.store.add("partitioner/watchdog/exited", 1)
+    watchdog.store.add(watchdog._key("exit", 0), 1)
+    watchdog.store.add(watchdog._key("exited"), 1)
     watchdog.start()
     try:
         with watchdog.guard():
@@ -285,8 +285,8 @@ def test_a_peer_that_ended_its_program_while_this_rank_waits_in_a_step_is_named(
 
 def test_a_rank_that_exited_cleanly_is_no_failure_outside_a_step() -> None:
     watchdog, stops = _watchdog(1, 2)
-    watchdog.store.add("partitioner/watchdog/exit/0", 1)
-    watchdog.store.add("partitioner/watchdog/exited", 1)
+    watchdog.store.add(watchdog._key("exit", 0), 1)
+    watchdog.store.add(watchdog._key("exited"), 1)
     watchdog.start()
     try:
         time.sleep(1.0)     # several timeouts (0.3 s) of watching, not in a guarded block
