@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -190,6 +190,42 @@ class ModelWrapper(nn.Module):
             _convert_shards(self._shards, state_dict, prefix, whole=False)
         if self.inner is not None:
             _add(state_dict, prefix, self.inner)
+
+    # -- names --------------------------------------------------------------------------
+
+    def _inner_module(self) -> nn.Module | None:
+        """The child holding the model's tensors under the model's own names, if any."""
+        if self.inner is None or self._shards is not None:
+            return None
+        return self._modules.get(self.inner)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters under the original model's names (as ``state_dict()`` keys), so
+        ``dict(pm.named_parameters())`` and ``dict(model.named_parameters())`` agree."""
+        yield from self._named(super().named_parameters, "named_parameters", prefix, recurse,
+                               remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers under the original model's names, as :meth:`named_parameters`."""
+        yield from self._named(super().named_buffers, "named_buffers", prefix, recurse,
+                               remove_duplicate)
+
+    def _named(self, own: Callable[..., Iterator[tuple[str, Any]]], method: str, prefix: str,
+               recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
+        inner = self._inner_module()
+        if inner is None or not recurse:
+            yield from own(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+            return
+        seen = set()
+        for name, tensor in getattr(inner, method)(prefix=prefix, recurse=True,
+                                                   remove_duplicate=remove_duplicate):
+            seen.add(id(tensor))
+            yield name, tensor
+        for name, tensor in own(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate):
+            if id(tensor) not in seen:   # held beside the model (none today)
+                yield name, tensor
 
     # -- gradient clipping --------------------------------------------------------------
 

@@ -1,7 +1,14 @@
-"""The three one-process wrappers ``partition`` may return (a pipeline, tensor parallelism,
-data-parallel replicas) stand in for the model alike where a user would notice: the model's
-train/eval mode, its state-dict keys and a round trip, ``.plan``, ``close()``, ``step()``.
-(tests/runtime/test_module.py and test_local.py hold the pipeline's own versions.)"""
+"""One contract for every one-process wrapper ``partition`` may return (a pipeline, tensor
+parallelism, tensor parallelism x pipeline, data-parallel replicas of a graph, of a pipeline
+or of a tensor-parallel module), each test run over every kind: the model's train/eval mode
+and its switches, its state-dict and parameter names, a state-dict round trip, an optimizer
+over ``pm.parameters()`` training like one over the model's, the model's own parameters
+shared or refused (never ignored), ``.plan``, ``close()``, ``step()``, calls from two
+threads. (tests/runtime/test_module.py and test_local.py hold the pipeline's own versions.)
+
+``pm.module``: the model itself for a pipeline; replica 0 for replicas (a wrapper whose
+``.module`` chain ends at the model, or a tensor-parallel module); tensor-parallel modules
+have none (their ranks hold slices). README "Restrictions" states the same."""
 
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.module import TensorParallelModule
 from partitioner.runtime.wrapper import ModelWrapper
 
-KINDS = ("pipeline", "tensor_parallel", "replicas", "replicas_pipeline", "replicas_tp")
+KINDS = ("pipeline", "tensor_parallel", "tp_pipeline", "replicas", "replicas_pipeline",
+         "replicas_tp")
 
 
 def _model() -> nn.Sequential:
@@ -36,6 +44,11 @@ def _plan(kind: str, model: nn.Module, x: torch.Tensor) -> Plan:
     """A plan of ``kind`` for ``model`` (replicas: a saved plan's mesh given dp=2)."""
     if kind == "pipeline":
         return make_plan(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), chunks=2)
+    if kind == "tp_pipeline":  # 2 stages, each split over 2 tensor-parallel ranks
+        tpp = partition(model, ["cpu"] * 4, "pipeline", example_inputs=(x,), tensor_parallel=2,
+                        chunks=2)
+        tpp.close()
+        return tpp.plan
     tp = partition(model, ["cpu"] * 2, "pipeline", example_inputs=(x,), tensor_parallel=2)
     tp.close()
     if kind == "tensor_parallel":
@@ -55,8 +68,8 @@ def _wrap(kind: str, model: nn.Module, x: torch.Tensor) -> ModelWrapper:
     plan = _plan(kind, model, x)
     wrapper = partition(model, None, plan=plan, example_inputs=(x,))
     expected = {"pipeline": PartitionedModule, "tensor_parallel": TensorParallelModule,
-                "replicas": ReplicatedModule, "replicas_pipeline": ReplicatedModule,
-                "replicas_tp": ReplicatedModule}[kind]
+                "tp_pipeline": TensorParallelModule, "replicas": ReplicatedModule,
+                "replicas_pipeline": ReplicatedModule, "replicas_tp": ReplicatedModule}[kind]
     assert isinstance(wrapper, expected)
     assert wrapper.plan == plan
     return wrapper
@@ -175,7 +188,8 @@ class _WithStatistics(nn.Module):
         return logits, share.mean(0), (share * share).sum(-1).mean()  # (B, 4), (4,), ()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# (tp_pipeline: its two Linear layers are one column/row pair, one layer: no two stages.)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "tp_pipeline"])
 def test_outputs_without_a_batch_dimension_are_the_whole_batchs(kind: str) -> None:
     """Issue #19: a ``(E,)`` output was concatenated to ``(2E,)`` across micro-batches or
     replicas, and a 0-dim one refused; both are averaged weighted by samples (the whole
@@ -197,7 +211,7 @@ def test_outputs_without_a_batch_dimension_are_the_whole_batchs(kind: str) -> No
 
 #: Whether the wrapper computes with the original model's parameters (else it refuses
 #: changes to them and optimizers over them: tensor-parallel ranks hold their own slices).
-SHARES = {"pipeline": True, "tensor_parallel": False, "replicas": True,
+SHARES = {"pipeline": True, "tensor_parallel": False, "tp_pipeline": False, "replicas": True,
           "replicas_pipeline": True, "replicas_tp": False}
 
 
@@ -224,7 +238,7 @@ def test_the_models_own_parameters_are_shared_or_refused_never_ignored(kind: str
                 wrapper(x)
 
 
-@pytest.mark.parametrize("kind", ["pipeline", "tensor_parallel"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_calls_from_two_threads_run_one_after_another(kind: str) -> None:
     model, x = _model().eval(), torch.randn(6, 8)
     inputs = [torch.randn(6, 8) for _ in range(2)]
@@ -247,3 +261,71 @@ def test_calls_from_two_threads_run_one_after_another(kind: str) -> None:
             thread.join(timeout=60)
         assert not any(thread.is_alive() for thread in threads), "a call hung"
     assert not problems, problems[0]
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while isinstance(module, ModelWrapper) and isinstance(getattr(module, "module", None),
+                                                          nn.Module):
+        module = module.module
+    return module
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_module_and_parameter_names_are_the_models(kind: str) -> None:
+    """Issue #19: replicas' ``named_parameters()`` gained ``module.`` prefixes."""
+    model, x = _model().eval(), torch.randn(6, 8)
+    with _wrap(kind, model, x) as wrapper:
+        if kind == "pipeline":
+            assert wrapper.module is model
+        if SHARES[kind]:
+            assert _innermost(wrapper) is model
+            names = {k: id(p) for k, p in wrapper.named_parameters()}
+            assert names == {k: id(p) for k, p in model.named_parameters()}
+            assert [k for k, _ in wrapper.named_buffers()] == [k for k, _ in
+                                                               model.named_buffers()]
+        else:  # the ranks' slices, none of them the model's tensors
+            assert not hasattr(wrapper, "module") or not isinstance(
+                _innermost(wrapper), nn.Sequential)
+            assert not {id(p) for p in wrapper.parameters()} & {id(p) for p in
+                                                                model.parameters()}
+        assert list(wrapper.state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_optimizer_over_the_wrappers_parameters_trains_like_the_models(kind: str) -> None:
+    model, x, y = _model().eval(), torch.randn(6, 8), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    expected_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    with _wrap(kind, model, x) as wrapper:
+        optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            optimizer.zero_grad()
+            wrapper.step(x, y, nn.functional.mse_loss)
+            optimizer.step()
+            expected_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            expected_opt.step()
+        state = wrapper.state_dict()
+        with torch.no_grad():
+            out = wrapper(x)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-4, msg=key)
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_and_eval_switch_the_wrapper_after_partitioning(kind: str) -> None:
+    model, x = _model().train(), torch.randn(6, 8)
+    with torch.no_grad():
+        plain = copy.deepcopy(model).eval()(x)
+    with _wrap(kind, model, x) as wrapper, torch.no_grad():
+        assert wrapper.eval() is wrapper and not wrapper.training
+        torch.testing.assert_close(wrapper(x), plain)   # no dropout
+        if SHARES[kind]:
+            assert not model.training    # the model is inside: its mode follows
+        wrapper.train()
+        assert wrapper.training
+        assert not torch.allclose(wrapper(x), plain)    # dropout (p=0.5) again
+        wrapper.eval()
+        torch.testing.assert_close(wrapper(x), plain)
