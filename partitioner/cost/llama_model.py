@@ -151,6 +151,16 @@ def llama_variants(model: LlamaModel, names: Sequence[str], captured: Workload, 
         note = (f"costed as Llama ({run.label()}, FSDP over the replicas): "
                 f"{shape.layers} layers, hidden {shape.hidden}, seq {shape.seq}")
         found.append(replace(captured, layers=layers, param_bytes_per_element=e,
-                             mixed_precision=low, fsdp=True,
+                             mixed_precision=low, fsdp=True, splits=_splits(captured),
                              notes=(*captured.notes, note)))
     return found
+
+
+def _splits(captured: Workload) -> tuple[int, ...] | None:
+    """The captured splits of the batch, or ``None`` (any) when the capture held for every
+    split it was checked for: the analysis checks at most 256 pieces, which would cap
+    ``dp x chunks`` at 256 on clusters of thousands of devices."""
+    splits = captured.splits
+    if splits is None or splits == tuple(range(1, len(splits) + 1)):
+        return None
+    return splits

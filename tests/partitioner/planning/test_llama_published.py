@@ -22,7 +22,7 @@ from llama_published import (
 
 from partitioner import Cluster, Mesh, make_plan
 from partitioner.cost.devices import REFERENCE_CPU
-from partitioner.cost.llama_model import LlamaModel
+from partitioner.cost.llama_model import LlamaModel, llama_variants
 from partitioner.cost.transformer_model import LlamaRun, llama_workload
 from partitioner.errors import MemoryLimitError
 from partitioner.planning.llama_plan import workload_variants
@@ -125,3 +125,19 @@ def test_make_plan_recomputes_every_layer_when_asked() -> None:
                for note in plan.notes), plan.notes
     # The layers replay their forward themselves: no stage-level replay on top.
     assert plan.candidates[0]["config"]["checkpoint"] == "never"
+
+
+def test_checked_splits_do_not_cap_a_cluster_plan() -> None:
+    """The analysis checks a capture for at most 256 pieces of the batch; a Llama capture
+    that held for all of them holds for any (dp 64 x 32 micro-batches is 2048 pieces)."""
+    from dataclasses import replace
+
+    shape = SHAPES["8B"]
+    names = captured_names(shape)
+    model = LlamaModel(shape, "flash")
+    held = replace(captured_workload(shape, 2048), splits=tuple(range(1, 257)))
+    guarded = replace(held, splits=(1, 2, 4))
+    assert [w.splits for w in llama_variants(model, names, held, tp=8, recompute=["none"])] \
+        == [None]
+    assert [w.splits for w in llama_variants(model, names, guarded, tp=8,
+                                             recompute=["none"])] == [(1, 2, 4)]
