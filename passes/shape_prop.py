@@ -61,9 +61,21 @@ class _ShapeInterpreter(fx.Interpreter):
             result = super().run_node(n)
         except Exception as error:
             raise PassError(f"shape propagation failed at node {n.name} ({n.format_node()}): "
-                            f"{type(error).__name__}: {error}") from error
+                            f"{type(error).__name__}: {error}{_value_shape_hint(error)}"
+                            ) from error
         n.meta["val"] = result
         return result
+
+
+def _value_shape_hint(error: Exception) -> str:
+    """A fix for an operation whose output size depends on its input values, else ``""``."""
+    if type(error).__name__ not in ("DynamicOutputShapeException",
+                                    "DataDependentOutputException"):
+        return ""
+    return ("; its output's size depends on the values of its inputs (bincount, nonzero, "
+            "unique, boolean-mask indexing), which one captured graph cannot hold: compute a "
+            "fixed-size result instead (bincount(x, minlength=n) -> one_hot(x, n).sum(0); "
+            "x[mask] -> torch.where(mask, x, 0)) or do it outside forward")
 
 
 _PRODUCTS = {F.linear, torch.matmul, torch.mm, torch.bmm, F.conv1d, F.conv2d, F.conv3d,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from models import grads_match
 from torch import nn
-from zoo_models import ZOO
+from zoo_models import REFUSED, ZOO
 
 import partitioner
 from partitioner import partition
@@ -273,3 +273,18 @@ def test_more_architectures_run_auto_s_plan_like_the_model(name: str) -> None:
     for got, want in zip(out, expected, strict=True):
         torch.testing.assert_close(got, want)
     pm.close()
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_cannot_be_split_is_refused_naming_the_reason_and_the_fix(name: str) -> None:
+    """Never a silent wrong result: a data-dependent output size is refused at partition
+    time, integer counts without a batch dimension at the first call."""
+    build, kind, words = REFUSED[name]
+    model, args, kwargs = build()
+    with pytest.raises(partitioner.PartitionError) as info:
+        pm = partition(model, ["cpu"] * 2, "pipeline", example_inputs=args,
+                       example_kwargs=kwargs, chunks=2)
+        pm(*args, **kwargs)
+    assert type(info.value).__name__ == kind
+    for word in words:
+        assert word in str(info.value)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ZOO", "Case", "RecurrentTagger", "GRUWithAux"]
+__all__ = ["ZOO", "REFUSED", "Case", "RecurrentTagger", "GRUWithAux", "CountingMoE"]
 
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -232,9 +232,50 @@ def hf_resnet() -> Case:
     return ResNetForImageClassification(config), (images,), {}
 
 
+@_seeded
+def rwkv() -> Case:
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    config = RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                        attention_hidden_size=32, intermediate_size=64, context_length=16,
+                        use_cache=False)
+    return RwkvForCausalLM(config), (_ids(),), {}
+
+
+class CountingMoE(nn.Module):
+    """Soft mixture of 4 experts that also returns how many samples each expert topped:
+    top-1 counts by ``bincount`` (a data-dependent size) or by ``one_hot`` (an int64 ``(E,)``
+    without a batch dimension, which micro-batches cannot join)."""
+
+    def __init__(self, bincount: bool) -> None:
+        super().__init__()
+        self.bincount = bincount
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = self.router(x).softmax(-1)                                    # (B, E)
+        mixed = sum(gate[:, e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+        top = gate.argmax(-1)
+        counts = (torch.bincount(top, minlength=4) if self.bincount
+                  else nn.functional.one_hot(top, 4).sum(0))                 # (E,) int64
+        return self.head(mixed), counts
+
+
+#: Models the partitioner refuses, with the error class and words its message must hold.
+REFUSED: dict[str, tuple[Callable[[], Case], str, tuple[str, ...]]] = {
+    "moe_bincount": (_seeded(lambda: (CountingMoE(True), (torch.randn(8, 8),), {})),
+                     "PassError", ("bincount", "one_hot(x, n).sum(0)")),
+    "moe_int_counts": (_seeded(lambda: (CountingMoE(False), (torch.randn(8, 8),), {})),
+                       "OutputError", ("int64", "shape (4,)", "return it per sample")),
+}
+
+
 ZOO: dict[str, Callable[[], Case]] = {
     "mixtral": mixtral, "qwen2_moe": qwen2_moe, "whisper": whisper,
     "vit_36_12": vit_odd_patches, "swin": swin, "lstm_stack": lstm_stack, "gru_aux": gru_aux,
     "mamba": mamba, "distilbert": distilbert, "albert": albert, "bart": bart, "phi": phi,
     "gemma": gemma, "falcon": falcon, "convnext": convnext, "hf_resnet": hf_resnet,
+    "rwkv": rwkv,
 }
