@@ -30,13 +30,14 @@ if TYPE_CHECKING:
     from partitioner.planning.simulate import simulate
     from partitioner.plans.plan import Mesh, Plan, Stage
     from partitioner.plans.spec import Spec
+    from partitioner.runtime.distributed.sharded_checkpoint import checkpoint_to_state_dict
     from partitioner.tensor_parallel import parallelize
     from partitioner.viz import visualize
 
 __all__ = ["partition", "make_plan", "Plan", "Stage", "PartitionError", "TraceError",
            "flatten_sequential", "visualize", "load_plan", "Spec", "partition_distributed",
            "DistributedModel", "parallelize", "simulate", "Cluster", "DeviceSpec", "Mesh",
-           "Options", "Schedule", "Precision", "Sharding"]
+           "Options", "Schedule", "Precision", "Sharding", "checkpoint_to_state_dict"]
 
 _WHERE = {
     "partition": "partitioner.api",
@@ -60,6 +61,7 @@ _WHERE = {
     "Schedule": "partitioner.planning.options",
     "Precision": "partitioner.planning.options",
     "Sharding": "partitioner.planning.options",
+    "checkpoint_to_state_dict": "partitioner.runtime.distributed.sharded_checkpoint",
 }
 
 

@@ -119,7 +119,7 @@ def partition_distributed(
         virtual_stages: int | None = None,
         optimizer_sharding: bool | None = None, precision: str | None = None,
         mesh: Mesh | None = None, init_fn: InitFn | None = None,
-        tune: bool | int = False,
+        tune: bool | int = False, sharding: str | None = None,
         options: Options | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
@@ -200,6 +200,11 @@ def partition_distributed(
             of each (the slowest rank's median), restores the model's tensors and runs the
             measured fastest; ``plan.candidates`` and ``plan.explain()`` show the predicted
             and measured step times (``partitioner.planning.tune``).
+        sharding: what the ``dp`` replicas cut among them (``partitioner.sharding``):
+            ``None``/``"none"``, ``"optimizer"`` (``optimizer_sharding=True``) or
+            ``"fsdp"``: parameters, gradients and optimizer state by torch's FSDP2, the
+            parameters ``DTensor``s (build the optimizer over ``dpm.parameters()`` or with
+            ``dpm.make_optimizer``); needs ``dp >= 2``, ``tp=1``, one stage per rank.
         options: the same settings as one :class:`partitioner.Options` value, shared with
             ``partition`` and ``make_plan`` (``mesh`` a ``Mesh`` or ``Degrees(pp=...)``,
             ``Schedule``, ``Precision``, ``Sharding``, ``checkpoint``, ``strategy``,
@@ -220,7 +225,7 @@ def partition_distributed(
     opts = resolve_options(options, **_sugar(
         pp=pp, dp=dp, tp=tp, mesh=mesh, chunks=chunks, schedule=schedule,
         virtual_stages=virtual_stages, checkpoint=checkpoint, precision=precision,
-        optimizer_sharding=optimizer_sharding, strategy=strategy,
+        optimizer_sharding=optimizer_sharding, sharding=sharding, strategy=strategy,
         tune=tune, init_fn=init_fn, seed=seed))
     call = _parse(model, opts, plan, Fixed(tensor_parallel, balance, split_points,
                                            memory_limit, cluster, memory_reserve),
@@ -432,7 +437,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint,
                            running.loss_reduction, int(running.bucket_mb * 2**20),
                            call.options.seed, made.to_dict(), virtual, sharded,
-                           call.precision)
+                           call.precision, "optimizer" if sharded else call.sharding)
     ranks = ProcessMesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors

@@ -32,7 +32,11 @@ from partitioner.runtime.input_hint import input_hint
 from partitioner.runtime.precision import autocast
 from partitioner.runtime.rng import fork, use_generator, use_shard_generator
 
-__all__ = ["StageRunner", "locate_node"]
+CALL_HOOKS_ATTR = "_partitioner_call_hooks"
+"""Set (True) on a stage module whose forward must run through ``module(...)`` with its
+hooks: FSDP's gather the sharded parameters first (``runtime.distributed.fsdp``)."""
+
+__all__ = ["StageRunner", "locate_node", "CALL_HOOKS_ATTR"]
 
 
 @dataclass
@@ -110,6 +114,8 @@ class StageRunner:
     def _call(self, i: int, inputs: list[Any]) -> Any:
         try:
             with autocast(self.precision, self.device.type):
+                if getattr(self.graph_module, CALL_HOOKS_ATTR, False):  # FSDP gathers first
+                    return self.graph_module(*inputs)
                 return type(self.graph_module).forward(self.graph_module, *inputs)
         except Exception as error:
             node = locate_node(self.graph_module, error)

@@ -54,7 +54,8 @@ from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "atomic_save", "remove_stale_temporaries",
            "named_optimizer_state", "load_named_optimizer_state", "merge_optimizer_states",
-           "save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT", "VERSION"]
+           "save_checkpoint", "load_checkpoint", "read_checkpoint", "read_any",
+           "refuse_unexpected", "FORMAT", "VERSION"]
 
 FORMAT = "partitioner.checkpoint"
 VERSION = 1
@@ -309,7 +310,7 @@ def _checked(data: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _read_any(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_any(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A checkpoint, or a whole-model state dict (``torch.save`` or safetensors) as one
     without optimizer state, its tensors read only when used; a folder is read as
     transformers' safetensors shards with their index (``weights_folder``)."""
@@ -356,9 +357,9 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
             ``strict`` a key the model lacks, or an optimizer given for a checkpoint saved
             without one.
     """
-    data = _read_any(path)
+    data = read_any(path)
     if strict and model_keys is not None:
-        _refuse_unexpected(path, data["model"], model_keys)
+        refuse_unexpected(path, data["model"], model_keys)
     own = stage.state_dict()
     missing = [k for k in own if k not in data["model"]]
     if missing:
@@ -388,8 +389,8 @@ def load_checkpoint(path: str | os.PathLike[str], stage: nn.Module, *,
     return dict(data.get("extra") or {})
 
 
-def _refuse_unexpected(path: str | os.PathLike[str], saved: Mapping[str, Any],
-                       model_keys: Collection[str]) -> None:
+def refuse_unexpected(path: str | os.PathLike[str], saved: Mapping[str, Any],
+                      model_keys: Collection[str]) -> None:
     """Raise a :class:`CheckpointError` naming the keys of ``saved`` the model lacks."""
     known = set(model_keys)
     unexpected = [k for k in saved if k not in known]

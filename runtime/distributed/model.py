@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from partitioner.errors import StrategyError
+from partitioner.errors import CheckpointError, StrategyError
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, save_checkpoint
 from partitioner.runtime.distributed.data_parallel import (
@@ -42,9 +42,23 @@ from partitioner.runtime.distributed.data_parallel import (
     TiedGradients,
 )
 from partitioner.runtime.distributed.failure import Watchdog
+from partitioner.runtime.distributed.fsdp import (
+    FsdpGradients,
+    axis_device_mesh,
+    fsdp_problem,
+    load_whole_into_fsdp,
+    shard_stage_fsdp,
+)
 from partitioner.runtime.distributed.mesh import Coords, Mesh
 from partitioner.runtime.distributed.p2p import PipeLinks
 from partitioner.runtime.distributed.pipeline import DistributedPipeline
+from partitioner.runtime.distributed.sharded_checkpoint import (
+    TpLayout,
+    is_sharded_checkpoint,
+    load_sharded,
+    save_sharded,
+    writes_one_file,
+)
 from partitioner.runtime.distributed.stage_group import merge_stages
 from partitioner.runtime.distributed.zero import ShardedGradients, ShardedOptimizer
 from partitioner.runtime.stage import StageRunner
@@ -73,6 +87,9 @@ class RunSettings:
         optimizer_sharding: shard the optimizer state over the replicas (ZeRO-1,
             :mod:`~partitioner.runtime.distributed.zero`); needs ``dp >= 2``.
         precision: ``"fp32"`` or ``"bf16"``: the stages' autocast (fp32 parameters).
+        sharding: ``"none"``, ``"optimizer"`` (the same as ``optimizer_sharding``) or
+            ``"fsdp"``: parameters, gradients and optimizer state sharded over the
+            replicas by torch's FSDP2 (:mod:`~partitioner.runtime.distributed.fsdp`).
     """
 
     schedule: str
@@ -85,6 +102,7 @@ class RunSettings:
     virtual: int = 1
     optimizer_sharding: bool = False
     precision: str = "fp32"
+    sharding: str = "none"
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -151,8 +169,12 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
                           for k, name in tie if k in stages)
     tied = _tie_groups(ties, mesh, stages)
     # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
-    reducer: GradReducer | ShardedGradients | None = None
-    if settings.optimizer_sharding:
+    reducer: GradReducer | ShardedGradients | FsdpGradients | None = None
+    if settings.sharding == "fsdp":
+        _check_fsdp(graphs, mesh, settings, shards is not None, bool(ties))
+        reducer = shard_stage_fsdp(held, axis_device_mesh(mesh.group("dp"), mesh.ranks("dp"),
+                                                          device.type, "dp"))
+    elif settings.optimizer_sharding:
         split = shards.shardings if shards is not None else {}
         reducer = ShardedGradients(held.named_parameters(), mesh.group("dp"), tied=tied,
                                    counts=lambda name: name not in not_first and (
@@ -174,7 +196,42 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     return DistributedModel(model, plan, mesh, pipeline, held, bind=bind, seed=settings.seed,
                             watchdog=watchdog, shards=shards, norm_skip=not_first,
                             plan_record=settings.plan_record,
-                            sharded=reducer if isinstance(reducer, ShardedGradients) else None)
+                            sharded=reducer if isinstance(reducer, ShardedGradients) else None,
+                            fsdp=reducer if isinstance(reducer, FsdpGradients) else None)
+
+
+def _check_fsdp(graphs: Sequence[fx.GraphModule], mesh: Mesh, settings: RunSettings,
+                split: bool, tied: bool) -> None:
+    """Refuse what ``sharding="fsdp"`` cannot run (see design 004, "Sharding by torch"),
+    from what every rank knows alike (every stage's graph), so all ranks refuse together.
+
+    Raises:
+        StrategyError: naming the values and a fix.
+    """
+    shape = mesh.shape
+    if shape.dp < 2:
+        raise StrategyError(f"sharding='fsdp' with dp={shape.dp}: FSDP shards over the "
+                            "data-parallel replicas, and one replica holds everything anyway; "
+                            "pass dp=2 or more, or sharding=None")
+    if split:
+        raise StrategyError(
+            f"sharding='fsdp' with tp={shape.tp}: the tensor-parallel runtime holds each "
+            "rank's slices as plain tensors with collectives of its own, which FSDP would "
+            "turn into DTensors it cannot gather or checkpoint; pass tp=1 with "
+            "sharding='fsdp', or sharding='optimizer' with tp > 1")
+    if settings.virtual > 1:
+        raise StrategyError(f"sharding='fsdp' with virtual_stages={settings.virtual}: a "
+                            "rank's virtual stages share one module, which FSDP cannot gather "
+                            "per stage; pass virtual_stages=1, or sharding='optimizer'")
+    if tied:
+        raise StrategyError("sharding='fsdp' with weights tied across pipeline stages (a "
+                            "shared embedding): their gradients are summed over whole "
+                            "tensors, which FSDP has cut; pass sharding='optimizer', or a "
+                            "split that keeps the tied layers in one stage")
+    for j, graph in enumerate(graphs):
+        problem = fsdp_problem(graph.named_parameters(), shape.dp, j)
+        if problem is not None:
+            raise StrategyError(problem)
 
 
 def sharding_problem(dp: int) -> str:
@@ -250,6 +307,7 @@ class DistributedModel(ModelWrapper):
         norm_skip: parameters whose gradients another stage counts (tied weights).
         plan_record: the plan as checkpoints store it.
         sharded: the stage's gradients cut over the replicas, with optimizer sharding.
+        fsdp: the stage's FSDP reducer, with ``sharding="fsdp"``.
 
     Attributes:
         plan: the plan every rank runs.
@@ -265,10 +323,12 @@ class DistributedModel(ModelWrapper):
                  stage: nn.Module, *, bind: Binder, seed: int, watchdog: Watchdog,
                  shards: ShardState | None = None, norm_skip: frozenset[str] = frozenset(),
                  plan_record: Mapping[str, Any] | None = None,
-                 sharded: ShardedGradients | None = None) -> None:
+                 sharded: ShardedGradients | None = None,
+                 fsdp: FsdpGradients | None = None) -> None:
         # Replicas hold the same averaged gradients: the world's sum counts each dp times;
         # sharded, each replica holds its own slice of them.
-        norms = GroupNorms(None, copies=1 if sharded is not None else mesh.shape.dp,
+        cut = sharded is not None or fsdp is not None
+        norms = GroupNorms(None, copies=1 if cut else mesh.shape.dp,
                            device=pipeline.runner.device)
         super().__init__(plan, model.training, shards=shards, combine_norms=norms)
         self.stage = stage
@@ -282,6 +342,7 @@ class DistributedModel(ModelWrapper):
         self._norm_skip = norm_skip
         self._plan_record = dict(plan_record or {})
         self._sharded = sharded
+        self._fsdp = fsdp
 
     @property
     def stage_index(self) -> int:
@@ -350,8 +411,11 @@ class DistributedModel(ModelWrapper):
         """The loss of a batch without autograd (call ``eval()`` first for eval mode)."""
         self._ensure_open("evaluate")
         with self._watchdog.guard():
-            return self.pipeline.evaluate(self._values(inputs, kwargs), targets, loss_fn,
+            loss = self.pipeline.evaluate(self._values(inputs, kwargs), targets, loss_fn,
                                           seed=self._step_seed())
+        if self._fsdp is not None:
+            self._fsdp.reshard()  # else the next step would run on the gathered, stale copy
+        return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a DistributedModel runs one pipeline stage; train with "
@@ -359,11 +423,27 @@ class DistributedModel(ModelWrapper):
 
     def save(self, path: str | Path,
              optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None) -> None:
-        """Write one consolidated checkpoint from rank 0 (collective; all ranks call it).
+        """Write a checkpoint (collective; all ranks call it): to a folder, every rank its
+        own shards with ``torch.distributed.checkpoint``, nothing gathered
+        (:mod:`~partitioner.runtime.distributed.sharded_checkpoint`;
+        ``partitioner.checkpoint_to_state_dict(folder)`` gives the unpartitioned model's
+        state dict); to a ``.pt``/``.pth`` file, one consolidated file from rank 0, which
+        ``torch.load(path, weights_only=True)["model"]`` loads into the unpartitioned model.
+        :meth:`load` resumes a partitioned run from either, on any mesh.
 
-        ``torch.load(path, weights_only=True)["model"]`` loads into the unpartitioned model;
-        :meth:`load` resumes a partitioned run from it.
+        Raises:
+            CheckpointError: a one-file save with ``sharding="fsdp"`` (save to a folder).
         """
+        if not writes_one_file(path):
+            with self._watchdog.guard():
+                save_sharded(path, self.stage, optimizer=optimizer, tp=self._tp_layout(),
+                             extra={"steps": self.steps, "plan": self._plan_record},
+                             base_state=self._model.state_dict)
+            return
+        if self._fsdp is not None:
+            raise CheckpointError(f"save({str(path)!r}) writes one file gathered on rank 0, "
+                                  "which sharding='fsdp' does not do; save to a folder "
+                                  "(a path without .pt/.pth): every rank writes its shards")
         contributes = self.mesh.replica == 0 and self.mesh.shard == 0
         base = ({k: None if v.is_meta else v for k, v in self._model.state_dict().items()}
                 if self.mesh.rank == 0 else {})
@@ -390,10 +470,33 @@ class DistributedModel(ModelWrapper):
                 ``strict``, as ``load_state_dict``) it holds keys the model lacks: another
                 model's state dict (``strict=False`` ignores those keys).
         """
-        extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards,
-                                model_keys=self._model.state_dict(keep_vars=True).keys(),
-                                strict=strict)
+        keys = self._model.state_dict(keep_vars=True).keys()
+        if is_sharded_checkpoint(path):
+            extra = load_sharded(path, self.stage, optimizer=optimizer, tp=self._tp_layout(),
+                                 model_keys=keys, aliases=self._aliases(), strict=strict)
+        elif self._fsdp is not None:
+            extra = load_whole_into_fsdp(path, self.stage, optimizer=optimizer,
+                                         model_keys=keys, strict=strict)
+        else:
+            extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards,
+                                    model_keys=keys, strict=strict)
         self.steps = int(extra.get("steps", 0))
+
+    def _tp_layout(self) -> TpLayout | None:
+        """How this rank's tensor-parallel slices are DTensors (sharded checkpoints)."""
+        if self._shards is None:
+            return None
+        if getattr(self, "_tp_mesh", None) is None:
+            self._tp_mesh = axis_device_mesh(self.mesh.group("tp"), self.mesh.ranks("tp"),
+                                             self.pipeline.runner.device.type, "tp")
+        return TpLayout(self._shards, self._tp_mesh)
+
+    def _aliases(self) -> dict[str, list[str]]:
+        """The model's other keys of each tensor (tied weights), by key."""
+        same: dict[int, list[str]] = {}
+        for key, tensor in self._model.state_dict(keep_vars=True).items():
+            same.setdefault(id(tensor), []).append(key)
+        return {key: [k for k in keys if k != key] for keys in same.values() for key in keys}
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
                        ) -> torch.optim.Optimizer | ShardedOptimizer:
@@ -416,6 +519,8 @@ class DistributedModel(ModelWrapper):
             self._sharded.zero_grad()
 
     def _grads_to_scale(self) -> list[torch.Tensor]:
+        if self._fsdp is not None:
+            return self._fsdp.local_grads()
         return self._sharded.grads() if self._sharded is not None else super()._grads_to_scale()
 
     def _norm_grads(self) -> list[torch.Tensor]:
@@ -425,6 +530,8 @@ class DistributedModel(ModelWrapper):
         all its slices, a weight tied across stages on its first stage."""
         if self._sharded is not None:  # each element of the slices counts on one rank
             return self._sharded.norm_grads()
+        if self._fsdp is not None:  # so does each element of FSDP's shards (no ties, no tp)
+            return [g.detach() for g in self._fsdp.local_grads()]
         split = self._shards.shardings if self._shards is not None else {}
         return [p.grad.detach() for name, p in self.stage.named_parameters()
                 if p.grad is not None and name not in self._norm_skip
