@@ -86,16 +86,12 @@ def to_dot(d: Diagram, title: str | None = None) -> str:
 
 
 def _cluster(d: Diagram, j: int, boxes: list[Box]) -> list[str]:
-    # The title is a node inside the cluster, above its first boxes, not the cluster's label:
-    # dot keeps nodes and edge labels apart, but lays edge labels over cluster labels.
-    ids = {b.id for b in boxes}
-    tops = [b for b in boxes if not any(e.target == b.id and e.source in ids for e in d.edges)]
+    title = stage_title(d.plan, j)
     lines = [f"  subgraph cluster_stage{j} {{",
-             f"    style=\"rounded,filled\"; fillcolor={quote(device_color(j))}; "
-             f"color={quote(device_color(j, True))}; label=\"\";",
-             f"    {quote(f'title_stage{j}')} [label={quote(stage_title(d.plan, j))}, "
-             "shape=plaintext, style=\"\", fontsize=11, height=0.2];"]
-    lines += [f"    {quote(f'title_stage{j}')} -> {quote(b.id)} [style=invis];" for b in tops]
+             f"    label={quote(title)}; style=\"rounded,filled\"; "
+             f"fillcolor={quote(device_color(j))}; color={quote(device_color(j, True))}; "
+             "fontsize=11; labeljust=l;"]
+    lines += _title_room(d, j, boxes, title)
     groups: dict[str | None, list[Box]] = defaultdict(list)
     for box in boxes:
         groups[box.group].append(box)
@@ -112,10 +108,26 @@ def _cluster(d: Diagram, j: int, boxes: list[Box]) -> list[str]:
     return lines
 
 
+def _title_room(d: Diagram, j: int, boxes: list[Box], title: str) -> list[str]:
+    """An invisible box as wide as the stage's title, left of its first box on the same
+    rank: the title (left-justified above it) then ends before the arrows that enter the
+    stage, instead of under them."""
+    ids = {b.id for b in boxes}
+    first = next((b for b in boxes if not any(e.target == b.id and e.source in ids
+                                              for e in d.edges)), None)
+    if first is None:
+        return []
+    room = f"room_stage{j}"
+    width = 6.2 * len(title) / 72  # inches, at the title's 11 points
+    return [f"    {quote(room)} [label=\"\", style=invis, width={width:.2f}, height=0.01];",
+            f"    {{rank=same; {quote(room)} -> {quote(first.id)} [style=invis];}}"]
+
+
 def _node(box: Box) -> str:
     style = {"io": "shape=ellipse, style=filled, fillcolor=\"#f3f4f6\"",
              "minor": "fontsize=8, fontcolor=\"#6b7280\", color=\"#9ca3af\", height=0.2",
-             "layer": "penwidth=1.2"}.get(box.kind, "")
+             # One group: dot keeps the chain of layers straight, so stages stack.
+             "layer": "penwidth=1.2, group=layers"}.get(box.kind, "")
     return f"{quote(box.id)} [label={quote(box.label)}{', ' + style if style else ''}];"
 
 
@@ -126,8 +138,10 @@ def _edge(edge: Arrow) -> str:
         moved = (f"{format_bytes(edge.bytes_per_microbatch)}/micro-batch"
                  if edge.bytes_per_microbatch is not None else "crosses stages")
         label = f"{label}\n{moved}" if label else moved
+        # minlen=2 leaves a rank between the stages for the next one's title, so stages
+        # stack instead of stepping sideways past each other's titles.
         attrs += [f"color={quote(CROSS)}", "penwidth=2.2", f"fontcolor={quote(CROSS)}",
-                  "fontsize=9"]
+                  "fontsize=9", "minlen=2"]
     if label:
         attrs.append(f"label={quote(label)}")
     return f"{quote(edge.source)} -> {quote(edge.target)} [{', '.join(attrs)}];"

@@ -60,14 +60,20 @@ def test_edges_show_micro_batch_shapes() -> None:
     assert not any(s.startswith(("8x", "4x")) for s in shapes), shapes
 
 
-def test_stage_titles_are_nodes_not_cluster_labels() -> None:
-    # dot lays edge labels over cluster labels; a title node is kept clear of them.
+def test_stage_titles_keep_clear_of_arrows_and_labels() -> None:
+    # A stage's title sits above an invisible box as wide as itself, left of the stage's
+    # first box on that rank, so the arrow entering the stage passes right of the title;
+    # arrows between stages leave a rank free for their labels (minlen=2).
     plan, analysis = _planned(Mesh(pp=2))
-    text = to_dot(diagram(analysis, plan, "nodes"))
-    clusters = re.findall(r"subgraph cluster_stage\d+ \{\n\s+([^\n]*)", text)
-    assert len(clusters) == 2 and all('label=""' in c for c in clusters)
-    assert text.count('"title_stage0" [label="stage 0 on cpu') == 1
-    assert re.search(r'"title_stage1" -> "[^"]+" \[style=invis\]', text)
+    text = to_dot(diagram(analysis, plan, "layers"))
+    for j in range(2):
+        title = re.search(rf"subgraph cluster_stage{j} {{\n\s+label=\"([^\"]+)\"", text)
+        assert title is not None and title.group(1).startswith(f"stage {j} on cpu")
+        room = re.search(rf'"room_stage{j}" \[label="", style=invis, width=([\d.]+)', text)
+        assert room is not None and float(room.group(1)) * 72 >= 6 * len(title.group(1))
+        assert re.search(rf'{{rank=same; "room_stage{j}" -> "L\d+" \[style=invis\];}}', text)
+    cross = [line for line in text.splitlines() if "penwidth=2.2" in line]
+    assert cross and all("minlen=2" in line for line in cross)
 
 
 def test_memory_per_device_bars_beside_the_table() -> None:
