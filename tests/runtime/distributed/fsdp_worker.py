@@ -72,9 +72,11 @@ def local_elements(tensor: torch.Tensor) -> int:
 
 
 def scenario_equal(args: dict[str, Any]) -> None:
-    """Three steps with FSDP and with plain data parallelism, per optimizer."""
-    model = build()
-    data = batches(3)
+    """Three steps with FSDP and with plain data parallelism, per optimizer (float64, or
+    float32 with ``"dtype": "float32"``: FSDP's fp32 reduce-scatter is another code path)."""
+    dtype = getattr(torch, args.get("dtype", "float64"))
+    model = build().to(dtype)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(3)]
     options = dict(pp=args["pp"], dp=args["dp"], chunks=args.get("chunks", 2),
                    failure=POLICY)
     example = (data[0][0][:BATCH // args["dp"]],)

@@ -44,6 +44,17 @@ def test_three_steps_equal_plain_data_parallelism(world: int, mesh: dict[str, in
 
 
 @pytest.mark.slow
+def test_float32_steps_equal_plain_data_parallelism() -> None:
+    records = _records(2, "equal", {"pp": 1, "dp": 2, "dtype": "float32"})
+    assert len(records) == 4
+    for record in records:
+        # A sum of two replicas' float32 gradients in another order: rounding only.
+        assert record["weight_diff"] < 1e-5 and record["loss_diff"] < 1e-5, record
+        assert record["moved"] > 1e-4 and record["param_elements"] * 2 == \
+            record["plain_param_elements"], record
+
+
+@pytest.mark.slow
 def test_a_model_too_small_for_the_mesh_is_refused_on_every_rank() -> None:
     records = _records(4, "refuse", {})
     assert len(records) == 4
