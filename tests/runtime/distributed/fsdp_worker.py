@@ -88,16 +88,23 @@ def scenario_equal(args: dict[str, Any]) -> None:
         plain = partition_distributed(copy.deepcopy(model), example, **options)
         sharded = partition_distributed(copy.deepcopy(model), example, **options,
                                         sharding="fsdp")
-        plain_losses, plain_norms = train(plain, cls(plain.parameters(), **hyper), data,
-                                          clip=0.01)
+        plain_optimizer = cls(plain.parameters(), **hyper)
+        plain_losses, plain_norms = train(plain, plain_optimizer, data, clip=0.01)
         optimizer = sharded.make_optimizer(cls, **hyper)
         losses, norms = train(sharded, optimizer, data, clip=0.01)
+        # An evaluation gathers the parameters; the step after it must not run on them.
+        local = BATCH // args["dp"]
+        rows = slice(sharded.mesh.replica * local, (sharded.mesh.replica + 1) * local)
+        x, y = data[0][0][rows], data[0][1][rows]
+        eval_diff = abs(sharded.evaluate(x, y, F.mse_loss) - plain.evaluate(x, y, F.mse_loss))
+        plain_optimizer.step()  # the optimizers step again on the gradients they hold
+        optimizer.step()
         mine = {n: whole(p.detach()) for n, p in sharded.stage.named_parameters()}
         theirs = dict(plain.stage.named_parameters())
         state = sum(local_elements(v) for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         params = sum(p.numel() for p in plain.parameters())
-        report(rank=dist.get_rank(), optimizer=name,
+        report(rank=dist.get_rank(), optimizer=name, eval_diff=eval_diff,
                weight_diff=max(float((mine[k] - theirs[k]).abs().max()) for k in mine),
                loss_diff=max(abs(a - b) for a, b in zip(losses, plain_losses)),
                norm_diff=max(abs(a - b) for a, b in zip(norms, plain_norms)),

@@ -35,6 +35,7 @@ def test_three_steps_equal_plain_data_parallelism(world: int, mesh: dict[str, in
         # norm is above max_norm) sees the global norm over the shards.
         assert record["weight_diff"] < 1e-12, record
         assert record["loss_diff"] < 1e-12 and record["norm_diff"] < 1e-12, record
+        assert record["eval_diff"] < 1e-12, record
         assert record["clipped"] and record["moved"] > 1e-4, record
         # Each replica holds 1/dp of the parameters, gradients and optimizer state.
         share = record["plain_param_elements"] // mesh["dp"]
