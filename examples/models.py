@@ -1,6 +1,6 @@
 """Plain example models, for the examples, benchmarks and tests.
 
-They live in the package (``partitioner.zoo``), where the ``partitioner`` command's bundled
+They live in the package (``partitioner.cli.zoo``), where the ``partitioner`` command's bundled
 models come from, so an installed package has them too; this file keeps the examples'
 ``from examples.models import ...`` working.
 
@@ -12,6 +12,6 @@ Example:
 
 from __future__ import annotations
 
-from partitioner.zoo import GPT, ResNetish, classifier, gpt, mlp
+from partitioner.cli.zoo import GPT, ResNetish, classifier, gpt, mlp
 
 __all__ = ["mlp", "classifier", "ResNetish", "GPT", "gpt"]

@@ -33,9 +33,9 @@ def config(family: str) -> Any:
 
 def build(family: str) -> nn.Module:
     """The model of ``family`` with its own initialization (under any default device);
-    ``"gpt"`` is the project's own nanoGPT-style decoder (``partitioner.zoo``)."""
+    ``"gpt"`` is the project's own nanoGPT-style decoder (``partitioner.cli.zoo``)."""
     if family == "gpt":
-        from partitioner.zoo import gpt
+        from partitioner.cli.zoo import gpt
 
         return gpt(2, 64, 4, VOCAB, SEQ)
     import transformers

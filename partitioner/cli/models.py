@@ -29,7 +29,7 @@ __all__ = ["Bundled", "BUNDLED", "load_model", "parse_input", "parse_shape"]
 
 @dataclass(frozen=True)
 class Bundled:
-    """A bundled example: a factory in :mod:`partitioner.zoo`, its arguments and an input.
+    """A bundled example: a factory in :mod:`partitioner.cli.zoo`, its arguments and an input.
 
     ``input_dtype`` names a torch dtype (``"float32"``, ``"int64"``), so that this table is
     read without importing torch.
@@ -122,7 +122,7 @@ def _checked(name: str, made: Any, given: tuple[Any, ...] | None) -> tuple[nn.Mo
 def _bundled(entry: Bundled, given: tuple[Any, ...] | None) -> tuple[nn.Module, Any]:
     import torch
 
-    from partitioner import zoo
+    from partitioner.cli import zoo
 
     factory = getattr(zoo, entry.factory)
     device = torch.device("meta" if entry.meta else "cpu")

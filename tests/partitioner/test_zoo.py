@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from partitioner import zoo
+from partitioner.cli import zoo
 from partitioner.cli.models import BUNDLED
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from partitioner import make_plan, partition
+from partitioner.cli.zoo import gpt
 from partitioner.plans.plan import Mesh, Plan
 from partitioner.viz import measured_timeline, predicted_timeline, timeline_dot
 from partitioner.viz.mesh import device_rows
 from partitioner.viz.timeline import row_name
-from partitioner.zoo import gpt
 
 MESHES = [Mesh(pp=2), Mesh(tp=2), Mesh(dp=2), Mesh(dp=2, pp=2), Mesh(pp=2, tp=2),
           Mesh(dp=2, tp=2)]

@@ -10,12 +10,12 @@ import torch
 
 from partitioner import make_plan
 from partitioner.analysis import analyze
+from partitioner.cli.zoo import gpt
 from partitioner.plans.plan import Mesh
 from partitioner.viz import diagram, to_dot
 from partitioner.viz.memory import device_memory, memory_svg
 from partitioner.viz.mesh import layer_splits
 from partitioner.viz.report import report_html
-from partitioner.zoo import gpt
 
 
 def _planned(mesh: Mesh, chunks: int = 2) -> tuple:
