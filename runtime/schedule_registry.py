@@ -2,12 +2,12 @@
 
 Plans, specs, the predictor, the simulator, the search and the runtimes all look a
 schedule up here. Each :class:`ScheduleKind` holds its generator (a pure function of
-``partitioner.runtime.schedule_generators``), whether it needs virtual stages, the rules its counts
-must keep, the :class:`Runtime` s that execute it, where its virtual stages run (its
-placement, ``partitioner.runtime.placement``) and its own time and memory hooks (``chain``,
-``bound``, ``peak``), so the predictor and the search never branch on a schedule's name. A
-schedule no runtime executes is still simulated and predicted. The one interpreter
-(``partitioner.runtime.interpreter``) runs them all; both runtimes execute ``gpipe``,
+``partitioner.runtime.schedule_generators``), whether it needs virtual stages, the rules
+its counts must keep, the :class:`Runtime` s that execute it, where its virtual stages run
+(its placement, ``partitioner.runtime.placement``) and its own time and memory hooks
+(``hidden``, ``bound``, ``peak``), so the predictor and the search never branch on a
+schedule's name. A schedule no runtime executes is still simulated and predicted. The one
+interpreter (``partitioner.runtime.interpreter``) runs them all; both runtimes execute ``gpipe``,
 ``1f1b``, ``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``, the
 one-process runtime also ``v_shape`` (its chunks placed in a V). What each runtime runs
 besides schedules is published here too (:data:`CAPABILITIES`). Adding a schedule is
@@ -116,47 +116,47 @@ CAPABILITIES: Mapping[Runtime, Capabilities] = MappingProxyType({
 InFlight = Callable[[int, int, int, int], int]
 """``(P, m, j, v)`` to the peak (chunk-)micro-batches stage ``j`` holds activations of."""
 
-Chain = Callable[[Sequence[float], Sequence[float], float], float]
-"""``(forward, backward, input_share)``, seconds per virtual stage of one micro-batch's
-forward and backward, and the share of a backward that computes input gradients, to how
-long the first micro-batch's path through the pipeline takes (the fill and drain)."""
+Hidden = Callable[[Sequence[float], float], float]
+"""``(backward, input_share)``, seconds of each virtual stage's backward of one micro-batch
+and the share of a backward that computes input gradients, to how much of the first
+micro-batch's path through the pipeline (every forward, then every backward) the schedule
+hides from the fill and drain."""
 
 Bound = Callable[[int, int, int, Sequence[float], Sequence[float], float], float]
 """``(P, m, v, forward, backward, input_share)`` (times per layer or stage of one
 micro-batch) to a lower bound on a step's pipeline time: what the search prunes with."""
 
 
-def whole_chain(forward: Sequence[float], backward: Sequence[float], share: float) -> float:
-    """Every forward, then every whole backward, one after another."""
-    return sum(forward) + sum(backward)
+def nothing_hidden(backward: Sequence[float], share: float) -> float:
+    """Whole backwards: the first micro-batch's forwards and backwards run in a chain."""
+    return 0.0
 
 
-def split_chain(forward: Sequence[float], backward: Sequence[float], share: float) -> float:
+def weight_halves_hidden(backward: Sequence[float], share: float) -> float:
     """A split backward: the input halves (``I``) run in a chain, the weight halves (``W``)
     wait in the bubbles, but for the last one, on the first stage."""
-    return sum(forward) + share * sum(backward) + (1 - share) * (backward[0] if backward
-                                                                 else 0.0)
+    return (1 - share) * (sum(backward) - (backward[0] if backward else 0.0))
 
 
 def fill_drain_bound(p: int, m: int, v: int, forward: Sequence[float],
                      backward: Sequence[float], share: float) -> float:
     """``m`` micro-batches plus the ``(P - 1) / v`` fill and drain of a 1F1B-like order,
     over ``P`` devices."""
-    return (m + (p - 1) / v) * (sum(forward) + sum(backward)) / p
+    return (m + (p - 1) / v) * sum(f + b for f, b in zip(forward, backward)) / p
 
 
 def split_bound(p: int, m: int, v: int, forward: Sequence[float],
                 backward: Sequence[float], share: float) -> float:
     """The weight halves fill the bubbles: the busiest device's share of the work, or the
     first micro-batch's chain of forwards and input halves."""
-    return max(m * (sum(forward) + sum(backward)) / p,
-               sum(forward) + share * sum(backward))
+    return max(m * sum(f + b for f, b in zip(forward, backward)) / p,
+               sum(f + share * b for f, b in zip(forward, backward)))
 
 
 def critical_path_bound(p: int, m: int, v: int, forward: Sequence[float],
                         backward: Sequence[float], share: float) -> float:
     """What any order needs: each device's share of the work, and one micro-batch's path."""
-    work = sum(forward) + sum(backward)
+    work = sum(f + b for f, b in zip(forward, backward))
     return max(m * work / p, work)
 
 
@@ -179,7 +179,7 @@ class ScheduleKind:
             schedule's memory hook).
         placement: ``(P, v)`` to the stage-to-device map (``partitioner.runtime.placement``)
             its generator's lists follow; everything that places a stage reads it.
-        chain: Its fill and drain (the time hook of the predictor).
+        hidden: How much of its fill and drain it hides (the time hook of the predictor).
         bound: Its lower bound on a step (the time hook of the search).
         searched: Whether ``strategy="auto"`` tries it (else only when asked for).
     """
@@ -192,7 +192,7 @@ class ScheduleKind:
     last_backward_first: bool = False
     peak: InFlight | None = None
     placement: Callable[[int, int], Placement] = looped
-    chain: Chain = whole_chain
+    hidden: Hidden = nothing_hidden
     bound: Bound = fill_drain_bound
     searched: bool = True
 
@@ -261,7 +261,8 @@ SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for ki
     ScheduleKind(INTERLEAVED, interleaved, virtual=True, grouped=True, runtimes=_BOTH,
                  peak=lambda p, m, j, v: min(2 * (p - j - 1) + (v - 1) * p + 1, m * v)),
     ScheduleKind(ZERO_BUBBLE, zero_bubble, runtimes=_BOTH,
-                 peak=lambda p, m, j, v: min(p - j, m), chain=split_chain, bound=split_bound),
+                 peak=lambda p, m, j, v: min(p - j, m), hidden=weight_halves_hidden,
+                 bound=split_bound),
     ScheduleKind(V_SHAPE, v_shape, virtual=True, runtimes=frozenset({Runtime.ONE_PROCESS}),
                  placement=zigzag, bound=critical_path_bound, searched=False),
 )})

@@ -502,11 +502,10 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     where = kind.place(p, v)
     per_device = [sum(work[k] for k in stages_on(where, j)) for j in range(p)]
     if v == 1:
-        # The first micro-batch's path, as the schedule's own hook times it (a split
+        edges = sum(work) + 2 * sum(s.send for s in stages)
+        # What of the first micro-batch's path the schedule hides, by its own hook (a split
         # backward leaves the weight halves to the bubbles).
-        backward = [s.backward for s in stages]
-        edges = kind.chain([w - b for w, b in zip(work, backward)], backward, INPUT_SHARE) \
-            + 2 * sum(s.send for s in stages)
+        edges -= kind.hidden([s.backward for s in stages], INPUT_SHARE)
         steady = (m - 1) * max(max(work), max(s.send for s in stages))
     else:
         edges = (p - 1) * sum(work) / len(work) + 2 * sum(s.send for s in stages[:p])

@@ -546,9 +546,10 @@ def test_docstring_examples_run(module: object) -> None:
 def test_each_schedule_times_its_own_fill_and_drain() -> None:
     # The predictor and the search call these hooks instead of branching on a name.
     forward, backward = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]
-    assert SCHEDULES[ONE_F_ONE_B].chain(forward, backward, 0.5) == 9.0
-    # Split backward: the input halves chain (3 x 1), the last weight half on stage 0 (1).
-    assert SCHEDULES[ZERO_BUBBLE].chain(forward, backward, 0.5) == 3.0 + 3.0 + 1.0
+    assert SCHEDULES[ONE_F_ONE_B].hidden(backward, 0.5) == 0.0
+    # Split backward: the weight halves of stages 1 and 2 wait in the bubbles (2 x 1); the
+    # last one, stage 0's, ends the step.
+    assert SCHEDULES[ZERO_BUBBLE].hidden(backward, 0.5) == 2.0
     assert SCHEDULES[ONE_F_ONE_B].bound(3, 4, 1, forward, backward, 0.5) == (4 + 2) * 9 / 3
     assert SCHEDULES[ZERO_BUBBLE].bound(3, 4, 1, forward, backward, 0.5) == 4 * 9 / 3
     assert SCHEDULES[V_SHAPE].bound(3, 1, 2, forward, backward, 0.5) == 9.0
