@@ -312,7 +312,8 @@ class _Bounds:
                                    lay.buffer_bytes, 0.0, optimizer=c.optimizer,
                                    element=w.param_bytes_per_element,
                                    mixed_precision=w.mixed_precision,
-                                   shards=c.optimizer_shards).total
+                                   shards=c.optimizer_shards,
+                                   param_shards=c.dp if w.fsdp else 1).total
                      for lay in w.layers)
         acts = sum(lay.activations_on(c.tp if lay.splittable else 1) for lay in w.layers)
         held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)

@@ -51,6 +51,7 @@ from partitioner.planning.given_mesh import (
     mesh_refusal,
     unfit_mesh_message,
 )
+from partitioner.planning.llama_plan import first_fitting, workload_variants
 from partitioner.planning.manual import boundaries_from_balance, boundaries_from_split_points
 from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
@@ -133,18 +134,23 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
             chunks=request.chunks, checkpoint=request.checkpoint, capacity=limit,
             capture=method, schedules=(request.schedule,) if request.schedule else None,
             virtual=request.virtual_stages, reserve=reserve, tp_degrees=tp_degrees)
-        if request.mesh is None:
-            if pipeline_only:
-                options.update(pp=pipeline_only, tp=1)
-            plan = auto_plan(workload, analysis.layer_names, cluster, **options)
-        else:
-            if pipeline_only and (request.mesh.dp, request.mesh.tp) != (1, 1):
-                raise PrecisionError(
-                    f"precision={request.precision!r} with mesh={request.mesh}: mixed "
-                    "precision runs on this machine's pipeline runtime only; pass a mesh "
-                    "with dp=1 and tp=1, or precision='fp32'")
-            plan = given_mesh_plan(workload, analysis.layer_names, cluster, request.mesh,
-                                   **options)
+        mesh = request.mesh
+        if mesh is None and pipeline_only:
+            options.update(pp=pipeline_only, tp=1)
+        if mesh is not None and pipeline_only and (mesh.dp, mesh.tp) != (1, 1):
+            raise PrecisionError(
+                f"precision={request.precision!r} with mesh={mesh}: mixed "
+                "precision runs on this machine's pipeline runtime only; pass a mesh "
+                "with dp=1 and tp=1, or precision='fp32'")
+
+        def plan_for(w: Workload, checkpoint: str | None) -> Plan:
+            chosen = {**options, "checkpoint": checkpoint}
+            if mesh is None:
+                return auto_plan(w, analysis.layer_names, cluster, **chosen)
+            return given_mesh_plan(w, analysis.layer_names, cluster, mesh, **chosen)
+        # A Llama model planned for a cluster: costed as such runs train it (llama_plan).
+        plan = first_fitting(workload_variants(analysis, request, cluster, workload),
+                             plan_for)
     else:
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,

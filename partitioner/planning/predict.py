@@ -318,7 +318,8 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
         static = device_memory(layer.params_on(tp), layer.buffer_bytes, 0.0,
                                optimizer=config.optimizer, element=element,
                                mixed_precision=workload.mixed_precision,
-                               shards=config.optimizer_shards).total
+                               shards=config.optimizer_shards,
+                               param_shards=config.dp if workload.fsdp else 1).total
         act = layer.activations_on(tp) * samples
         memory.append(static + (act * held / config.virtual if config.checkpoint == NEVER
                                 else act))
@@ -544,7 +545,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         memory.append(device_memory(params, sum(s.buffer_bytes for s in mine), acts,
                                     optimizer=config.optimizer, element=element,
                                     mixed_precision=workload.mixed_precision,
-                                    shards=config.optimizer_shards))
+                                    shards=config.optimizer_shards,
+                                    param_shards=config.dp if workload.fsdp else 1))
         ranks = [(j * config.dp + r) * config.tp for r in range(config.dp)]
         grads = sum(s.grad_bytes for s in mine)
         if config.dp > 1 and cluster.is_local:
@@ -553,16 +555,17 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
             reduce = replica_sync_time(grads, params, config.dp, cluster.intra_node.bandwidth) \
                 + (config.dp * cluster.spec(j).replica_overhead if j == 0 else 0.0)
         else:
+            # FSDP gathers the parameters twice and reduce-scatters the gradients.
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
-                if config.dp > 1 else 0.0
+                * (1.5 if workload.fsdp else 1.0) if config.dp > 1 else 0.0
         # The sharded optimizer's reduce-scatter starts after the last backward.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
             and not cluster.is_local and not config.optimizer_sharding else 0
         # Plus a fixed cost per parameter tensor (one flat buffer when sharded).
         tensors = 1 if config.optimizer_sharding else sum(
             lay.param_tensors for s in mine for lay in workload.layers[s.first:s.last])
-        optimizer = params / element / config.optimizer_shards * traffic \
-            / cluster.spec(j).optimizer_rate \
+        shards = config.dp if workload.fsdp else config.optimizer_shards
+        optimizer = params / element / shards * traffic / cluster.spec(j).optimizer_rate \
             + _fresh_temporaries(workload, config, mine, cluster.spec(j)) \
             + tensors * cluster.spec(j).optimizer_tensor_overhead
         ends.append(pipeline - drained + max(reduce - window, 0.0)
