@@ -42,8 +42,8 @@ from torch import nn
 import partitioner.passes as _passes
 import partitioner.runtime as _runtime
 from partitioner.errors import CallError, ExampleInputsError, PlanMismatchError, TraceError
-from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.export_rules import export_rules
+from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 from partitioner.passes.guard_inputs import InputRules
