@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RANK = Path(__file__).with_name("calibration_rank.py")
 
 
+@pytest.mark.slow  # several processes
 def test_ranks_of_one_host_measure_once_and_share_the_spec(tmp_path: Path) -> None:
     log, barrier = tmp_path / "measured.log", tmp_path / "barrier"
     barrier.mkdir()

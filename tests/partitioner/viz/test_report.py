@@ -80,6 +80,7 @@ def _chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProc
                           timeout=120, check=False, env={**os.environ, "PATH": PATH})
 
 
+@pytest.mark.slow  # a browser per case
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed "
                                              "(apt-get install chromium)")
 def test_report_renders_in_headless_chromium(tmp_path: Path, graphviz: str) -> None:
