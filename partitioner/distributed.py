@@ -71,6 +71,7 @@ from partitioner.planning.tune import tune_count
 from partitioner.plans.plan import Plan
 from partitioner.plans.plan_precision import distributed_precision
 from partitioner.request import PlanRequest
+from partitioner.runtime.deferred_init import DeferredInit
 from partitioner.runtime.device import batches_sends
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
@@ -90,6 +91,7 @@ from partitioner.runtime.distributed.model import (
 )
 from partitioner.runtime.materialize import (
     InitFn,
+    Materializer,
     MaterializerFactory,
     materialize_module,
     materializer_for,
@@ -441,14 +443,19 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     ranks = ProcessMesh(shape)
     check_same_plan(*_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
+    real = call.materializer(info.device) if call.materializer is not None else None
+    # Initialized on first use, unless load() fills it first (runtime/deferred_init.py);
+    # a stage cut over tp ranks or sharded is cut from (or copied from) initialized tensors.
+    deferred = (DeferredInit(real) if real is not None and planned.shard_plan is None
+                and call.sharding != "fsdp" and not sharded else None)
+    source = deferred if deferred is not None else real
     if virtual > 1:
-        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device,
-                                 call.materializer)[0]
+        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, source)[0]
                   for k in range(ranks.stage, len(graphs), shape.pp)}
         shards = None
     else:
         stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,
-                                    info.device, call.materializer)
+                                    info.device, source)
         stages = {ranks.stage: stage}
     if running.fuse_weight_grads:
         for graph in stages.values():
@@ -458,7 +465,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
                     ranks, info.device, settings,
                     bind=captured.placeholder_values, restructure=captured.restructure,
                     watchdog=watchdog, shards=shards, batched=batches_sends(info.backend),
-                    ties=ties)
+                    ties=ties, deferred=deferred)
 
 
 def _stage_graphs(model: nn.Module, planned: Planned, info: DistInfo) -> list[fx.GraphModule]:
@@ -554,13 +561,12 @@ def _check_layers(analysis: Analysis, plan: Plan, given: bool) -> None:
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
                 mesh: ProcessMesh, device: torch.device,
-                materializer: MaterializerFactory | None = None
+                made: Materializer | DeferredInit | None = None
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
     ranks, the rank's slice with collectives on the stage replica's tp group. A meta-built
-    stage is materialized on the device (a split one layer by layer, each rank keeping
-    its slice)."""
-    made = materializer(device) if materializer is not None else None
+    stage is materialized on the device by ``made`` (a split one layer by layer, each rank
+    keeping its slice)."""
     if shard_plan is None:
         if made is not None:
             materialize_module(graph, made)

@@ -36,7 +36,7 @@ import copy
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from torch import nn
 from partitioner.errors import InitError
 from partitioner.runtime.device import fork_rng
 
-__all__ = ["InitFn", "Materializer", "MaterializerFactory", "materializer_for",
+__all__ = ["InitFn", "Materializer", "TensorSource", "MaterializerFactory", "materializer_for",
            "materialize_module", "check_initializable", "on_meta", "module_seed"]
 
 InitFn = Callable[[nn.Module], None]
@@ -129,18 +129,32 @@ class Materializer:
         """
         if not original.is_meta:
             return original
-        owner = self._owner.get(id(original))
-        if owner is None:
-            raise InitError(f"a meta tensor of shape {tuple(original.shape)} is not one of "
-                            "the model's parameters or buffers, so nothing can initialize it; "
-                            "register it on a module (nn.Parameter or register_buffer)")
-        name, local, _ = owner
+        name, local = self._owned(original)
         twin = self._built(name)
         value: torch.Tensor | None = twin._parameters.get(local)
         if value is None:
             value = twin._buffers[local]
         assert value is not None, "the owner map lists only tensors that are set"
         return value.detach()
+
+    def persistent(self, original: torch.Tensor) -> bool:
+        """Whether ``original`` (one of the model's meta tensors) is in a state dict: a
+        parameter or a persistent buffer.
+
+        Raises:
+            InitError: if ``original`` is not one of the model's tensors.
+        """
+        name, local = self._owned(original)
+        return local not in self._modules[name]._non_persistent_buffers_set
+
+    def _owned(self, original: torch.Tensor) -> tuple[str, str]:
+        """The module name and attribute holding ``original``."""
+        owner = self._owner.get(id(original))
+        if owner is None:
+            raise InitError(f"a meta tensor of shape {tuple(original.shape)} is not one of "
+                            "the model's parameters or buffers, so nothing can initialize it; "
+                            "register it on a module (nn.Parameter or register_buffer)")
+        return owner[0], owner[1]
 
     def release(self) -> None:
         """Forget the last module built (its whole tensors)."""
@@ -207,7 +221,21 @@ def materializer_for(model: nn.Module, init_fn: InitFn | None, seed: int
     return lambda device: Materializer(model, device, seed=seed, init_fn=init_fn)
 
 
-def materialize_module(module: nn.Module, materializer: Materializer, *,
+class TensorSource(Protocol):
+    """What :func:`materialize_module` reads real tensors from: a :class:`Materializer`, or
+    one that puts initialization off
+    (:class:`~partitioner.runtime.deferred_init.DeferredInit`)."""
+
+    def tensor(self, original: torch.Tensor) -> torch.Tensor:
+        """The real tensor standing for ``original`` (``original`` itself if real)."""
+        ...
+
+    def release(self) -> None:
+        """Drop what was kept only to serve the last module."""
+        ...
+
+
+def materialize_module(module: nn.Module, materializer: TensorSource, *,
                        everywhere: tuple[nn.Module, ...] = ()) -> None:
     """Replace every meta parameter and buffer reachable from ``module`` with its real,
     initialized value (one tensor shared by several modules stays shared).

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WIDTH", "HIDDEN", "PAIRS", "build", "build_tied", "batches", "loss_fn", "train_whole",
-           "param_bytes"]
+__all__ = ["WIDTH", "HIDDEN", "PAIRS", "build", "build_tied", "build_scaled", "Scaled",
+           "init_scaled", "batches", "loss_fn", "train_whole", "param_bytes"]
 
 WIDTH, HIDDEN, PAIRS = 512, 2048, 4
 
@@ -34,6 +34,38 @@ def build_tied(width: int = WIDTH) -> nn.Sequential:
     model = nn.Sequential(*layers[:-1])
     model[8].weight = model[0].weight
     return model
+
+
+class Scaled(nn.Module):
+    """Multiplies by a fixed per-feature scale held in a non-persistent buffer (as rotary
+    ``inv_freq``: computed at construction, in no state dict)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.empty(width), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.scale.copy_(torch.linspace(0.5, 1.5, self.scale.numel(),
+                                            dtype=self.scale.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def build_scaled(width: int = 16, hidden: int = 32) -> nn.Sequential:
+    """Two blocks of Linear, :class:`Scaled`, GELU, Linear: each pipeline stage of two holds
+    a non-persistent buffer."""
+    layers: list[nn.Module] = []
+    for _ in range(2):
+        layers += [nn.Linear(width, hidden), Scaled(hidden), nn.GELU(), nn.Linear(hidden, width)]
+    return nn.Sequential(*layers)
+
+
+def init_scaled(module: nn.Module) -> None:
+    """An ``init_fn`` for :func:`build_scaled`: each module's own ``reset_parameters()``."""
+    module.reset_parameters()  # type: ignore[operator]
 
 
 def batches(steps: int, batch: int = 8, width: int = WIDTH

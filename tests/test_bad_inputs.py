@@ -181,6 +181,8 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      PlanMismatchError, "stage 0 holds ['3', '4']; stage 1 holds ['0', '1', '2']"),
     ("plan saved into a missing folder", lambda: make_plan(_model(), ["cpu"], balance=[5])
      .save("no/such/folder/plan.json"), PlanWriteError, "'no/such/folder'"),
+    ("plan saved to a number", lambda: make_plan(_model(), ["cpu"], balance=[5])
+     .save(42), PlanWriteError, "Plan.save(42): int is not a file path"),  # type: ignore[arg-type]
     # As a new user tries them (issue #19): devices written the wrong way,
     ("devices one string", lambda: partition(_model(), "cpu,cpu", example_inputs=(X,)),
      DeviceError, "'cpu,cpu'"),

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -318,9 +319,14 @@ class Plan:
         """Write the plan as indented JSON (see :meth:`to_json`).
 
         Raises:
-            PlanWriteError: naming the path, when its folder is missing, it is a folder,
-                or it cannot be written.
+            PlanWriteError: naming the path, when it is not a path (``str`` or
+                ``os.PathLike``), its folder is missing, it is a folder, or it cannot be
+                written.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanWriteError(f"Plan.save({path!r}): {type(path).__name__} is not a file "
+                                 "path; pass a str or pathlib.Path, e.g. "
+                                 "plan.save('plan.json')")
         target = Path(path)
         if not target.parent.is_dir():
             raise PlanWriteError(f"cannot save the plan to {str(path)!r}: folder "

@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.errors import CheckpointError, StrategyError
+from partitioner.runtime.deferred_init import DeferredInit
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, save_checkpoint
 from partitioner.runtime.distributed.data_parallel import (
@@ -120,7 +121,8 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
              device: torch.device, settings: RunSettings, *, bind: Binder,
              restructure: Callable[[Any], Any], watchdog: Watchdog,
              shards: ShardState | None = None, batched: bool = False,
-             ties: list[tuple[tuple[int, str], ...]] | None = None) -> DistributedModel:
+             ties: list[tuple[tuple[int, str], ...]] | None = None,
+             deferred: DeferredInit | None = None) -> DistributedModel:
     """This rank's :class:`DistributedModel` (collective: every rank calls it).
 
     Args:
@@ -140,6 +142,7 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
         batched: batch the point-to-point transfers (NCCL).
         ties: :func:`find_ties` of ``graphs`` taken before this rank's stage got new
             tensors (a meta-built model's, materialized); default: found here.
+        deferred: the stage's put-off initialization (:class:`DistributedModel`).
 
     Raises:
         StrategyError: If virtual stages are asked for with ``pp=1`` or tensor parallelism,
@@ -197,7 +200,8 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
                             watchdog=watchdog, shards=shards, norm_skip=not_first,
                             plan_record=settings.plan_record,
                             sharded=reducer if isinstance(reducer, ShardedGradients) else None,
-                            fsdp=reducer if isinstance(reducer, FsdpGradients) else None)
+                            fsdp=reducer if isinstance(reducer, FsdpGradients) else None,
+                            deferred=deferred)
 
 
 def _check_fsdp(graphs: Sequence[fx.GraphModule], mesh: Mesh, settings: RunSettings,
@@ -308,6 +312,9 @@ class DistributedModel(ModelWrapper):
         plan_record: the plan as checkpoints store it.
         sharded: the stage's gradients cut over the replicas, with optimizer sharding.
         fsdp: the stage's FSDP reducer, with ``sharding="fsdp"``.
+        deferred: a meta-built stage's initialization, put off until its tensors are
+            first used or :meth:`load` fills them
+            (:mod:`~partitioner.runtime.deferred_init`).
 
     Attributes:
         plan: the plan every rank runs.
@@ -324,7 +331,8 @@ class DistributedModel(ModelWrapper):
                  shards: ShardState | None = None, norm_skip: frozenset[str] = frozenset(),
                  plan_record: Mapping[str, Any] | None = None,
                  sharded: ShardedGradients | None = None,
-                 fsdp: FsdpGradients | None = None) -> None:
+                 fsdp: FsdpGradients | None = None,
+                 deferred: DeferredInit | None = None) -> None:
         # Replicas hold the same averaged gradients: the world's sum counts each dp times;
         # sharded, each replica holds its own slice of them.
         cut = sharded is not None or fsdp is not None
@@ -343,6 +351,31 @@ class DistributedModel(ModelWrapper):
         self._plan_record = dict(plan_record or {})
         self._sharded = sharded
         self._fsdp = fsdp
+        self._deferred = deferred
+
+    def initialize(self) -> None:
+        """Fill the tensors of a meta-built stage whose initialization was put off (a no-op
+        once done, or when :meth:`load` filled them). The first ``step``, ``evaluate``,
+        ``save`` or ``state_dict`` does it; ``parameters()`` does not (an optimizer built
+        before ``load(path, optimizer)`` holds the tensors ``load`` then fills), so their
+        values read before either are NaN."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred.run(loaded=False)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.initialize()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and not strict:
+            deferred.run(loaded=False)  # what the call leaves out keeps its initial value
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if deferred is not None and strict:
+            deferred.run(loaded=True)
+        return result
 
     @property
     def stage_index(self) -> int:
@@ -387,6 +420,7 @@ class DistributedModel(ModelWrapper):
             ClosedError: after :meth:`close` (the replicas' gradient all-reduce is gone).
         """
         self._ensure_open("train")
+        self.initialize()
         if self._sharded is not None and not getattr(self, "_sharded_optimizer", False):
             # A plain optimizer over parameters() would see no gradients: they are cut.
             raise StrategyError(
@@ -410,6 +444,7 @@ class DistributedModel(ModelWrapper):
                  *, kwargs: dict[str, Any] | None = None) -> float:
         """The loss of a batch without autograd (call ``eval()`` first for eval mode)."""
         self._ensure_open("evaluate")
+        self.initialize()
         with self._watchdog.guard():
             loss = self.pipeline.evaluate(self._values(inputs, kwargs), targets, loss_fn,
                                           seed=self._step_seed())
@@ -434,6 +469,7 @@ class DistributedModel(ModelWrapper):
         Raises:
             CheckpointError: a one-file save with ``sharding="fsdp"`` (save to a folder).
         """
+        self.initialize()
         if not writes_one_file(path):
             with self._watchdog.guard():
                 save_sharded(path, self.stage, optimizer=optimizer, tp=self._tp_layout(),
@@ -471,16 +507,26 @@ class DistributedModel(ModelWrapper):
                 model's state dict (``strict=False`` ignores those keys).
         """
         keys = self._model.state_dict(keep_vars=True).keys()
-        if is_sharded_checkpoint(path):
-            extra = load_sharded(path, self.stage, optimizer=optimizer, tp=self._tp_layout(),
-                                 model_keys=keys, aliases=self._aliases(), strict=strict)
-        elif self._fsdp is not None:
-            extra = load_whole_into_fsdp(path, self.stage, optimizer=optimizer,
-                                         model_keys=keys, strict=strict)
-        else:
-            extra = load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards,
-                                    model_keys=keys, strict=strict)
+        deferred, self._deferred = self._deferred, None
+        try:
+            extra = self._load(path, optimizer, keys, strict)
+        except BaseException:
+            self._deferred = deferred  # nothing usable was loaded: initialize on first use
+            raise
+        if deferred is not None:  # every key of the stage came from the file
+            deferred.run(loaded=True)
         self.steps = int(extra.get("steps", 0))
+
+    def _load(self, path: str | Path, optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+              keys: Any, strict: bool) -> dict[str, Any]:
+        if is_sharded_checkpoint(path):
+            return load_sharded(path, self.stage, optimizer=optimizer, tp=self._tp_layout(),
+                                model_keys=keys, aliases=self._aliases(), strict=strict)
+        if self._fsdp is not None:
+            return load_whole_into_fsdp(path, self.stage, optimizer=optimizer,
+                                        model_keys=keys, strict=strict)
+        return load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards,
+                               model_keys=keys, strict=strict)
 
     def _tp_layout(self) -> TpLayout | None:
         """How this rank's tensor-parallel slices are DTensors (sharded checkpoints)."""
