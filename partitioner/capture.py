@@ -30,6 +30,7 @@ import inspect
 import linecache
 import os
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,14 @@ from torch import nn
 
 import partitioner.passes as _passes
 import partitioner.runtime as _runtime
-from partitioner.errors import CallError, ExampleInputsError, PlanMismatchError, TraceError
+from partitioner.errors import (
+    CallError,
+    ExampleInputsError,
+    PlanMismatchError,
+    SideEffectWarning,
+    TraceError,
+)
+from partitioner.passes import python_state
 from partitioner.passes.export_rules import export_rules
 from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.flatten_sequential import expanded_modules
@@ -150,6 +158,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         ExampleInputsError: when tracing fails and no example inputs were given for export.
     """
     signature = inspect.signature(model.forward)
+    before = python_state.snapshot(model)
     try:
         captured = Captured(_symbolic_trace(model), "fx", signature)
     except Exception as fx_error:
@@ -172,8 +181,25 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         captured = Captured(exported.graph_module, "export", signature, exported.out_spec,
                             exported.in_spec, exported.rules, counters)
     _check_output(model, captured.graph_module)
+    _warn_side_effects(model, before)
     keep_non_persistent(captured.graph_module, non_persistent_names(model))
     return captured
+
+
+def _warn_side_effects(model: nn.Module, before: python_state.State) -> None:
+    """Warn (:class:`SideEffectWarning`) when capturing changed plain Python state of a
+    module (the graph holds tensor code only, so the partitioned model never repeats it),
+    and put that state back as it was."""
+    changed = python_state.changes(model, before)
+    python_state.restore(model, before)  # no tracing proxies left in the user's model
+    if changed:
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        warnings.warn(SideEffectWarning(
+            f"{type(model).__name__}.forward changed Python state while it was captured: "
+            f"{'; '.join(changed[:3])}{more}. The partitioned model runs the captured "
+            "tensor code only and never repeats that change; keep such state in a buffer "
+            "(register_buffer, updated with tensor operations) or outside forward"),
+            stacklevel=3)
 
 
 def _norm_statistic(model: nn.Module, name: str) -> bool:

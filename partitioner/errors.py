@@ -59,6 +59,7 @@ __all__ = [
     "ClosedError",
     "ReplicaError",
     "OutputError",
+    "SideEffectWarning",
     "PrecisionError",
     "InitError",
 ]
@@ -403,3 +404,12 @@ class OutputError(PartitionError, ValueError):
     """An output leaf of a model that micro-batches or replicas cannot join into the whole
     batch's: no batch dimension and not a floating-point tensor to average, or shapes that
     differ between micro-batches."""
+
+
+# Warned by partitioner.capture (partitioner.passes.python_state finds the changes).
+
+
+class SideEffectWarning(UserWarning):
+    """``forward`` changed Python state of a module while it was captured (a list grew, a
+    counter moved): the captured graph holds tensor code only, so the partitioned model
+    never repeats that change."""

@@ -147,10 +147,14 @@ def fill_drain_bound(p: int, m: int, v: int, forward: Sequence[float],
 
 def split_bound(p: int, m: int, v: int, forward: Sequence[float],
                 backward: Sequence[float], share: float) -> float:
-    """The weight halves fill the bubbles: the busiest device's share of the work, or the
-    first micro-batch's chain of forwards and input halves."""
-    return max(m * sum(f + b for f, b in zip(forward, backward)) / p,
-               sum(f + share * b for f, b in zip(forward, backward)))
+    """The weight halves fill the bubbles, the input halves do not: the first micro-batch's
+    chain of forwards and input halves, then the other ``m - 1`` at the busiest device's
+    pace (at least an even share of the work). This is the predictor's own fill and drain
+    with :func:`weight_halves_hidden` (less the first stage's weight half, which ends the
+    step), so it never exceeds a prediction and is as tight as the closed form allows."""
+    work = sum(f + b for f, b in zip(forward, backward))
+    chain = sum(f + share * b for f, b in zip(forward, backward))
+    return chain + (m - 1) * work / p if p > 1 else m * work
 
 
 def critical_path_bound(p: int, m: int, v: int, forward: Sequence[float],

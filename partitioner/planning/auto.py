@@ -284,6 +284,9 @@ class _Bounds:
     def __init__(self, workload: Workload, cluster: Cluster, capacity: float) -> None:
         self.workload, self.cluster, self.capacity = workload, cluster, capacity
         self.cache: dict[tuple[float, int, int], list[tuple[float, float]]] = {}
+        # Per (tp, optimizer, shards, param shards): the whole model's static bytes and
+        # activations per sample (sums over the layers, the same for every split).
+        self.memory: dict[tuple[int, str, int, int], tuple[float, float]] = {}
 
     def times(self, samples: float, tp: int, chunks: int) -> list[tuple[float, float]]:
         key = (samples, tp, chunks)
@@ -308,18 +311,27 @@ class _Bounds:
     def may_fit(self, c: Config) -> bool:
         w = self.workload
         samples = w.batch / (c.dp * c.chunks)
-        static = sum(device_memory(lay.params_on(c.tp if lay.splittable else 1),
-                                   lay.buffer_bytes, 0.0, optimizer=c.optimizer,
-                                   element=w.param_bytes_per_element,
-                                   mixed_precision=w.mixed_precision,
-                                   shards=c.optimizer_shards,
-                                   param_shards=c.dp if w.fsdp else 1).total
-                     for lay in w.layers)
-        acts = sum(lay.activations_on(c.tp if lay.splittable else 1) for lay in w.layers)
+        static, acts = self._model_memory(c.tp, c.optimizer, c.optimizer_shards,
+                                          c.dp if w.fsdp else 1)
         held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)
         least = acts * samples / c.pp if c.checkpoint != NEVER else \
             acts * samples * held / (c.pp * c.virtual)
         return (static / c.pp + least) <= self.capacity
+
+    def _model_memory(self, tp: int, optimizer: str, shards: int, param_shards: int
+                      ) -> tuple[float, float]:
+        key = (tp, optimizer, shards, param_shards)
+        if key not in self.memory:
+            w = self.workload
+            static = sum(device_memory(lay.params_on(tp if lay.splittable else 1),
+                                       lay.buffer_bytes, 0.0, optimizer=optimizer,
+                                       element=w.param_bytes_per_element,
+                                       mixed_precision=w.mixed_precision, shards=shards,
+                                       param_shards=param_shards).total
+                         for lay in w.layers)
+            acts = sum(lay.activations_on(tp if lay.splittable else 1) for lay in w.layers)
+            self.memory[key] = (static, acts)
+        return self.memory[key]
 
 
 def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,

@@ -551,7 +551,9 @@ def test_each_schedule_times_its_own_fill_and_drain() -> None:
     # last one, stage 0's, ends the step.
     assert SCHEDULES[ZERO_BUBBLE].hidden(backward, 0.5) == 2.0
     assert SCHEDULES[ONE_F_ONE_B].bound(3, 4, 1, forward, backward, 0.5) == (4 + 2) * 9 / 3
-    assert SCHEDULES[ZERO_BUBBLE].bound(3, 4, 1, forward, backward, 0.5) == 4 * 9 / 3
+    # The chain of forwards and input halves (3 x (1 + 1)), then 3 more micro-batches at
+    # an even share of the work (9 / 3): the predictor's fill and drain, less stage 0's W.
+    assert SCHEDULES[ZERO_BUBBLE].bound(3, 4, 1, forward, backward, 0.5) == 6 + 3 * 9 / 3
     assert SCHEDULES[V_SHAPE].bound(3, 1, 2, forward, backward, 0.5) == 9.0
 
 
