@@ -44,7 +44,12 @@ from partitioner.planning.compile import (
     device_groups_of,
     split_plan,
 )
-from partitioner.planning.options import Options, one_process_options, resolve_options
+from partitioner.planning.options import (
+    Options,
+    check_sequence_parallel,
+    one_process_options,
+    resolve_options,
+)
 from partitioner.planning.planner import candidate_plan, record
 from partitioner.planning.tune import (
     restore_state,
@@ -192,12 +197,14 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
             ``partition_distributed`` (:class:`partitioner.Options`: ``strategy``,
             ``mesh``, ``schedule=Schedule(name, chunks, virtual_stages)``,
             ``precision=Precision(compute, loss_scale)``, ``checkpoint``, ``tune``,
-            ``init_fn``, ``seed``); the keywords above are sugar for it, and one setting
-            given both ways with different values is refused (``OptionsError``).
-        sequence_parallel: with ``tensor_parallel=``, Megatron's sequence parallelism: the
-            norms, residual adds and dropout between the column/row pairs run on each
-            rank's share of the sequence (dim 1), a reduce-scatter and an all-gather in
-            place of each all-reduce (``partitioner.passes.tensor_parallel.sequence_parallel``).
+            ``init_fn``, ``seed``, ``sequence_parallel``); the keywords above are sugar for
+            it, and one setting given both ways with different values is refused
+            (``OptionsError``).
+        sequence_parallel: with ``tensor_parallel=`` (a degree of 2 or more, or rules),
+            Megatron's sequence parallelism: the norms, residual adds and dropout between
+            the column/row pairs run on each rank's share of the sequence (dim 1), a
+            reduce-scatter and an all-gather in place of each all-reduce
+            (``partitioner.passes.tensor_parallel.sequence_parallel``).
 
     Returns:
         A :class:`partitioner.runtime.module.PartitionedModule` (with ``tensor_parallel``, a
@@ -212,12 +219,13 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
     opts = one_process_options(resolve_options(
         options, strategy=strategy, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
         virtual_stages=virtual_stages, precision=precision, loss_scale=loss_scale, mesh=mesh,
-        init_fn=init_fn, seed=seed, tune=tune))
+        init_fn=init_fn, seed=seed, tune=tune, sequence_parallel=sequence_parallel))
     strategy, mesh, checkpoint = opts.strategy or "auto", opts.whole_mesh, opts.checkpoint
     chunks, schedule, virtual_stages = (opts.schedule.chunks, opts.schedule.name,
                                         opts.schedule.virtual_stages)
     precision, loss_scale = opts.precision.compute, opts.precision.loss_scale
     init_fn, seed, tune = opts.init_fn, opts.seed, opts.tune
+    sequence_parallel = opts.sequence_parallel
     count = tune_count(tune)
     check_precision("fp32" if precision is None else precision, loss_scale,
                     scaled=plan is None or precision is not None)
@@ -227,6 +235,8 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
     if materializer is not None and tensor_parallel is not None:
         raise StrategyError(_META_PIPELINE_ONLY.format(what="tensor_parallel= was given"))
     if tensor_parallel is not None:
+        if isinstance(tensor_parallel, int):
+            check_sequence_parallel(opts, tensor_parallel, "tensor_parallel")
         if precision not in (None, "fp32"):
             raise PrecisionError(f"precision={precision!r} with tensor_parallel=: the "
                                  "one-process tensor-parallel runtime computes in fp32; "

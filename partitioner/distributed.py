@@ -29,8 +29,6 @@ weights, boundary prediction, pipeline). Design: ``docs/design/004-distributed.m
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,6 +51,7 @@ from partitioner.distributed_plan import (
     local_batch,
     mesh_sizes,
     on_mesh,
+    plan_digest,
     run_settings,
     tuned_choice,
     virtual_stages_of,
@@ -64,7 +63,7 @@ from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.passes.unbake_meta import unbake_meta
 from partitioner.planning.compile import shard_specs, split_layers
-from partitioner.planning.options import Options, resolve_options
+from partitioner.planning.options import Options, check_sequence_parallel, resolve_options
 from partitioner.planning.planner import plan_request, record
 from partitioner.planning.tp_rules import ShardPlan
 from partitioner.planning.tune import tune_count
@@ -122,7 +121,7 @@ def partition_distributed(
         optimizer_sharding: bool | None = None, precision: str | None = None,
         mesh: Mesh | None = None, init_fn: InitFn | None = None,
         tune: bool | int = False, sharding: str | None = None,
-        options: Options | None = None) -> DistributedModel:
+        sequence_parallel: bool = False, options: Options | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -207,11 +206,17 @@ def partition_distributed(
             ``"fsdp"``: parameters, gradients and optimizer state by torch's FSDP2, the
             parameters ``DTensor``s (build the optimizer over ``dpm.parameters()`` or with
             ``dpm.make_optimizer``); needs ``dp >= 2``, ``tp=1``, one stage per rank.
+        sequence_parallel: with ``tp >= 2``, Megatron's sequence parallelism on every
+            stage's tp slice (``partitioner.tensor_parallel.shard_stage``): norms, dropout
+            and residual adds between the column/row pairs on ``seq / tp`` tokens per
+            rank, a reduce-scatter and an all-gather in place of each all-reduce; stage
+            boundaries stay whole. Refused with ``tp=1`` or ``virtual_stages > 1``.
         options: the same settings as one :class:`partitioner.Options` value, shared with
             ``partition`` and ``make_plan`` (``mesh`` a ``Mesh`` or ``Degrees(pp=...)``,
             ``Schedule``, ``Precision``, ``Sharding``, ``checkpoint``, ``strategy``,
-            ``tune``, ``init_fn``, ``seed``); the keywords above are sugar for it, and one
-            setting given both ways with different values is refused (``OptionsError``).
+            ``tune``, ``init_fn``, ``seed``, ``sequence_parallel``); the keywords above are
+            sugar for it, and one setting given both ways with different values is refused
+            (``OptionsError``).
 
     Returns:
         This rank's :class:`DistributedModel`.
@@ -228,7 +233,7 @@ def partition_distributed(
         pp=pp, dp=dp, tp=tp, mesh=mesh, chunks=chunks, schedule=schedule,
         virtual_stages=virtual_stages, checkpoint=checkpoint, precision=precision,
         optimizer_sharding=optimizer_sharding, sharding=sharding, strategy=strategy,
-        tune=tune, init_fn=init_fn, seed=seed))
+        tune=tune, init_fn=init_fn, seed=seed, sequence_parallel=sequence_parallel))
     call = _parse(model, opts, plan, Fixed(tensor_parallel, balance, split_points,
                                            memory_limit, cluster, memory_reserve),
                   Running(loss_reduction, bucket_mb, fuse_weight_grads, failure, backend))
@@ -325,6 +330,7 @@ def _parse(model: nn.Module, opts: Options, plan: Plan | str | Path | None, fixe
         if fixed.rules is not None and tp == 1:
             raise StrategyError("tensor_parallel= rules split layers over the tp shards of a "
                                 "stage, but tp=1; pass tp=2 (or more) with them")
+    check_sequence_parallel(opts, tp)
     return Parsed(opts, fixed, running, given, auto, (pp, dp, tp), precision,
                   opts.sharding.kind or "none", count,
                   materializer_for(model, opts.init_fn, opts.seed))
@@ -345,7 +351,7 @@ def _agree(call: Parsed) -> None:
         cluster=describe_cluster(fixed.cluster), memory_reserve=fixed.memory_reserve,
         virtual_stages=opts.schedule.virtual_stages,
         optimizer_sharding=opts.sharding.optimizer, precision=call.precision,
-        tune=call.count, sharding=call.sharding))
+        tune=call.count, sharding=call.sharding, sequence_parallel=opts.sequence_parallel))
 
 
 def _chosen(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...] | None,
@@ -364,7 +370,8 @@ def _chosen(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, .
             loss_reduction=running.loss_reduction, bucket_mb=running.bucket_mb,
             seed=opts.seed, failure=running.failure,
             fuse_weight_grads=running.fuse_weight_grads, backend=running.backend,
-            precision=call.precision, init_fn=opts.init_fn), inputs, kwargs)
+            precision=call.precision, init_fn=opts.init_fn,
+            sequence_parallel=opts.sequence_parallel), inputs, kwargs)
     assert chosen.mesh is not None, "the search records the mesh it chose"
     return chosen
 
@@ -391,6 +398,9 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
     chunks, schedule, checkpoint = run_settings(model, given, chunks, schedule, checkpoint,
                                                 fixed.balance, fixed.split_points)
     virtual = virtual_stages_of(given, virtual_stages, schedule, shape, chunks, fixed.balance)
+    if opts.sequence_parallel and virtual > 1:  # such stages are not split over tp ranks
+        raise StrategyError(f"sequence_parallel=True with virtual_stages={virtual}: virtual "
+                            "stages are not split over tp ranks; pass virtual_stages=1")
     balance = given.balance if given is not None and shape.tp > 1 else fixed.balance
     request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
                                example_inputs=inputs, example_kwargs=kwargs, chunks=chunks,
@@ -441,7 +451,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
                            call.options.seed, made.to_dict(), virtual, sharded,
                            call.precision, "optimizer" if sharded else call.sharding)
     ranks = ProcessMesh(shape)
-    check_same_plan(*_digest(made, graphs, shape, settings))
+    check_same_plan(*plan_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     real = call.materializer(info.device) if call.materializer is not None else None
     # Initialized on first use, unless load() fills it first (runtime/deferred_init.py);
@@ -455,7 +465,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
         shards = None
     else:
         stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,
-                                    info.device, source)
+                                    info.device, source, call.options.sequence_parallel)
         stages = {ranks.stage: stage}
     if running.fuse_weight_grads:
         for graph in stages.values():
@@ -561,40 +571,21 @@ def _check_layers(analysis: Analysis, plan: Plan, given: bool) -> None:
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
                 mesh: ProcessMesh, device: torch.device,
-                made: Materializer | DeferredInit | None = None
+                made: Materializer | DeferredInit | None = None, sequence_parallel: bool = False
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
-    ranks, the rank's slice with collectives on the stage replica's tp group. A meta-built
-    stage is materialized on the device by ``made`` (a split one layer by layer, each rank
-    keeping its slice)."""
+    ranks, the rank's slice with collectives on the stage replica's tp group (its replicated
+    region on sequence shards with ``sequence_parallel``: the pass's collectives go through
+    the graph's ``_tp_comm``, this process group). A meta-built stage is materialized on
+    the device by ``made`` (a split one layer by layer, each rank keeping its slice)."""
     if shard_plan is None:
         if made is not None:
             materialize_module(graph, made)
         return route_module_randomness(graph.to(device)).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
     source = made.tensor if made is not None else None
-    stage = route_module_randomness(
-        shard_stage(graph, model, shard_plan, mesh.shard, device, source)).graph_module
+    stage = route_module_randomness(shard_stage(graph, model, shard_plan, mesh.shard, device,
+                                                source, sequence_parallel)).graph_module
     setattr(stage, COMM_ATTR, comm)
     keep_non_persistent(stage, non_persistent_names(graph))
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)
-
-
-def _digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: Mesh,
-            settings: RunSettings) -> tuple[str, str]:
-    """What every rank must agree on: the split, the settings, each stage's code and tensors."""
-    body = {
-        "layers": [list(s.layers) for s in plan.stages], "chunks": plan.chunks,
-        "checkpoint": plan.checkpoint, "schedule": plan.schedule,
-        "virtual_stages": settings.virtual,
-        "mesh": [shape.pp, shape.dp, shape.tp], "loss_reduction": settings.loss_reduction,
-        "shard_specs": sorted((k, repr(v)) for k, v in plan.shard_specs.items()),
-        "bucket_bytes": settings.bucket_bytes, "seed": settings.seed,
-        "stages": [{"code": gm.code,
-                    "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in
-                                [*gm.named_parameters(), *gm.named_buffers()]]}
-                   for gm in graphs]}
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    summary = (f"balance {plan.balance}, chunks {plan.chunks}, {plan.schedule}, checkpoint "
-               f"{plan.checkpoint}, pp={shape.pp} dp={shape.dp}, graphs {digest[:8]}")
-    return digest, summary

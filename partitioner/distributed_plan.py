@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 
 from partitioner import errors
@@ -62,7 +65,7 @@ from partitioner.request import PlanRequest
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.link_probe import probe_link
-from partitioner.runtime.distributed.model import sharding_problem
+from partitioner.runtime.distributed.model import RunSettings, sharding_problem
 from partitioner.runtime.mesh import Mesh
 from partitioner.runtime.microbatch import batch_size, scatter
 from partitioner.runtime.schedule_registry import schedule_kind
@@ -70,7 +73,7 @@ from partitioner.runtime.schedule_registry import schedule_kind
 __all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
            "tensor_parallel_check", "tuned_choice", "fixed_options", "check_sharding",
            "auto_options", "mesh_sizes", "run_settings", "virtual_stages_of", "on_mesh",
-           "check_fingerprint"]
+           "check_fingerprint", "plan_digest"]
 
 
 @dataclass(frozen=True)
@@ -490,3 +493,25 @@ def check_fingerprint(model: nn.Module, plan: Plan) -> None:
                             + "\n".join(f"  - {line}" for line in found[:10])
                             + "\nre-plan this model, or run the plan on the model it was "
                               "made for")
+
+
+def plan_digest(plan: Plan, graphs: Sequence[fx.GraphModule], shape: Mesh,
+                settings: RunSettings) -> tuple[str, str]:
+    """What every rank must agree on: the split, the settings, each stage's code and tensors
+    (a digest to compare, and a line that says what it covers, for
+    ``partitioner.runtime.distributed.failure.check_same_plan``)."""
+    body = {
+        "layers": [list(s.layers) for s in plan.stages], "chunks": plan.chunks,
+        "checkpoint": plan.checkpoint, "schedule": plan.schedule,
+        "virtual_stages": settings.virtual,
+        "mesh": [shape.pp, shape.dp, shape.tp], "loss_reduction": settings.loss_reduction,
+        "shard_specs": sorted((k, repr(v)) for k, v in plan.shard_specs.items()),
+        "bucket_bytes": settings.bucket_bytes, "seed": settings.seed,
+        "stages": [{"code": gm.code,
+                    "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in
+                                [*gm.named_parameters(), *gm.named_buffers()]]}
+                   for gm in graphs]}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    summary = (f"balance {plan.balance}, chunks {plan.chunks}, {plan.schedule}, checkpoint "
+               f"{plan.checkpoint}, pp={shape.pp} dp={shape.dp}, graphs {digest[:8]}")
+    return digest, summary

@@ -49,6 +49,9 @@ from partitioner.build import (
 from partitioner.cost.devices import parse_devices
 from partitioner.errors import DeviceError, ExampleInputsError
 from partitioner.passes.private_rng import route_dropout, route_module_randomness
+from partitioner.passes.tensor_parallel.sequence_parallel import (
+    sequence_parallel as apply_sequence_parallel,
+)
 from partitioner.passes.tensor_parallel.shard_graph import shard_graph
 from partitioner.planning.compile import split_layers, tensor_parallel_record
 from partitioner.planning.planner import plan_request, tensor_parallel_plan
@@ -285,8 +288,8 @@ def _default_device(group: Any) -> torch.device:
 
 def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, rank: int,
                 device: torch.device | str = "cpu",
-                source: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> fx.GraphModule:
+                source: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                sequence_parallel: bool = False) -> fx.GraphModule:
     """Rank ``rank``'s graph of one pipeline stage (for runtimes placing stages themselves).
 
     Args:
@@ -298,16 +301,24 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
         device: where the rank's tensors go.
         source: the whole value of a stage tensor, when the model is on the meta device
             (``partitioner.runtime.materialize.Materializer.tensor``).
+        sequence_parallel: run the replicated region on sequence shards (dim 1), as the
+            one-process runtime's rank graphs do
+            (``partitioner.passes.tensor_parallel.sequence_parallel``); the graph's outputs
+            stay whole sequences, so pipeline boundaries are unchanged.
 
     Returns:
         The rank's graph; set its ``_tp_comm`` attribute to the rank's communicator
-        (``partitioner.runtime.tensor_parallel.collectives.ProcessGroupCommunicator(tp_group)``).
+        (``partitioner.runtime.tensor_parallel.collectives.ProcessGroupCommunicator(tp_group)``):
+        every collective, the sequence-parallel ones too, goes through it.
     """
     ids = first_names(model)
     store = ShardStore(shard_plan.shardings, source)
     shardings = attr_shardings(stage, ids, shard_plan.shardings)
-    return shard_graph(stage, shardings, rank, make_tensor=store.factory(
+    out = shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module
+    if sequence_parallel:  # shapes only, on fake tensors: no collective runs here
+        apply_sequence_parallel(out, stage, shard_plan.tp)
+    return out
 
 
 def stage_shardings(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan

@@ -156,6 +156,11 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      StrategyError, "tp=0"),
     ("distributed rules without tp", lambda: partition_distributed(
         _model(), (X,), tensor_parallel={"0": "colwise"}), StrategyError, "tp=1"),
+    ("distributed sequence parallel tp one", lambda: partition_distributed(
+        _model(), (X,), tp=1, sequence_parallel=True), StrategyError, "with tp=1"),
+    ("sequence parallel tensor parallel one", lambda: partition(
+        _model(), ["cpu"], tensor_parallel=1, example_inputs=(X,), sequence_parallel=True),
+     StrategyError, "pass tensor_parallel=2 (or more)"),
     ("distributed plan missing", lambda: partition_distributed(
         _model(), (X,), plan="no/such/plan.json"), PlanFormatError, "no/such/plan.json"),
     ("plan file strategy", lambda: Plan.from_dict({**_plan_dict(), "strategy": 123}),

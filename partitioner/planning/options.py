@@ -16,9 +16,9 @@ when made (torch's ``fully_shard(mesh=, mp_policy=, offload_policy=)`` style):
 The keywords users already pass (``pp=``/``dp=``/``tp=``, ``mesh=``, ``chunks=``,
 ``schedule=``, ``virtual_stages=``, ``precision=``, ``loss_scale=``,
 ``optimizer_sharding=``, ``sharding=``, ``checkpoint=``, ``strategy=``, ``tune=``,
-``init_fn=``, ``seed=``) are sugar: :func:`resolve_options` folds them into one
-``Options``, in this one place, and refuses the same thing given twice in ways that
-disagree.
+``init_fn=``, ``seed=``, ``sequence_parallel=``) are sugar: :func:`resolve_options`
+folds them into one ``Options``, in this one place, and refuses the same thing given twice
+in ways that disagree.
 
 Example:
     >>> opts = resolve_options(Options(schedule=Schedule("1f1b", chunks=4)), pp=2, dp=2)
@@ -53,7 +53,8 @@ from partitioner.runtime.precision import loss_scale_problem, precision_problem
 from partitioner.runtime.schedule_registry import name_problem
 
 __all__ = ["Options", "Schedule", "Precision", "Sharding", "Mesh", "Degrees",
-           "SHARDING_KINDS", "resolve_options", "one_process_options"]
+           "SHARDING_KINDS", "resolve_options", "one_process_options",
+           "check_sequence_parallel"]
 
 SHARDING_KINDS = ("none", "optimizer", "fsdp")
 """What ``Sharding.kind`` may say: nothing sharded, the optimizer state (ZeRO-1), or the
@@ -157,6 +158,11 @@ class Options:
         init_fn: a meta-built model's initializer, ``init_fn(module)``.
         seed: the base seed of dropout generators and of a meta-built model's
             initialization.
+        sequence_parallel: Megatron's sequence parallelism on the tensor-parallel stages
+            (``partitioner.passes.tensor_parallel.sequence_parallel``): read by
+            ``partition`` and ``partition_distributed``, which refuse it without a
+            tensor-parallel degree of 2 or more; a :class:`Plan` does not record it, so
+            ``make_plan`` plans alike with or without it.
 
     Raises:
         PartitionError: a subclass naming the bad value and the fix.
@@ -171,6 +177,7 @@ class Options:
     tune: bool | int = False
     init_fn: Callable[..., Any] | None = field(default=None, compare=False)
     seed: int = 0
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in ("auto", "pipeline"):
@@ -189,6 +196,9 @@ class Options:
         tune_count(self.tune)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise OptionsError(f"seed={self.seed!r}; pass an int")
+        if not isinstance(self.sequence_parallel, bool):
+            raise OptionsError(f"sequence_parallel={self.sequence_parallel!r}; pass True "
+                               "(norms, dropout and residual adds on sequence shards) or False")
 
     @property
     def whole_mesh(self) -> Mesh | None:
@@ -206,12 +216,12 @@ class Options:
         return mesh.pp, mesh.dp, mesh.tp
 
 
-_UNSET: dict[str, Any] = {"tune": False, "seed": 0}
+_UNSET: dict[str, Any] = {"tune": False, "seed": 0, "sequence_parallel": False}
 """Sugar keywords whose "not given" value is not ``None``."""
 
 _WHERE = {
     "strategy": ("strategy",), "checkpoint": ("checkpoint",), "tune": ("tune",),
-    "init_fn": ("init_fn",), "seed": ("seed",),
+    "init_fn": ("init_fn",), "seed": ("seed",), "sequence_parallel": ("sequence_parallel",),
     "schedule": ("schedule", "name"), "chunks": ("schedule", "chunks"),
     "virtual_stages": ("schedule", "virtual_stages"),
     "precision": ("precision", "compute"), "loss_scale": ("precision", "loss_scale"),
@@ -228,8 +238,8 @@ def resolve_options(options: Options | None = None, **given: Any) -> Options:
         given: the front's keywords (``pp``, ``dp``, ``tp``, ``mesh``, ``chunks``,
             ``schedule``, ``virtual_stages``, ``precision``, ``loss_scale``,
             ``optimizer_sharding``, ``sharding``, ``checkpoint``, ``strategy``, ``tune``,
-            ``init_fn``, ``seed``); ``None`` (``False`` for ``tune``, 0 for ``seed``) means
-            not given.
+            ``init_fn``, ``seed``, ``sequence_parallel``); ``None`` (``False`` for ``tune``
+            and ``sequence_parallel``, 0 for ``seed``) means not given.
 
     Raises:
         OptionsError: ``options`` is not an Options, a keyword is unknown, or a keyword and
@@ -273,6 +283,26 @@ def one_process_options(options: Options) -> Options:
                            "shard nothing over their replicas; use partition_distributed "
                            "for sharded replicas, or Sharding('none')")
     return replace(options, mesh=options.whole_mesh)
+
+
+def check_sequence_parallel(options: Options, tp: int | None, keyword: str = "tp") -> None:
+    """Refuse ``options.sequence_parallel`` without ``tp >= 2`` tensor-parallel ranks.
+
+    Args:
+        options: the resolved options.
+        tp: the tensor-parallel degree the run will have (``None``: not known, e.g. left
+            to ``strategy="auto"``).
+        keyword: how the caller names the degree (``"tp"``, ``"tensor_parallel"``).
+
+    Raises:
+        StrategyError: ``sequence_parallel=True`` and ``tp`` is not 2 or more.
+    """
+    if options.sequence_parallel and (tp is None or tp < 2):
+        raise StrategyError(
+            f"sequence_parallel=True with {keyword}={tp!r}: sequence parallelism splits the "
+            "sequence between the tensor-parallel ranks of a stage, and there are none to "
+            f"split it between; pass {keyword}=2 (or more) with it, or drop "
+            "sequence_parallel")
 
 
 def _set(options: Options, key: str, path: tuple[str, ...], value: Any) -> Options:

@@ -110,11 +110,11 @@ def _shapes(gm: fx.GraphModule, whole: fx.GraphModule, tp: int) -> dict[str, tor
     comm = getattr(gm, COMM_ATTR)
     setattr(gm, COMM_ATTR, ShapeCommunicator(0, tp))
     found: dict[str, torch.Size] = {}
+    # Shapes found on a meta-built model are on meta; the rank's tensors are real.
+    home = next((t.device for t in [*gm.parameters(), *gm.buffers()]), None)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            inputs = pytree.tree_map(
-                lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
-                placeholders)
+            inputs = pytree.tree_map(lambda v: _fake(mode, v, home), placeholders)
 
             class _Watch(fx.Interpreter):
                 def run_node(self, n: fx.Node) -> Any:
@@ -287,6 +287,15 @@ class _Rewriter:
                                                     (node, comm, self.dim))
             self.gathered[node] = gathered
         return self.gathered[node]
+
+
+def _fake(mode: FakeTensorMode, value: Any, home: torch.device | None) -> Any:
+    """``value`` as a fake tensor (on ``home`` when ``value`` is on the meta device)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_meta and home is not None and home.type != "meta":
+        return torch.empty(tuple(value.shape), dtype=value.dtype, device=home)
+    return mode.from_tensor(value)
 
 
 def _checks_dtype_only(node: fx.Node) -> bool:
