@@ -11,8 +11,12 @@ tokens instead:
   ``reduce_scatter_to_sp`` (``partitioner.runtime.tensor_parallel.sequence``);
 - its users that work token by token (element-wise operations, layer and RMS norms over the
   last dimension, dropout) follow it onto the shards, their other whole inputs sliced
-  (``scatter_to_tp``) and the parameters they use entered with ``copy_to_tp`` (each rank
-  sees its tokens' share of the weight gradient: the backward sums them);
+  (``scatter_to_tp``: the activation's size, or a value broadcast over it that spans the
+  sequence, such as a ``(T, C)`` position embedding, by its rows) and the parameters they
+  use entered with ``copy_to_tp`` (each rank sees its tokens' share of the weight
+  gradient: the backward sums them);
+- a read of a shard's shape (``x.shape``, ``x.size(d)``) becomes ``whole_size``: the whole
+  value's size, from the shard's, with no collective;
 - a ``copy_to_tp`` of a shard (the entry of the next column-parallel product) becomes
   ``all_gather_from_sp``; any other user gets the whole value back (``gather_from_tp``).
 
@@ -166,6 +170,9 @@ class _Rewriter:
         inputs = [n for n in node.all_input_nodes if n in self.sharded]
         if not inputs or _checks_dtype_only(node):
             return
+        if _reads_shape(node) and node.args[0] in self.sharded:
+            self.whole_size(node)
+            return
         if node.op == "call_function" and node.target is collectives.copy_to_tp:
             node.target = sequence.all_gather_from_sp
             node.args = (node.args[0], node.args[1], self.dim)
@@ -200,25 +207,28 @@ class _Rewriter:
         out = self.shapes.get(node.name)
         if out is None:
             return False
-        plan: dict[fx.Node, str] = {}
+        plan: dict[fx.Node, str | int] = {}
         for n in node.all_input_nodes:
             if n in self.sharded or (n.op == "get_attr" and n.target == COMM_ATTR):
                 continue
             shape = self.shapes.get(n.name)
             if shape is None:
                 continue
+            at = self.dim - (len(out) - len(shape))  # its dim facing the sequence
             if self._broadcast(shape, len(out)):
                 plan[n] = "enter" if self._parameter(n) else "keep"
-            elif tuple(shape) == tuple(out):
-                plan[n] = "slice"
+            elif at >= 0 and shape[at] == out[self.dim]:
+                # The activation's size, or a value broadcast over it that spans the
+                # sequence (a (T, C) position embedding): this rank's positions of it.
+                plan[n] = at
             else:
                 return False
         for n, how in plan.items():
             if how == "enter":
                 node.replace_input_with(n, self.call(node, collectives.copy_to_tp, n))
-            elif how == "slice":
+            elif isinstance(how, int):
                 node.replace_input_with(n, self.call(node, collectives.scatter_to_tp, n,
-                                                     self.dim))
+                                                     how))
         if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)),
                                                    nn.Dropout):
             self._shard_dropout(node)
@@ -273,6 +283,17 @@ class _Rewriter:
         node.op, node.target = "call_function", tpops.sharded_dropout_module
         node.args, node.kwargs = (node.args[0], module), {}
 
+    def whole_size(self, node: fx.Node) -> None:
+        """A read of a shard's shape (``x.shape``, ``x.size(d)``) answers the whole value's,
+        from the shard's own (no all-gather just to read a size)."""
+        which = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if node.target is getattr:  # x.shape
+            which = None
+        node.op, node.target = "call_function", sequence.whole_size
+        node.args = (node.args[0], self.dim, self.tp, *(() if which is None else (which,)))
+        node.kwargs = {}
+        self.changed = True
+
     def call(self, before: fx.Node, fn: Any, x: fx.Node, *rest: Any) -> fx.Node:
         comm = self.comm(before)
         with self.graph.inserting_before(before):
@@ -296,6 +317,15 @@ def _fake(mode: FakeTensorMode, value: Any, home: torch.device | None) -> Any:
     if value.is_meta and home is not None and home.type != "meta":
         return torch.empty(tuple(value.shape), dtype=value.dtype, device=home)
     return mode.from_tensor(value)
+
+
+def _reads_shape(node: fx.Node) -> bool:
+    """``x.shape``, ``x.size()``/``x.size(d)`` or export's ``sym_size(x, d)``."""
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] == "shape"
+    if node.op == "call_method":
+        return node.target == "size"
+    return node.op == "call_function" and node.target is aten.sym_size.int
 
 
 def _checks_dtype_only(node: fx.Node) -> bool:

@@ -15,7 +15,8 @@ The reduce-scatter replaces the all-reduce after a row-parallel product, the all
 by ``tp`` in between. A :class:`~partitioner.runtime.tensor_parallel.collectives.Communicator`
 has no reduce-scatter of its own, so this one sums (``all_reduce``) and keeps its slice:
 the same values, the sum's transient whole tensor freed at once; the counts name them
-``"reduce_scatter"``.
+``"reduce_scatter"``. :func:`whole_size` answers a shape read of the whole value from a
+shard, so that reading a size costs no all-gather.
 
 Example:
     >>> import torch
@@ -35,7 +36,7 @@ import torch
 
 from partitioner.runtime.tensor_parallel.collectives import Communicator
 
-__all__ = ["reduce_scatter_to_sp", "all_gather_from_sp"]
+__all__ = ["reduce_scatter_to_sp", "all_gather_from_sp", "whole_size"]
 
 
 def _slice(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
@@ -87,3 +88,13 @@ def all_gather_from_sp(x: torch.Tensor, comm: Communicator, dim: int) -> torch.T
     forward; the gradient summed over ranks and sliced backward (the partial input gradients
     of a column-parallel product)."""
     return _AllGatherFromSP.apply(x, comm, dim)  # type: ignore[no-any-return]
+
+
+def whole_size(x: torch.Tensor, dim: int, tp: int, which: int | None = None
+               ) -> torch.Size | int:
+    """The whole value's size (``x.shape``, or ``x.size(which)``) of ``x``, a shard of
+    ``1 / tp`` of it along ``dim``: what a shape read of the whole value gives, with no
+    all-gather."""
+    size = list(x.shape)
+    size[dim] *= tp
+    return torch.Size(size) if which is None else size[which]

@@ -11,14 +11,14 @@ import torch
 import torch.fx as fx
 from thread_ranks import on_threads
 from torch import nn
-from tp_models import Block
+from tp_models import Block, TinyGPT
 
 from partitioner.capture import capture
 from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.passes.tensor_parallel.sequence_parallel import sequence_parallel
 from partitioner.passes.tensor_parallel.shard_graph import choose_shardings, shard_graph
-from partitioner.runtime.tensor_parallel import sequence
+from partitioner.runtime.tensor_parallel import collectives, sequence
 from partitioner.runtime.tensor_parallel.collectives import ShapeCommunicator
 from partitioner.runtime.tensor_parallel.sharding import unshard
 
@@ -75,11 +75,12 @@ def _train(ranks: list[fx.GraphModule], values: list[Any]
     return [out for out, _ in results], [kept for _, kept in results]
 
 
-@pytest.mark.parametrize("kind", ["gpt_block", "llama"])
+@pytest.mark.parametrize("kind", ["gpt_block", "llama", "gpt"])
 def test_sequence_parallel_block_trains_like_the_model(kind: str) -> None:
     torch.manual_seed(0)
-    model = Block(32, 4) if kind == "gpt_block" else _llama()
-    x = torch.randn(2, 8, 32) if kind == "gpt_block" else torch.randint(0, 96, (2, 8))
+    model = {"gpt_block": lambda: Block(32, 4), "llama": _llama,
+             "gpt": lambda: TinyGPT(n_layer=2, seq=8)}[kind]()
+    x = torch.randn(2, 8, 32) if kind == "gpt_block" else torch.randint(0, 64, (2, 8))
     ranks, shardings, values = _ranks(model, x, 2, sp=True)
     outs, _ = _train(ranks, values)
     expected = model(x)
@@ -114,6 +115,29 @@ def test_sequence_parallel_keeps_fewer_activation_bytes_per_rank() -> None:
     one = 2 * 32 * 64 * 4  # one (2, 32, 64) fp32 activation
     for a, b in zip(kept_plain, kept_sp):
         assert a - b >= 0.9 * one / 2, (a, b)
+
+
+def test_gpt_runs_on_shards_from_the_embedding_to_the_head() -> None:
+    """TinyGPT at TP=2: the position embedding ``(T, C)`` is sliced to the rank's positions
+    (not the embedding's sum gathered back), and block 1's attention reads ``x.shape`` of a
+    shard as the whole value's size (``whole_size``), without an all-gather; the only
+    whole value gathered is the output (the head's logits)."""
+    torch.manual_seed(0)
+    ranks, _, _ = _ranks(TinyGPT(n_layer=2, seq=8), torch.randint(0, 64, (2, 8)), 2, sp=True)
+    calls = [n for n in ranks[0].graph.nodes if n.op == "call_function"]
+    names = [getattr(n.target, "__name__", str(n.target)) for n in calls]
+    assert names.count("reduce_scatter_to_sp") == 5  # embedding, 2 x (attention, MLP)
+    assert names.count("all_gather_from_sp") == 5  # every column-parallel entry
+    assert names.count("gather_from_tp") == 1  # the head's logits (vocabulary-parallel)
+    assert names.count("whole_size") == 2  # x.shape in each block's attention
+    scatters = [n for n in calls if n.target is collectives.scatter_to_tp]
+    assert [n.args[2] for n in scatters] == [0]  # the (T, C) position embedding, by rows
+
+
+def test_whole_size_of_a_shard() -> None:
+    x = torch.zeros(2, 4, 3)
+    assert sequence.whole_size(x, 1, 2) == torch.Size([2, 8, 3])
+    assert sequence.whole_size(x, 1, 2, 1) == 8 and sequence.whole_size(x, 1, 2, -1) == 3
 
 
 def test_reduce_scatter_and_all_gather_are_counted_as_such() -> None:
