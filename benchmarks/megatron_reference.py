@@ -14,7 +14,7 @@ time are reported. No device figure was chosen by looking at these rows
 (``partitioner/cost/devices.py`` cites each).
 
 Run:
-    python benchmarks/megatron_reference.py            # about 10 s on this 2-core machine
+    python benchmarks/megatron_reference.py            # about 1 minute of CPU (2 min loaded)
     python benchmarks/megatron_reference.py --no-auto  # predictions only, a few seconds
 """
 

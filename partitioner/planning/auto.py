@@ -12,7 +12,9 @@ bound beats the best prediction, or when the planning budget (5 s by default) ru
 then the best found is returned with its gap to the smallest bound not yet explored. The
 order is deterministic: equal inputs give equal plans. The candidates kept are then costed
 by the one predictor of a step, :func:`partitioner.planning.simulate.predict_step`, and
-ranked by it: the step times a plan shows are the ones it was ranked by.
+ranked by it: the step times a plan shows are the ones it was ranked by. The budget covers
+that simulation too (:mod:`partitioner.planning.ranking`): the search stops in time to
+simulate its best candidate, and keeps the others it has time to simulate.
 
 When the plan will run here, only configurations the runtime can execute are chosen:
 :func:`executable` is that predicate, and :data:`LOCAL_RUNTIME` says what the one-process
@@ -51,8 +53,9 @@ from partitioner.planning.predict import (
     predict,
     replayed,
 )
+from partitioner.planning.ranking import CLOCK, rank_within
 from partitioner.planning.records import to_record
-from partitioner.planning.simulate import predict_steps, refine
+from partitioner.planning.simulate import refine
 from partitioner.plans.explain import format_bytes
 from partitioner.runtime.checkpointing import ALWAYS, EXCEPT_LAST, NEVER
 from partitioner.runtime.schedule_registry import (
@@ -406,7 +409,9 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
     for bound, _, c in queue:
         if ranked and bound >= ranked[0].step_time:
             break
-        if budget is not None and ranked and time.perf_counter() - start > budget:
+        # Stop in time to simulate the best found (partitioner.planning.ranking).
+        if budget is not None and ranked and time.perf_counter() - start \
+                > budget - CLOCK.estimate(ranked[0].config):
             timed_out, frontier = True, bound
             break
         if not bounds.may_fit(c):
@@ -425,7 +430,8 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
         del ranked[keep:]
     if not ranked:
         raise _nothing_fits(workload, cluster, [c for _, _, c in queue], cap, not_executable)
-    ranked = list(predict_steps(ranked, cluster, key=lambda p: _key(p.config)))
+    ranked = list(rank_within(ranked, cluster, None if budget is None else start + budget,
+                              key=lambda p: _key(p.config)))
     best = ranked[0]
     lowest = min((b for b, _, _ in queue), default=best.step_time)
     gap = best.step_time / frontier - 1 if timed_out else 0.0

@@ -28,11 +28,17 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 from partitioner.errors import BalanceError, InfeasibleError, ProblemError
+from partitioner.planning.problem_check import (
+    shape_problems,
+    to_numbers,
+    to_table,
+    value_problems,
+)
 
 __all__ = [
     "InfeasibleError",
@@ -84,12 +90,13 @@ class PartitionProblem:
 
     def __post_init__(self) -> None:
         for name in ("compute", "transfer"):
-            object.__setattr__(self, name, _to_table(name, getattr(self, name)))
+            object.__setattr__(self, name, to_table(name, getattr(self, name)))
         for name in ("memory", "capacity"):
-            object.__setattr__(self, name, _to_numbers(name, getattr(self, name)))
-        problems = _shape_problems(self)
+            object.__setattr__(self, name, to_numbers(name, getattr(self, name)))
+        tables = (self.compute, self.transfer, self.memory, self.capacity)
+        problems = shape_problems(*tables)
         if not problems:
-            problems = _value_problems(self)
+            problems = value_problems(*tables)
         if problems:
             raise ProblemError("invalid PartitionProblem: " + "; ".join(problems))
 
@@ -328,7 +335,11 @@ class _Costs:
     def __init__(self, problem: PartitionProblem) -> None:
         self.n_stages = problem.n_stages
         self.n_layers = problem.n_layers
-        self.prefix = [list(accumulate(row, initial=0.0)) for row in problem.compute]
+        sums: dict[int, list[float]] = {}  # one per distinct row object (devices of a kind)
+        for row in problem.compute:
+            if id(row) not in sums:
+                sums[id(row)] = list(accumulate(row, initial=0.0))
+        self.prefix = [sums[id(row)] for row in problem.compute]
         self.memory_prefix = list(accumulate(problem.memory, initial=0.0))
         self.transfer = problem.transfer
         self.capacity = problem.capacity
@@ -360,13 +371,27 @@ def _suffix_table(
     n_stages, n_layers = costs.n_stages, costs.n_layers
     best = [[math.inf] * (n_layers + 1) for _ in range(n_stages + 1)]
     best[n_stages][n_layers] = 0.0
+    bottleneck = combine is max
+    memory = costs.memory_prefix
     for j in reversed(range(n_stages)):
-        rest = best[j + 1]
+        rest, row = best[j + 1], best[j]
+        prefix, capacity = costs.prefix[j], costs.capacity[j]
+        last = n_layers - (n_stages - 1 - j)
         for a in range(j, n_layers - (n_stages - j) + 1):
-            candidates = (
-                combine(time, rest[b]) for b, time in costs.options(j, a, limit)
-            )
-            best[j][a] = min(candidates, default=math.inf)
+            # costs.options(j, a, limit), inlined (the search's hottest loop); a stage time
+            # at or above the best so far cannot improve it (the rest adds, or maxes, >= 0),
+            # and stage times grow with b: stop there too.
+            arrival = costs.transfer[j][a] if j > 0 and a > 0 else 0.0
+            value = math.inf
+            for b in range(a + 1, last + 1):
+                time = prefix[b] - prefix[a] + arrival
+                if memory[b] - memory[a] > capacity or time > limit or time >= value:
+                    break
+                after = rest[b]
+                cost = (time if time > after else after) if bottleneck else time + after
+                if cost < value:
+                    value = cost
+            row[a] = value
     return best
 
 
@@ -459,111 +484,6 @@ def _format_bytes(n: float) -> str:
         n /= 1000
         power += 1
     return f"{n:.0f} B" if power == 0 else f"{n:.1f} {_BYTE_UNITS[power]}"
-
-
-def _to_numbers(name: str, values: Iterable[object]) -> tuple[float, ...]:
-    try:
-        items = tuple(values)
-    except TypeError:
-        raise ProblemError(
-            f"{name} is {values!r}, not a sequence; pass a tuple of numbers"
-        ) from None
-    if all(type(item) is float for item in items):  # the planner's own tables: fast path
-        return items  # type: ignore[return-value]
-    floats = []
-    for item in items:
-        if not isinstance(item, numbers.Real):
-            raise ProblemError(
-                f"{name} holds {item!r}, which is not a number; pass floats"
-            )
-        floats.append(float(item))
-    return tuple(floats)
-
-
-def _to_table(
-    name: str, rows: Iterable[Iterable[object]]
-) -> tuple[tuple[float, ...], ...]:
-    try:
-        items = tuple(rows)
-    except TypeError:
-        raise ProblemError(
-            f"{name} is {rows!r}, not a sequence; pass one row per stage"
-        ) from None
-    return tuple(_to_numbers(f"{name}[{j}]", row) for j, row in enumerate(items))
-
-
-def _shape_problems(problem: PartitionProblem) -> list[str]:
-    rows = tuple(len(row) for row in problem.compute)
-    if not rows:
-        return [
-            "compute has no rows; pass one row of per-layer times per stage (P >= 1)"
-        ]
-    if len(set(rows)) != 1 or rows[0] == 0:
-        return [
-            f"compute rows have lengths {rows}; give every stage a row of the same L >= 1 times"
-        ]
-    n_stages, n_layers = len(rows), rows[0]
-    problems = []
-    transfer = tuple(len(row) for row in problem.transfer)
-    if transfer != (n_layers + 1,) * n_stages:
-        problems.append(
-            f"transfer has {len(transfer)} rows of lengths {transfer}; pass P = {n_stages} "
-            f"rows of L + 1 = {n_layers + 1} per-boundary times"
-        )
-    for name, want, what in (("memory", n_layers, "L"), ("capacity", n_stages, "P")):
-        have = len(getattr(problem, name))
-        if have != want:
-            problems.append(f"{name} has {have} entries; pass {what} = {want}")
-    return problems
-
-
-def _value_problems(problem: PartitionProblem) -> list[str]:
-    n_layers = problem.n_layers
-    if _all_valid(problem):  # one pass without labels; messages only when something is bad
-        return []
-    finite = "must be finite and >= 0 (clamp noisy measurements at 0)"
-    # Stage 0 never receives, and boundaries 0 and L are never a stage's start.
-    tables = [
-        _cells("compute", problem.compute, range(n_layers)),
-        _cells("transfer", problem.transfer[1:], range(1, n_layers), first_row=1),
-        ((f"memory[{i}]", m) for i, m in enumerate(problem.memory)),
-    ]
-    problems = [
-        p for t in tables for p in _first_bad(t, lambda x: 0 <= x < math.inf, finite)
-    ]
-    capacity = ((f"capacity[{j}]", c) for j, c in enumerate(problem.capacity))
-    problems += _first_bad(
-        capacity, lambda x: x >= 0, "must be >= 0 (math.inf for no limit)"
-    )
-    return problems
-
-
-def _all_valid(problem: PartitionProblem) -> bool:
-    n_layers = problem.n_layers
-    return (all(0 <= x < math.inf for row in problem.compute for x in row[:n_layers])
-            and all(0 <= x < math.inf for row in problem.transfer[1:]
-                    for x in row[1:n_layers])
-            and all(0 <= x < math.inf for x in problem.memory)
-            and all(x >= 0 for x in problem.capacity))
-
-
-def _cells(
-    name: str, table: Sequence[Sequence[float]], columns: range, first_row: int = 0
-) -> Iterator[tuple[str, float]]:
-    for j, row in enumerate(table, start=first_row):
-        for i in columns:
-            yield f"{name}[{j}][{i}]", row[i]
-
-
-def _first_bad(
-    cells: Iterable[tuple[str, float]], ok: Callable[[float], bool], rule: str
-) -> list[str]:
-    bad = [(label, x) for label, x in cells if not ok(x)]
-    if not bad:
-        return []
-    label, value = bad[0]
-    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    return [f"{label} is {value!r}{more}; it {rule}"]
 
 
 def _boundary_problems(cuts: Sequence[int], n_layers: int, n_stages: int) -> list[str]:

@@ -47,7 +47,8 @@ from partitioner.planning.auto import (
 )
 from partitioner.planning.planner import plan_from
 from partitioner.planning.predict import Config, Prediction, predict
-from partitioner.planning.simulate import predict_steps, refine
+from partitioner.planning.ranking import rank_within
+from partitioner.planning.simulate import refine
 from partitioner.plans.explain import explain
 from partitioner.plans.plan import Plan
 from partitioner.runtime import device as accelerators
@@ -351,7 +352,8 @@ def _fixed_search(workload: Workload, cluster: Cluster, degrees: Degrees, *,
                                f"{reason or 'every one needs more memory'}; fix fewer sizes "
                                "or use more or larger devices")
     fitting.sort(key=lambda p: p.step_time)
-    kept = predict_steps(fitting[:10], cluster)  # what the plan records: the one predictor
+    # What the plan records: the one predictor, within the budget (planning/ranking.py).
+    kept = rank_within(fitting[:10], cluster, None if budget is None else start + budget)
     best = kept[0]
     return SearchResult(best, kept, len(wanted), evaluated,
                         len(wanted) - len(runnable), not_fitting, best.step_time, 0.0,
