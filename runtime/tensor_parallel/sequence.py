@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from partitioner.errors import ShardSizeError
 from partitioner.runtime.tensor_parallel.collectives import Communicator
 
 __all__ = ["reduce_scatter_to_sp", "all_gather_from_sp", "whole_size"]
@@ -46,6 +47,12 @@ def _slice(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int, phase: str) -> torch.Tensor:
+    if x.shape[dim] % comm.size:  # before the collective: every rank has this shape
+        raise ShardSizeError(
+            f"sequence parallelism splits dim {dim} of a {tuple(x.shape)} activation over "
+            f"{comm.size} tensor-parallel ranks, but {comm.size} does not divide "
+            f"{x.shape[dim]}; pass sequences whose length {comm.size} divides (pad them), "
+            "or drop sequence_parallel")
     comm.counts["reduce_scatter", phase] += 1
     comm.counts["all_reduce", phase] -= 1  # the sum below is how, not what, it runs
     return _slice(comm.all_reduce(x, phase), comm, dim)

@@ -14,7 +14,7 @@ from torch import nn
 from tp_models import Block
 
 from partitioner import partition
-from partitioner.errors import StrategyError
+from partitioner.errors import StageExecutionError, StrategyError
 
 
 def _forward_counts(pm: Any) -> Counter[tuple[str, str]]:
@@ -80,3 +80,20 @@ def test_sequence_parallel_needs_tensor_parallel() -> None:
     with pytest.raises(StrategyError, match="pass tensor_parallel=<degree> with it"):
         partition(nn.Linear(4, 4), ["cpu"], example_inputs=(torch.randn(2, 4),),
                   sequence_parallel=True)
+
+
+def test_a_sequence_the_degree_does_not_divide_is_refused_by_name() -> None:
+    """Planned on 8 tokens, called on 7: refused before any collective, naming the sizes
+    (not a shape mismatch further down, nor tokens dropped)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32, 4), Block(32, 4))
+    pm = partition(model, ["cpu"] * 2, tensor_parallel=2,
+                   example_inputs=(torch.randn(2, 8, 32),), sequence_parallel=True)
+    try:
+        torch.testing.assert_close(pm(torch.randn(2, 6, 32)).shape, torch.Size([2, 6, 32]))
+        # The stage runtime names the stage, micro-batch and node around it.
+        with pytest.raises(StageExecutionError,
+                           match=r"ShardSizeError: .*2 does not divide 7.*pad them"):
+            pm(torch.randn(2, 7, 32))
+    finally:
+        pm.close()
