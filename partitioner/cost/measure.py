@@ -157,7 +157,10 @@ def measure_cpu(progress: bool = False) -> DeviceSpec:
         threads (``shared_speedup``), and 2 workers computing products of 8, 256 and 1024
         rows and element-wise streams (``shared_sizes``; 3 and 4 workers scaled from 2 as
         for 64 rows), and a 2-stage, 8-micro-batch pipeline of tiny stages against the same
-        stages called directly (``action_overhead``).
+        stages called directly (``action_overhead``). The bfloat16 and float16 rates
+        (``peak_flops["bf16"]``, ``["fp16"]``, what ``precision=`` runs under autocast) are
+        float32's scaled by the time of the 64-row product in bfloat16 and the 8-row one in
+        float16.
 
     Args:
         progress: show a progress bar on stderr while measuring.
@@ -201,9 +204,13 @@ def median_spec(runs: Sequence[Run]) -> DeviceSpec:
     return _spec({k: statistics.median(run.timings[k] for run in runs) for k in TIMING_KEYS})
 
 
-def _peaks(rate: float) -> dict[str, float]:
-    # One matmul rate measured in float32; the CPU has no faster low-precision path we use.
-    return {"fp32": rate, "bf16": rate, "fp16": rate, "fp64": rate / 2}
+def _peaks(rate: float, t: dict[str, float]) -> dict[str, float]:
+    """Per dtype, the products' rate: float32's fitted ``rate``, and bfloat16's and
+    float16's scaled by how long the same products took in them (what ``precision="bf16"``
+    runs under autocast: a CPU with bf16 instructions multiplies bf16 several times faster
+    than fp32, and fp16 may have no fast path at all, an order of magnitude slower)."""
+    return {"fp32": rate, "bf16": rate * t["some"] / t["bf16_some"],
+            "fp16": rate * t["few"] / t["fp16_few"], "fp64": rate / 2}
 
 
 _WEIGHT, _SMALL, _COPY = 1024, 48, 16 * 2**20
@@ -213,7 +220,8 @@ _MOST = 1024  # rows of the largest products timed shared (as a transformer's at
 
 _PHASES = 7  # what _timings reports to its progress bar
 _COUNTS = {2: "two", 3: "three", 4: "four"}
-TIMING_KEYS = ("overhead", "few", "some", "many", "small", "add", "fill", "fresh", "adam",
+TIMING_KEYS = ("overhead", "few", "some", "many", "bf16_some", "fp16_few", "small", "add",
+               "fill", "fresh", "adam",
                "action", "collective", "replica", "adam_tensor", "alone", *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
@@ -236,6 +244,7 @@ def _timings(progress: Progress) -> dict[str, float]:
              "some": _typical(lambda: torch.mm(some, next(turn)), repeats=5, inner=12),
              "many": _typical(lambda: torch.mm(many, next(turn)), repeats=3, inner=8),
              "small": _typical(lambda: torch.mm(c, d), repeats=7, inner=50)}
+    found.update(_low_precision(weights, some, few))
     progress.step("matrix products")
     found.update(add=_typical(lambda: y.add_(x), repeats=5),
                  fill=_typical(lambda: y.fill_(1.0), repeats=5),
@@ -277,6 +286,28 @@ def _fresh_fill() -> None:
         tensor = torch.frombuffer(memory, dtype=torch.float32)
         tensor.fill_(1.0)
         del tensor
+
+
+def _low_precision(weights: list[torch.Tensor], some: torch.Tensor, few: torch.Tensor
+                   ) -> dict[str, float]:
+    """The products of ``some`` rows in bfloat16 and of ``few`` rows in float16, with the
+    operands already cast (autocast's casts are memory traffic, costed as such:
+    ``partitioner.cost.precision_cost``); float16 on few rows, since a CPU without an fp16
+    path takes tens of milliseconds even for those."""
+    found = {}
+    for key, dtype, rows, count, repeats, inner in (
+            ("bf16_some", torch.bfloat16, some, len(weights), 5, 12),
+            ("fp16_few", torch.float16, few, 8, 3, 2)):
+        cast = [w.to(dtype) for w in weights[:count]]  # bf16: from memory, as fp32's
+        found[key] = _typical(_products_in_turn(rows.to(dtype), cast), repeats=repeats,
+                              inner=inner)
+    return found
+
+
+def _products_in_turn(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], Any]:
+    """One product of ``rows`` with the next of ``weights`` per call."""
+    turn = itertools.cycle(weights)
+    return lambda: torch.mm(rows, next(turn))
 
 
 def _products(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
@@ -426,7 +457,7 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     # First touch of new memory: a fill of fresh pages against a fill of touched ones.
     threshold = fresh_allocation_bytes()
     fresh = _COPY * 4 / max(t["fresh"] - t["fill"], 1e-9) if threshold else 0.0
-    return DeviceSpec("cpu (measured)", _peaks(rate), _total_memory(), bandwidth, 1.0, half,
+    return DeviceSpec("cpu (measured)", _peaks(rate, t), _total_memory(), bandwidth, 1.0, half,
                       1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"],
                       fresh, threshold or 0.0,
                       # A two-rank all-reduce between threads is a ring of 2 steps.
