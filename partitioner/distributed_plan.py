@@ -444,8 +444,8 @@ def virtual_stages_of(given: Plan | None, virtual: int | None, schedule: str, sh
     the schedule, the mesh and ``balance``.
 
     Raises:
-        StrategyError: If ``virtual`` is not a positive int, or ``balance`` does not list
-            ``pp * virtual`` stages.
+        StrategyError: If ``virtual`` is not a positive int, is 2 or more with ``tp > 1``,
+            or ``balance`` does not list ``pp * virtual`` stages.
         ScheduleError: If the schedule does not suit ``pp``, ``chunks`` and ``virtual``.
     """
     v = virtual if virtual is not None else (given.virtual_stages if given else 1)
@@ -455,6 +455,13 @@ def virtual_stages_of(given: Plan | None, virtual: int | None, schedule: str, sh
     problems = schedule_kind(schedule).problems(shape.pp, chunks, v)
     if problems:
         raise ScheduleError("; ".join(problems))
+    if v > 1 and shape.tp > 1:
+        # The runtime holds a rank's virtual stages whole: each of the tp ranks would run
+        # the whole stage, the split silently not applied.
+        raise StrategyError(f"virtual_stages={v} with tp={shape.tp}: a rank's virtual "
+                            "stages run whole, not split over tensor-parallel ranks; pass "
+                            "tp=1 with virtual stages, or virtual_stages=1 (a schedule "
+                            "without them) with tp > 1")
     if balance is not None and len(balance) != shape.pp * v:
         raise StrategyError(f"balance has {len(balance)} entries but pp={shape.pp} x "
                             f"virtual_stages={v} needs {shape.pp * v} (layers per virtual "

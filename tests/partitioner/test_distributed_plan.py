@@ -9,10 +9,11 @@ from models import mlp
 from tp_models import TinyGPT
 
 from partitioner.analysis import analyze
-from partitioner.distributed_plan import local_batch, tensor_parallel_check
+from partitioner.distributed_plan import local_batch, tensor_parallel_check, virtual_stages_of
 from partitioner.errors import StrategyError
 from partitioner.planning.predict import Config
 from partitioner.planning.world import Degrees, search_world, world_cluster
+from partitioner.runtime.mesh import Mesh
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,12 @@ def test_each_replica_plans_with_its_share_of_the_batch() -> None:
     assert torch.equal(inputs[0], x[:2]) and inputs[1] == 7
     assert torch.equal(kwargs["mask"], mask[:2])
     assert local_batch((x,), None, 1) == ((x,), None)
+
+
+def test_virtual_stages_with_tensor_parallel_ranks_are_refused_not_run_unsplit() -> None:
+    """A rank's virtual stages run whole: with tp=2 each tp rank ran the whole stage, the
+    split silently not applied. Refused, naming both values and the fix."""
+    with pytest.raises(StrategyError, match=r"virtual_stages=2 with tp=2.*pass tp=1"):
+        virtual_stages_of(None, 2, "interleaved", Mesh(dp=1, pp=2, tp=2), 2, None)
+    assert virtual_stages_of(None, 2, "interleaved", Mesh(dp=1, pp=2, tp=1), 2, None) == 2
+    assert virtual_stages_of(None, None, "1f1b", Mesh(dp=1, pp=2, tp=2), 2, None) == 1
