@@ -96,6 +96,8 @@ from partitioner.runtime.materialize import (
     materializer_for,
 )
 from partitioner.runtime.mesh import Mesh
+from partitioner.runtime.placement import stages_on
+from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.tensor_parallel.collectives import ProcessGroupCommunicator
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.tensor_parallel import device_groups, plan_groups, shard_stage, stage_shardings
@@ -460,8 +462,9 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
                 and call.sharding != "fsdp" and not sharded else None)
     source = deferred if deferred is not None else real
     if virtual > 1:
+        placement = schedule_kind(made.schedule).place(shape.pp, virtual)
         stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, source)[0]
-                  for k in range(ranks.stage, len(graphs), shape.pp)}
+                  for k in stages_on(placement, ranks.stage)}
         shards = None
     else:
         stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,

@@ -465,13 +465,14 @@ def virtual_stages_of(given: Plan | None, virtual: int | None, schedule: str, sh
     if balance is not None and len(balance) != shape.pp * v:
         raise StrategyError(f"balance has {len(balance)} entries but pp={shape.pp} x "
                             f"virtual_stages={v} needs {shape.pp * v} (layers per virtual "
-                            f"stage, stage k on rank k % {shape.pp}); pass {shape.pp * v}")
+                            f"stage, in the schedule's placement); pass {shape.pp * v}")
     return v
 
 
 def on_mesh(made: Plan, shape: Mesh, virtual: int) -> Plan:
     """``made`` (``P v`` stages in order) on the mesh: ``P`` devices, virtual stage ``k``
-    on ``devices[k % P]``.
+    on ``devices[placement[k]]``, the schedule's own placement
+    (``partitioner.runtime.placement``; ``k % P`` for the looped schedules).
 
     Raises:
         StrategyError: If the plan does not have ``P v`` stages (too few layers, say).
@@ -483,8 +484,9 @@ def on_mesh(made: Plan, shape: Mesh, virtual: int) -> Plan:
         raise StrategyError(f"the plan has {len(made.stages)} stages but pp={p} x "
                             f"virtual_stages={virtual} needs {p * virtual}; the model may "
                             f"have too few layers: pass a smaller virtual_stages or pp")
+    placement = schedule_kind(made.schedule).place(p, virtual)
     devices = tuple(made.devices[k % len(made.devices)] for k in range(p))
-    stages = tuple(replace(s, device=devices[s.index % p]) for s in made.stages)
+    stages = tuple(replace(s, device=devices[placement[s.index]]) for s in made.stages)
     return replace(made, devices=devices, stages=stages, virtual_stages=virtual,
                    mesh=Mesh(dp=shape.dp, pp=p, tp=shape.tp))
 

@@ -62,6 +62,8 @@ from partitioner.runtime.distributed.sharded_checkpoint import (
 )
 from partitioner.runtime.distributed.stage_group import merge_stages
 from partitioner.runtime.distributed.zero import ShardedGradients, ShardedOptimizer
+from partitioner.runtime.placement import Placement
+from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.runtime.wrapper import GroupNorms, ModelWrapper
@@ -168,9 +170,10 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     held = stages[j] if len(stages) == 1 else merge_stages(stages)
     ties = find_ties(graphs) if ties is None else ties
     # A weight tied across ranks is counted by the rank of its first stage only in norms.
-    not_first = frozenset(name for tie in ties if tie[0][0] % shape.pp != j
+    placement = schedule_kind(settings.schedule).place(shape.pp, settings.virtual)
+    not_first = frozenset(name for tie in ties if placement[tie[0][0]] != j
                           for k, name in tie if k in stages)
-    tied = _tie_groups(ties, mesh, stages)
+    tied = _tie_groups(ties, mesh, stages, placement)
     # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
     reducer: GradReducer | ShardedGradients | FsdpGradients | None = None
     if settings.sharding == "fsdp":
@@ -266,16 +269,16 @@ def find_ties(graphs: Sequence[fx.GraphModule]) -> list[tuple[tuple[int, str], .
 
 
 def _tie_groups(ties: list[tuple[tuple[int, str], ...]], mesh: Mesh,
-                stages: Mapping[int, fx.GraphModule]) -> TiedGradients | None:
+                stages: Mapping[int, fx.GraphModule], placement: Placement
+                ) -> TiedGradients | None:
     """One process group per tie and replica over the ranks holding its stages (virtual
-    stage ``k`` on pipeline rank ``k % P``; collective); this rank's parameters in them.
-    A tie within one rank needs none: its stages share the one tensor."""
+    stage ``k`` on pipeline rank ``placement[k]``; collective); this rank's parameters in
+    them. A tie within one rank needs none: its stages share the one tensor."""
     mine = []
-    p = mesh.shape.pp
     for tie in ties:
         for replica in range(mesh.shape.dp):
             for shard in range(mesh.shape.tp):
-                ranks = sorted({mesh.shape.rank_of(Coords(k % p, replica, shard))
+                ranks = sorted({mesh.shape.rank_of(Coords(placement[k], replica, shard))
                                 for k, _ in tie})
                 if len(ranks) < 2:
                     continue
