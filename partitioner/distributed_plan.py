@@ -248,12 +248,7 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
                       capture=analysis.captured.method, notes=analysis.workload.notes)
     if plan.mesh is not None and plan.mesh.tp > 1:
         plan, analysis = _split(model, analysis, options, cluster, capacity, plan)
-    plan = record(plan, model, analysis, request, "auto")
-    dp = plan.mesh.dp if plan.mesh is not None else 1
-    # Recorded at the whole batch; each replica sends its share.
-    stages = tuple(replace(s, send_bytes=s.send_bytes // dp if s.send_bytes else s.send_bytes)
-                   for s in plan.stages)
-    return replace(plan, stages=stages)
+    return record(plan, model, analysis, request, "auto")  # sends: one replica's share
 
 
 def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: Cluster,

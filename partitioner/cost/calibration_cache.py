@@ -48,8 +48,9 @@ from partitioner.runtime.host_memory import host_memory_kept
 __all__ = ["CACHE_FORMAT", "KEPT_RUNS", "QUIET", "Run", "Cached", "cache_file", "read_runs",
            "write_runs", "report_problem", "cache_lock", "is_quiet", "quiet_run", "runs_to_use"]
 
-CACHE_FORMAT = 2
-"""1: a bare list of timings (no torch version, no load); 2: ``{"format", "torch", "runs"}``."""
+CACHE_FORMAT = 3
+"""1: a bare list of timings (no torch version, no load); 2: ``{"format", "torch", "runs"}``;
+3: the same, runs also timing bf16 and fp16 products (``partitioner.cost.measure``)."""
 KEPT_RUNS = 9
 """The most runs a cache file keeps (the newest): the spec is their median."""
 QUIET = 0.15

@@ -348,17 +348,20 @@ def _uncosted_plan(analysis: Analysis, request: PlanRequest, strategy: str,
 
 def record(plan: Plan, model: nn.Module, analysis: Analysis, request: PlanRequest,
            asked_strategy: str, spec: Spec | None = None) -> Plan:
-    """``plan`` with the fingerprint, planner inputs and per-stage send bytes filled in.
+    """``plan`` with the fingerprint, planner inputs and per-stage send bytes (per
+    micro-batch of one replica) filled in.
 
     The planner inputs include the example batch's input signature, so the plan can be
     applied again to a model that only ``torch.export`` captures without example inputs.
     """
     stages = plan.stages
     if analysis.boundaries is not None:
+        # Per micro-batch of one replica: the batch is split over the replicas first.
+        share = plan.chunks * (plan.mesh.dp if plan.mesh is not None else 1)
         cut, sends = 0, []
         for stage in stages:
             cut += len(stage.layers)
-            sends.append(replace(stage, send_bytes=analysis.boundaries[cut] // plan.chunks))
+            sends.append(replace(stage, send_bytes=analysis.boundaries[cut] // share))
         stages = tuple(sends)
     inputs = PlannerInputs(asked_strategy, request.balance, request.split_points,
                            request.memory_limit, _describe(request.example_inputs),

@@ -160,7 +160,7 @@ BAD_FILES: dict[str, Callable[[], str]] = {
          "runs": [{"at": 0.0, "foreign": 0.0, "timings": {**TIMINGS, "add": -1.0}}]}),
 }
 SAID = {"not JSON": "is corrupt (not JSON", "the old format": "no format",
-        "another format": "has format 99, not 2", "another torch": "torch 1.0.0, not",
+        "another format": f"has format 99, not {CACHE_FORMAT}", "another torch": "torch 1.0.0, not",
         "a run without a timing":
             "no timing " + ", ".join(sorted(set(measure.TIMING_KEYS) - {"few"})[:3])
             + f" and {len(measure.TIMING_KEYS) - 4} more",

@@ -65,6 +65,17 @@ def test_plan_file_records_everything_the_format_promises(tmp_path: Path) -> Non
                                                              "dtype": "float32"}
 
 
+def test_send_bytes_are_one_replica_s_micro_batch() -> None:
+    """With replicas the batch is split over them before the micro-batches: stage 0 of a
+    dp=2 x pp=2 plan of 8 rows in 2 micro-batches sends 2 rows (it said 4, the whole
+    batch's micro-batch, while the graph drawing said 2)."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    plan = partition(model, ["cpu"] * 4, example_inputs=(torch.randn(8, 64),),
+                     mesh=Mesh(dp=2, pp=2, tp=1), chunks=2).plan
+    assert plan.mesh == Mesh(dp=2, pp=2, tp=1) and plan.chunks == 2
+    assert plan.stages[0].send_bytes == 8 // 2 // 2 * 64 * 4
+
+
 def test_plan_file_is_diff_friendly(tmp_path: Path) -> None:
     plan = partition(mlp(), ["cpu"] * 2, balance=[3, 4]).plan
     text = _saved(tmp_path, plan).read_text()
