@@ -249,11 +249,14 @@ class TensorParallelSetup:
 
 
 def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup, *,
-                          sequence_parallel: bool = False) -> TensorParallelModule:
+                          sequence_parallel: bool | None = None) -> TensorParallelModule:
     """The one-process module running ``setup.plan``: a thread per tensor-parallel rank
-    (with ``sequence_parallel``, each rank graph's replicated region on sequence shards:
+    (with ``sequence_parallel``, default the plan's ``sequence_parallel``, each rank graph's
+    replicated region on sequence shards:
     ``partitioner.passes.tensor_parallel.sequence_parallel``)."""
     analysis, plan, shard_plan = setup.analysis, setup.plan, setup.shard_plan
+    if sequence_parallel is None:
+        sequence_parallel = plan.sequence_parallel
     groups = setup.groups
     store = ShardStore(shard_plan.shardings)
     ids = first_names(model)

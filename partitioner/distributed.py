@@ -400,9 +400,9 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
     chunks, schedule, checkpoint = run_settings(model, given, chunks, schedule, checkpoint,
                                                 fixed.balance, fixed.split_points)
     virtual = virtual_stages_of(given, virtual_stages, schedule, shape, chunks, fixed.balance)
-    if opts.sequence_parallel and virtual > 1:  # such stages are not split over tp ranks
-        raise StrategyError(f"sequence_parallel=True with virtual_stages={virtual}: virtual "
-                            "stages are not split over tp ranks; pass virtual_stages=1")
+    # Asked for, or recorded in the plan given (which then runs as it was saved); with
+    # virtual stages tp > 1 is refused above (virtual_stages_of).
+    sequence = opts.sequence_parallel or (given is not None and given.sequence_parallel)
     balance = given.balance if given is not None and shape.tp > 1 else fixed.balance
     request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
                                example_inputs=inputs, example_kwargs=kwargs, chunks=chunks,
@@ -413,7 +413,8 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
                                               fixed.rules)
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
-    made = on_mesh(replace(made, schedule=schedule, precision=call.precision), shape, virtual)
+    made = on_mesh(replace(made, schedule=schedule, precision=call.precision,
+                           sequence_parallel=sequence), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
     _check_layers(analysis, made, given is not None)
@@ -468,7 +469,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
         shards = None
     else:
         stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,
-                                    info.device, source, call.options.sequence_parallel)
+                                    info.device, source, made.sequence_parallel)
         stages = {ranks.stage: stage}
     if running.fuse_weight_grads:
         for graph in stages.values():

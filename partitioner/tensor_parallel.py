@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -201,7 +202,10 @@ def partition_tensor_parallel(
                                  chunks=chunks, checkpoint=checkpoint, balance=balance,
                                  split_points=split_points, memory_limit=memory_limit,
                                  schedule=schedule, memory_reserve=memory_reserve)
-    return build_tensor_parallel(model, setup, sequence_parallel=sequence_parallel)
+    if sequence_parallel:  # recorded: the plan, saved and applied again, runs it too
+        setup = dataclasses.replace(setup, plan=dataclasses.replace(
+            setup.plan, sequence_parallel=True))
+    return build_tensor_parallel(model, setup)
 
 
 def parallelize(model: nn.Module, group: Any = None, *,

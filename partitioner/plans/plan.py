@@ -159,6 +159,9 @@ class Plan:
             it, parameters and optimizer state stay fp32 (``partitioner.runtime.precision``).
         optimizer_sharding: the optimizer state is sharded over the ``mesh.dp`` replicas
             (ZeRO-1, ``partitioner.runtime.distributed.zero``).
+        sequence_parallel: the tensor-parallel stages run their replicated region on
+            sequence shards (Megatron's sequence parallelism,
+            ``partitioner.passes.tensor_parallel.sequence_parallel``); needs ``mesh.tp >= 2``.
     """
 
     strategy: str
@@ -179,6 +182,7 @@ class Plan:
     virtual_stages: int = 1
     precision: str = "fp32"
     optimizer_sharding: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         v = self.virtual_stages
@@ -203,6 +207,10 @@ class Plan:
         if self.optimizer_sharding and (self.mesh is None or self.mesh.dp < 2):
             problems.append("optimizer_sharding is true but the mesh has dp=1; sharding "
                             "needs 2 or more data-parallel replicas")
+        if self.sequence_parallel and (self.mesh is None or self.mesh.tp < 2):
+            problems.append("sequence_parallel is true but the mesh has tp=1; sequence "
+                            "parallelism splits the sequence over 2 or more tensor-parallel "
+                            "ranks")
         names = [name for s in self.stages for name in s.layers]
         if len(set(names)) != len(names):
             problems.append("a layer appears in two stages")
@@ -232,7 +240,7 @@ class Plan:
     def __hash__(self) -> int:
         return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint,
                      self.schedule, self.virtual_stages, self.precision,
-                     self.optimizer_sharding))
+                     self.optimizer_sharding, self.sequence_parallel))
 
     def explain(self) -> str:
         """The planner's ranked candidates and why this one won (``partitioner.planning.auto``)."""
@@ -270,6 +278,8 @@ class Plan:
             summary += f", mesh dp={self.mesh.dp} pp={self.mesh.pp} tp={self.mesh.tp}"
         if self.shard_specs:
             summary += f", {len(self.shard_specs)} sharded parameters"
+        if self.sequence_parallel:
+            summary += ", sequence parallel"
         if self.predicted_step_time is not None:
             summary += f", predicted step {_ms(self.predicted_step_time)}"
         if self.predicted_bubble is not None:

@@ -37,7 +37,7 @@ __all__ = ["document_problems", "TOP_KEYS", "STAGE_KEYS", "CAPTURES", "CHECKPOIN
 TOP_KEYS = ("format", "version", "strategy", "devices", "stages", "chunks", "checkpoint",
             "schedule", "capture", "predicted_step_time", "predicted_bubble", "notes",
             "candidates", "mesh", "shard_specs", "planner", "fingerprint", "virtual_stages",
-            "precision", "optimizer_sharding")
+            "precision", "optimizer_sharding", "sequence_parallel")
 STAGE_KEYS = ("index", "device", "layers", "predicted_time", "predicted_memory",
               "param_bytes", "send_bytes")
 CAPTURES = ("fx", "export")
@@ -219,6 +219,7 @@ _FIELDS: dict[str, Check] = {
     "virtual_stages": _integer(1),
     "precision": _choice(PRECISIONS),
     "optimizer_sharding": _boolean(),
+    "sequence_parallel": _boolean(),
     "checkpoint": _choice(CHECKPOINTS),
     "schedule": _string("gpipe"),
     "capture": _choice(CAPTURES),

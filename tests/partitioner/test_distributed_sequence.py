@@ -85,7 +85,7 @@ def test_sequence_parallel_with_virtual_stages_is_refused(world: Any) -> None:
         pytest.skip("virtual stages need pp >= 2: run in the pp2xtp2 world")
     for r in records:
         assert "virtual_stages=2" in r["virtual_refused"]
-        assert "pass virtual_stages=1" in r["virtual_refused"]
+        assert "virtual_stages=1" in r["virtual_refused"]  # or tp=1: either fixes it
 
 
 def test_sequence_parallel_needs_tp_across_processes() -> None:

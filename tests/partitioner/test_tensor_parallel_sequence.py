@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from tp_models import Block
 
-from partitioner import partition
-from partitioner.errors import StageExecutionError, StrategyError
+from partitioner import Plan, partition
+from partitioner.errors import PlanFormatError, StageExecutionError, StrategyError
+from partitioner.plans.plan import Stage
 
 
 def _forward_counts(pm: Any) -> Counter[tuple[str, str]]:
@@ -97,3 +98,32 @@ def test_a_sequence_the_degree_does_not_divide_is_refused_by_name() -> None:
             pm(torch.randn(2, 7, 32))
     finally:
         pm.close()
+
+
+def test_the_plan_records_sequence_parallelism_and_a_saved_plan_runs_it(tmp_path: Any) -> None:
+    """A plan file is applied exactly: SP is in it, and partition(plan=file) runs it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32, 4), Block(32, 4))
+    x = torch.randn(2, 8, 32)
+    pm = partition(model, ["cpu"] * 2, tensor_parallel=2, example_inputs=(x,),
+                   sequence_parallel=True)
+    try:
+        assert pm.plan.sequence_parallel and "sequence parallel" in pm.plan.table()
+        pm.plan.save(tmp_path / "plan.json")
+    finally:
+        pm.close()
+    assert Plan.load(tmp_path / "plan.json").sequence_parallel
+    again = partition(model, None, plan=tmp_path / "plan.json", example_inputs=(x,))
+    try:
+        assert again.plan.sequence_parallel
+        with torch.no_grad():
+            torch.testing.assert_close(again(x), model(x))
+        counts = _forward_counts(again)
+        assert counts["reduce_scatter", "forward"] == 4 and counts["all_reduce", "forward"] == 0
+    finally:
+        again.close()
+
+
+def test_a_plan_with_sequence_parallelism_and_no_tensor_parallel_ranks_is_invalid() -> None:
+    with pytest.raises(PlanFormatError, match="sequence_parallel is true but the mesh has tp=1"):
+        Plan("pipeline", ("cpu",), (Stage(0, "cpu", ("fc",)),), sequence_parallel=True)
