@@ -15,20 +15,25 @@ Per contender and rank it reports:
 
 - ``state MB``: bytes this rank holds in parameters, gradients and optimizer state after
   a step (tracked exactly: the local shards of DTensors; for ``ours-optim`` also its
-  flat master slices and their gradients), the memory sharding is meant to save;
+  master slices where they are not views of the parameters, i.e. below fp32), the memory
+  sharding is meant to save;
 - ``peak RSS MB``: the peak resident memory of the process (VmHWM) minus its resident
   memory before the model was built (after ``import torch`` and starting the process
   group): everything, temporaries and communication buffers included;
 - ``step s``: the median step time (forward, backward, optimizer step), timed on rank 0
-  from a barrier before the step to one after it.
+  from a barrier before the step to one after it; with ``--repeats``, the median over the
+  rounds (each round runs every contender once, in turn), each round's figure printed.
 
 Every contender starts from the same weights and batch: the first losses must agree (the
-script prints them). One intra-op thread per rank; on a machine shared with other work the
-times are noisy (the script prints the load seen while it ran).
+script prints them). ``ours-*`` plan with the reference CPU spec
+(``PARTITIONER_CPU_SPEC=reference``), so no rank measures the CPU inside the peak. One
+intra-op thread per rank; on a machine shared with other work the times are noisy (the
+script prints the load seen while it ran).
 
 Run:
     python benchmarks/sharding_vs_torch.py                        # 2 and 4 ranks
     python benchmarks/sharding_vs_torch.py --ranks 2 --steps 5 --width 1024
+    python benchmarks/sharding_vs_torch.py --contenders ddp zero ours-optim --repeats 3
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Plan "cpu" devices with the fixed reference spec: a machine whose calibration cache holds
+# no quiet run (a loaded one) would measure its CPU in every ours-* process, a few seconds
+# and a few hundred MB of peak that belong to the planner, not to what is compared here.
+os.environ.setdefault("PARTITIONER_CPU_SPEC", "reference")
 
 import torch
 import torch.distributed as dist
@@ -67,6 +76,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds, each a fresh world per contender, run round-robin")
     return parser.parse_args()
 
 
@@ -162,10 +173,12 @@ def ours(name: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, worl
         return loss
 
     def count() -> int:
+        # A sharded stage's parameters and .grad are views of its flat buffers (counted as
+        # the parameters and gradients); its master slices are views too unless below fp32.
         masters: list[torch.Tensor] = []
         if dpm._sharded is not None:
-            masters = [t for s in dpm._sharded.shards for t in (s.master, s.master.grad)
-                       if t is not None]
+            masters = [m for s in dpm._sharded.shards if not s.shares_master
+                       for m in s.masters]
         return state_bytes(list(dpm.parameters()), opt.state, masters)
 
     return step, count
@@ -222,24 +235,31 @@ def main() -> None:
     params = args.layers * (args.width ** 2 + args.width)
     print(f"MLP {args.layers} x Linear({args.width}, {args.width}): {params / 1e6:.1f} M "
           f"parameters ({params * 4 / 2**20:.0f} MiB fp32); Adam; {args.batch} rows per rank; "
-          f"{args.steps} timed steps after {args.warmup}; torch {torch.__version__}; "
-          f"load at start {os.getloadavg()[0]:.2f}")
+          f"{args.steps} timed steps after {args.warmup}, {args.repeats} round(s); torch "
+          f"{torch.__version__}; load at start {os.getloadavg()[0]:.2f}")
     for world in args.ranks:
         print(f"\n{world} ranks (gloo, one thread each)")
         print(f"{'contender':<11} {'state MB':>9} {'peak RSS MB':>12} {'step s':>8} "
-              f"{'vs ddp':>7} {'first loss':>12}")
+              f"{'vs ddp':>7} {'first loss':>12}  steps s per round")
+        # Round-robin: each round runs every contender once, so a burst of other load
+        # falls on all of them rather than on whichever ran then.
+        rounds: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in args.contenders}
+        for _ in range(args.repeats):
+            for name in args.contenders:
+                rounds[name].append(spawn(name, args, world))
         anchor = None
-        for name in args.contenders:
-            ranks = spawn(name, args, world)
-            state = max(r["state_mb"] for r in ranks)
-            peak = max(r["peak_rss_mb"] for r in ranks)
-            seconds = ranks[0]["step_s"]
+        for name, runs in rounds.items():
+            state = max(r["state_mb"] for ranks in runs for r in ranks)
+            peak = max(r["peak_rss_mb"] for ranks in runs for r in ranks)
+            times = [ranks[0]["step_s"] for ranks in runs]
+            seconds = statistics.median(times)
             anchor = seconds if name == "ddp" else anchor
             ratio = f"{seconds / anchor:7.2f}" if anchor else f"{'-':>7}"
-            loss = statistics.mean(r["first_loss"] for r in ranks)  # ours: already the mean
+            loss = statistics.mean(r["first_loss"] for r in runs[0])  # ours: already the mean
             print(f"{name:<11} {state:>9.1f} {peak:>12.1f} {seconds:>8.3f} {ratio} "
-                  f"{loss:>12.6f}", flush=True)
-    print(f"\nload at end {os.getloadavg()[0]:.2f} (state and peak RSS: the largest rank's)")
+                  f"{loss:>12.6f}  {' '.join(f'{t:.3f}' for t in times)}", flush=True)
+    print(f"\nload at end {os.getloadavg()[0]:.2f} (state and peak RSS: the largest rank's "
+          "in any round; step s: the median over rounds of rank 0's median step)")
 
 
 if __name__ == "__main__":

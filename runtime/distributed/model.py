@@ -421,17 +421,22 @@ class DistributedModel(ModelWrapper):
 
         Raises:
             ClosedError: after :meth:`close` (the replicas' gradient all-reduce is gone).
+            StrategyError: with optimizer sharding, before ``make_optimizer`` or on a step
+                not preceded by ``zero_grad`` (the last step's gradients are reduced).
         """
         self._ensure_open("train")
         self.initialize()
         if self._sharded is not None and not getattr(self, "_sharded_optimizer", False):
-            # A plain optimizer over parameters() would see no gradients: they are cut.
+            # A plain optimizer over parameters() would step on unreduced gradients: only
+            # this replica's slice of the flat gradients holds the average.
             raise StrategyError(
                 f"this model shards the optimizer state over its dp={self.mesh.shape.dp} "
                 "replicas (optimizer_sharding=True, or chosen by strategy='auto'), so the "
-                "parameters keep no whole gradients; build the optimizer with "
+                "parameters keep no averaged gradients; build the optimizer with "
                 "dpm.make_optimizer(torch.optim.AdamW, lr=...) before training, or pass "
                 "optimizer_sharding=False")
+        if self._sharded is not None:
+            self._sharded.check_cleared()
         if loss_reduction is not None and loss_reduction != self.pipeline.loss_reduction:
             raise StrategyError(f"loss_reduction={loss_reduction!r} but this model was "
                                 f"partitioned with loss_reduction="

@@ -137,6 +137,8 @@ def _optimizer_entries(optimizer: Any, stage: nn.Module, tp: TpLayout | None
                        ) -> dict[str, Any]:
     names = _names(stage)
     params = dict(stage.named_parameters())
+    if hasattr(optimizer, "named_state"):  # our sharded optimizer: its replicas' gathered
+        return _named_entries(optimizer.named_state(), params, tp)
     local = _local_optimizer(optimizer)
     out: dict[str, Any] = {}
     for group in optimizer.param_groups:
@@ -156,6 +158,36 @@ def _optimizer_entries(optimizer: Any, stage: nn.Module, tp: TpLayout | None
                          else tp.wrap(name, value))
             out[f"{OPTIM}{name}/{key}"] = value
     return out
+
+
+def _named_entries(named: Mapping[str, Any], params: Mapping[str, torch.Tensor],
+                   tp: TpLayout | None) -> dict[str, Any]:
+    """Entries of a whole optimizer state by parameter name (the sharded optimizer's
+    ``named_state()``, the same on every replica: DCP writes each once)."""
+    out: dict[str, Any] = {}
+    for group in named["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        out.update({GROUP + name: hyper for name in group["params"]})
+    for name, state in named["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and tp is not None \
+                    and name in tp.shards.shardings and value.shape == params[name].shape:
+                value = (tp.shards.gather({name: value})[name] if tp.blocked(name)
+                         else tp.wrap(name, value))
+            out[f"{OPTIM}{name}/{key}"] = value
+    return out
+
+
+def _optimizer_params(optimizer: Any, stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The stage's parameters an optimizer holds state for, by name (the sharded
+    optimizer's state lies in its slices, but is saved by the parameters' names)."""
+    grads = getattr(optimizer, "grads", None)
+    if hasattr(optimizer, "named_state") and grads is not None:
+        return [(name, p) for shard in grads.shards
+                for name, p in zip(shard.names, shard.params)]
+    names = _names(stage)
+    return [(names[id(p)], p) for g in _local_optimizer(optimizer).param_groups
+            for p in g["params"]]
 
 
 def save_sharded(path: str | os.PathLike[str], stage: nn.Module, *,
@@ -258,10 +290,8 @@ def _optimizer_targets(optimizer: Any, stage: nn.Module, saved: Mapping[str, Any
     """Destinations of this rank's optimizer state (its own parameters' only): shaped like
     the parameter (an FSDP DTensor, a tp slice's DTensor, a whole tensor to cut for a blocked
     one), or as saved (a step count)."""
-    names = _names(stage)
     targets: dict[str, Any] = {}
-    for p in [p for g in _local_optimizer(optimizer).param_groups for p in g["params"]]:
-        name = names[id(p)]
+    for name, p in _optimizer_params(optimizer, stage):
         sliced = tp is not None and name in tp.shards.shardings and not tp.blocked(name)
         whole = tuple(tp.wrap(name, p.detach()).shape) if sliced and tp is not None \
             else tuple(p.shape)
@@ -272,8 +302,8 @@ def _optimizer_targets(optimizer: Any, stage: nn.Module, saved: Mapping[str, Any
                 targets[full] = None  # a non-tensor value, read as it was saved
             elif size == whole and sliced and tp is not None:
                 targets[full] = tp.wrap(name, torch.zeros_like(p))
-            elif size == tuple(p.shape):
-                targets[full] = torch.zeros_like(p)
+            elif size == tuple(p.shape):  # in the saved dtype (a bf16 stage's fp32 moments)
+                targets[full] = torch.zeros_like(p, dtype=meta.properties.dtype)
             else:  # a step count, or a blocked entry's whole state (cut when installed)
                 targets[full] = torch.zeros(size, dtype=meta.properties.dtype)
         if GROUP + name in saved:
@@ -285,9 +315,8 @@ def _install_optimizer(optimizer: Any, stage: nn.Module, loaded: Mapping[str, An
                        tp: TpLayout | None) -> None:
     names = _names(stage)
     params = dict(stage.named_parameters())
-    local = _local_optimizer(optimizer)
-    for p in [p for g in local.param_groups for p in g["params"]]:
-        name = names[id(p)]
+    named: dict[str, Any] = {}
+    for name, _ in _optimizer_params(optimizer, stage):
         prefix = f"{OPTIM}{name}/"
         state = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
         for key, value in state.items():
@@ -297,8 +326,17 @@ def _install_optimizer(optimizer: Any, stage: nn.Module, loaded: Mapping[str, An
             elif isinstance(value, torch.Tensor) and tp is not None and tp.blocked(name) \
                     and value.shape != params[name].shape:
                 state[key] = shard_tensor(value, tp.shards.shardings[name], tp.shards.rank)
-        if state:
-            local.state[p] = state
+        named[name] = state
+    if hasattr(optimizer, "load_named_state"):  # our sharded optimizer cuts its slices
+        group = next((v for k, v in loaded.items() if k.startswith(GROUP) and
+                      isinstance(v, dict)), {})
+        optimizer.load_named_state({"state": {k: v for k, v in named.items() if v},
+                                    "param_groups": [group]})
+        return
+    local = _local_optimizer(optimizer)
+    for name, p in _optimizer_params(optimizer, stage):
+        if named[name]:
+            local.state[p] = named[name]
         else:
             local.state.pop(p, None)
     for groups in {id(optimizer.param_groups): optimizer.param_groups,

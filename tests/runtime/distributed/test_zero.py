@@ -23,9 +23,11 @@ def _equal(world: int, mesh: dict[str, int]) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "mesh"), [(2, {"pp": 1, "dp": 2}),
+                                             (2, {"pp": 1, "dp": 2, "generic": True}),
                                              (4, {"pp": 2, "dp": 2}),
+                                             (4, {"pp": 1, "dp": 4}),
                                              (4, {"pp": 1, "dp": 2, "tp": 2})],
-                         ids=["dp2", "pp2xdp2", "tp2xdp2"])
+                         ids=["dp2", "dp2-nccl-collectives", "pp2xdp2", "dp4", "tp2xdp2"])
 def test_three_steps_equal_plain_data_parallelism(world: int, mesh: dict[str, int]) -> None:
     records = _equal(world, mesh)
     assert len(records) == 2 * world   # AdamW and SGD with momentum on every rank
@@ -35,14 +37,30 @@ def test_three_steps_equal_plain_data_parallelism(world: int, mesh: dict[str, in
         assert record["weight_diff"] < 1e-10, record
         assert record["loss_diff"] < 1e-10 and record["norm_diff"] < 1e-10, record
         assert record["clipped"] and record["moved"] > 1e-4, record
-        assert record["grads_left"] == 0   # the whole gradients were dropped after the cut
-        # Each replica holds half the state (padding to a multiple of dp aside).
-        assert record["state_elements"] <= record["plain_state_elements"] // 2 + 2, record
+        assert record["grads_in_buffer"]   # parameters and .grad: views of the flat buffers
+        # Each replica holds 1 / dp of the state (padding to a multiple of dp aside).
+        dp = mesh["dp"]
+        assert record["state_elements"] <= record["plain_state_elements"] // dp + dp, record
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
-    path = tmp_path_factory.mktemp("zero") / "ckpt.pt"
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [2, 4])
+def test_a_step_makes_no_full_size_copy_of_the_parameters_or_gradients(dp: int) -> None:
+    records = results(launch(WORKER, dp, ["lean", json.dumps({"dp": dp})], timeout=300))
+    for (record,) in records:
+        # Backward accumulates into the flat gradients, the reduce-scatter reads them, the
+        # all-gather writes the flat parameters: what is new is a slice (1 / dp) or smaller.
+        assert record["grads_in_buffer"], record
+        assert record["largest"] <= record["params"] // dp + dp, record
+        # The slice now holds the average, not this replica's sum: adding to it is refused.
+        assert "without zero_grad" in record["error"], record
+
+
+@pytest.fixture(scope="module", params=["ckpt.pt", "ckpt"], ids=["one-file", "folder"])
+def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> dict[int, list[dict[str, Any]]]:
+    # One file gathered on rank 0 (checkpoint_io), or a DCP folder (sharded_checkpoint).
+    path = tmp_path_factory.mktemp("zero") / request.param
     out = {}
     for dp, write in [(2, True), (1, False), (4, False)]:
         args = json.dumps({"dp": dp, "path": str(path), "write": write})

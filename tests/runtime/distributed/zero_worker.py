@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from models import mlp
@@ -78,6 +79,8 @@ def scenario_equal(args: dict[str, Any]) -> None:
                                         optimizer_sharding=True)
         plain_losses, plain_norms = train(plain, plain.make_optimizer(cls, **hyper), data,
                                           clip=0.01)
+        if args.get("generic"):  # NCCL's collectives (in-place reduce-scatter, all-gather)
+            sharded._sharded._gloo = False
         optimizer = sharded.make_optimizer(cls, **hyper)
         losses, norms = train(sharded, optimizer, data, clip=0.01)
         mine, theirs = sharded.stage.state_dict(), plain.stage.state_dict()
@@ -92,10 +95,65 @@ def scenario_equal(args: dict[str, Any]) -> None:
                moved=max(float((mine[k] - v).abs().max())
                          for k, v in model.state_dict().items()
                          if k in mine and mine[k].shape == v.shape),
-               grads_left=sum(p.grad is not None for p in sharded.parameters()),
+               grads_in_buffer=_grads_in_buffer(sharded),
                state_elements=state, plain_state_elements=plain_state)
         plain.close()
         sharded.close()
+
+
+def _grads_in_buffer(dpm: Any) -> bool:
+    """Whether every parameter and its ``.grad`` are views of the flat buffers."""
+    data, grad = _storages(dpm, "data"), _storages(dpm, "grad")
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in grad
+               and p.untyped_storage().data_ptr() in data for p in dpm.parameters())
+
+
+def _storages(dpm: Any, buffer: str) -> set[int]:
+    """Where the flat ``buffer`` (``"data"``, ``"grad"``) of each shard lives."""
+    return {getattr(s, buffer).untyped_storage().data_ptr() for s in dpm._sharded.shards
+            if hasattr(s, buffer)}
+
+
+class Allocations(TorchDispatchMode):
+    """The largest tensor any op makes in new memory (not in a known buffer) while active."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known = known
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def scenario_lean(args: dict[str, Any]) -> None:
+    """The largest new tensor of a training step (after one to warm up) against the stage's
+    parameter count, and whether the gradients stay views of the flat buffer."""
+    dp = args["dp"]
+    data = batches(2)
+    example = (data[0][0][:BATCH // dp],)
+    dpm = partition_distributed(build(), example, pp=1, dp=dp, failure=POLICY,
+                                optimizer_sharding=True)
+    optimizer = dpm.make_optimizer(torch.optim.Adam, lr=0.01)
+    train(dpm, optimizer, data[:1], clip=1.0)
+    mode = Allocations(_storages(dpm, "data") | _storages(dpm, "grad"))
+    with mode:
+        train(dpm, optimizer, data[1:], clip=1.0)
+    x, y = data[1]
+    rows = slice(dpm.mesh.replica * (BATCH // dp), (dpm.mesh.replica + 1) * (BATCH // dp))
+    try:  # a second step onto the reduced gradients, without zero_grad
+        dpm.step(x[rows], y[rows], F.mse_loss)
+        error = ""
+    except StrategyError as caught:
+        error = str(caught)
+    report(rank=dist.get_rank(), largest=mode.largest,
+           params=sum(p.numel() for p in dpm.parameters()),
+           grads_in_buffer=_grads_in_buffer(dpm), error=error)
 
 
 def scenario_resume(args: dict[str, Any]) -> None:
