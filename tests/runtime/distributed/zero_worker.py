@@ -184,6 +184,32 @@ def scenario_resume(args: dict[str, Any]) -> None:
             report(rank=dist.get_rank(), error=str(error))
 
 
+def scenario_resume_tp(args: dict[str, Any]) -> None:
+    """tp=2 x dp=2, sharded: four steps saving after the second, then a fresh model of
+    other weights loads that checkpoint and runs the last two; both losses reported."""
+    data = batches(4)
+    path = Path(args["path"])
+
+    def run(seed: int, load: bool) -> list[float]:
+        torch.manual_seed(seed)
+        model = mlp((8, 16, 16, 16, 8)).double()
+        dpm = partition_distributed(model, (data[0][0][:BATCH // 2],), pp=1, dp=2, tp=2,
+                                    failure=POLICY, optimizer_sharding=True)
+        optimizer = dpm.make_optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        if load:
+            dpm.load(path, optimizer)
+            losses, _ = train(dpm, optimizer, data[2:])
+        else:
+            train(dpm, optimizer, data[:2])
+            dpm.save(path, optimizer)
+            losses, _ = train(dpm, optimizer, data[2:])
+        dpm.close()
+        return losses
+
+    written = run(0, load=False)
+    report(rank=dist.get_rank(), written=written, resumed=run(7, load=True))
+
+
 if __name__ == "__main__":
     globals()[f"scenario_{sys.argv[1]}"](json.loads(sys.argv[2]))
     dist.destroy_process_group()
