@@ -5,9 +5,13 @@ Capture (``torch.fx.symbolic_trace`` or ``torch.export``) runs ``forward`` once 
 its tensor operations. Plain Python effects run during that one call and leave no node:
 ``self.seen.append(x)`` or ``self.calls += 1`` happen once at capture and never again in the
 partitioned model, silently. Tensor state is checked elsewhere (buffers written in place,
-:mod:`partitioner.capture`); this module looks at every module's own plain attributes:
-numbers, strings, ``None`` and the sizes of lists, dicts, sets and tuples, and puts them
-back as they were (so the user's model keeps no tracing proxies).
+:mod:`partitioner.capture`); this module looks at every module's own public plain
+attributes: numbers, strings, ``None`` and the sizes of lists, dicts, sets and tuples, and
+puts them back as they were (so the user's model keeps no tracing proxies). Private ones
+(a leading underscore) are a library's own bookkeeping, often set once on the first call:
+transformers' MoE models mark ``_output_capturing_hooks_installed`` when their first
+forward installs hooks, and putting that back would install the hooks twice. They are left
+alone.
 
 Example:
     >>> from torch import nn
@@ -59,7 +63,7 @@ def snapshot(model: nn.Module) -> State:
     state: State = {}
     for name, module in model.named_modules():
         for key, value in vars(module).items():
-            if key in _MODULE_INTERNALS:
+            if key in _MODULE_INTERNALS or key.startswith("_"):
                 continue
             seen = _fingerprint(value)
             if seen is not _UNSET:

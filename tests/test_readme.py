@@ -185,6 +185,7 @@ def test_substitutions() -> None:
         ["a --b      c"]
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_readme_cli_and_python_blocks_run(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _prepare(tmp_path, monkeypatch)  # the bash block: plan, show, viz --measure

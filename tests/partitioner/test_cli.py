@@ -208,6 +208,7 @@ def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_a_shape_mismatch_is_one_line_without_torch_logs() -> None:
     # torch logs a failed fake-tensor kernel with its traceback (139 lines in all, once).
     done = _cli("plan", "mlp", "--devices", "2", "--input", "64x5", "-o", os.devnull)
@@ -232,6 +233,7 @@ def test_help_does_not_import_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_numpy_is_a_dependency_because_torch_warns_without_it() -> None:
     # torch itself looks for numpy while it is imported; hidden, it warns on every run.
     hide = textwrap.dedent("""

@@ -86,6 +86,7 @@ def _launch(args: dict[str, Any]) -> list[dict[str, Any]]:
     return [r[0] for r in results(runs)]
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_load_skips_the_initialization_of_everything_it_fills(tmp_path: Path) -> None:
     """``init_fn`` runs on no Linear at all: only on the modules owning non-persistent
     buffers, which the file cannot hold; training equals the whole model's."""
@@ -108,6 +109,7 @@ def test_load_skips_the_initialization_of_everything_it_fills(tmp_path: Path) ->
     assert sum(len(r["before_steps"]) for r in records) == 2  # the model's two Scaled
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_without_a_load_the_first_use_initializes_as_an_eager_build_would() -> None:
     records = _launch({})
     model = _meta_scaled(torch.float64)  # as the ranks build it

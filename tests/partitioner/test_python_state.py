@@ -79,3 +79,21 @@ def test_dicts_and_sets_are_compared_by_size_and_restored_in_place() -> None:
     restore(model, before)
     assert model[0].table is table and table == {"a": 1} and names == {"x"}
     assert not hasattr(model[0], "label") and changes(model, before) == []
+
+
+class Lazy(nn.Linear):
+    """Installs something once on its first call and marks it privately (as transformers'
+    MoE models mark ``_output_capturing_hooks_installed``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_installed", False):
+            self._installed = True
+        return super().forward(x)
+
+
+def test_private_bookkeeping_is_neither_named_nor_put_back() -> None:
+    model = nn.Sequential(Lazy(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SideEffectWarning)
+        partition(model, ["cpu", "cpu"], example_inputs=(X,))
+    assert model[0]._installed  # left as the first call set it

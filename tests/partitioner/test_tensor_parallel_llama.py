@@ -87,6 +87,7 @@ def test_llama_trains_equal_to_the_unsplit_model(heads: int, kv_heads: int, tp: 
     pm.close()
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_llama_with_a_degree_dividing_no_heads_is_refused_with_a_fix() -> None:
     model = llama(6, 2, tied=False, hidden=96)
     ids = torch.randint(0, 96, (2, 8))

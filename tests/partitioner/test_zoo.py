@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from partitioner.cli import zoo
@@ -46,6 +47,7 @@ def test_no_installed_module_imports_examples() -> None:
     assert not found, found
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_cli_plans_a_bundled_model_without_examples(tmp_path: Path) -> None:
     # A fresh process in an empty folder, with `examples` unimportable, as after pip install.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -48,6 +48,7 @@ _FAULTS = """
 """
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 @pytest.mark.skipif(not GLIBC, reason="keeping freed memory needs glibc's mallopt")
 def test_kept_memory_is_reused_instead_of_faulted_in_again() -> None:
     default = _run(_FAULTS.format(keep=False))

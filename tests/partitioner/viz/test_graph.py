@@ -56,6 +56,7 @@ def test_a_bare_plan_is_drawn_layer_by_layer() -> None:
         diagram(None, plan, "nodes")
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_gpt2_xl_collapses_to_a_readable_block_view() -> None:
     model, example = load_model("gpt2-xl")
     plan = make_plan(model, ["cpu"] * 8, "pipeline", example_inputs=example, chunks=8)

@@ -161,6 +161,7 @@ def test_odd_sequence_length_keeps_the_all_reduce() -> None:
     assert not sequence_parallel(rank, gm, 2).modified
 
 
+@pytest.mark.slow  # seconds of subprocesses or big models: the second tier
 def test_sequence_parallel_llama_keeps_its_norms_inputs_halved() -> None:
     """transformers' Llama, 2 layers: its 5 RMSNorms (2 a layer and the final one) each keep
     at least their input; under sequence parallelism each rank keeps half of it."""
