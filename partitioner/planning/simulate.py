@@ -49,7 +49,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,7 +60,7 @@ from partitioner.runtime.placement import stages_on
 from partitioner.runtime.schedule import Action, Phase
 from partitioner.runtime.schedule_registry import make_schedule, schedule_kind
 
-__all__ = ["SimulationError", "SimulationResult", "simulate", "predict_step", "predict_steps",
+__all__ = ["SimulationError", "SimulationResult", "simulate", "predict_step",
            "refine", "REDUCE", "OPTIMIZER"]
 
 REDUCE = "all-reduce"
@@ -442,22 +442,14 @@ def predict_step(prediction: Prediction, cluster: Cluster) -> Prediction:
                    * prediction.step_time / step if step > 0 else math.inf)
 
 
-def predict_steps(predictions: Sequence[Prediction], cluster: Cluster,
-                  key: Callable[[Prediction], Any] = lambda p: p.step_time
-                  ) -> tuple[Prediction, ...]:
-    """Each of ``predictions`` through :func:`predict_step`, fastest first (``key`` breaks
-    ties): what a search records, so the ranking shown and the step times shown agree."""
-    return tuple(sorted((predict_step(p, cluster) for p in predictions),
-                        key=lambda p: (p.step_time, key(p))))
-
-
 def refine(prediction: Prediction, cluster: Cluster, max_actions: int = 20_000) -> Prediction:
     """:func:`predict_step` where the search needs it to rank, if not too long to simulate.
 
     Used where the closed forms are weakest: devices sharing one host's cores, whose
     contention depends on which stages happen to overlap. Plans with more than
     ``max_actions`` forward and backward actions are returned unchanged (the search passes
-    the ones it keeps through :func:`predict_steps` at the end).
+    the ones it keeps through :func:`predict_step` at the end, within its budget:
+    ``partitioner.planning.ranking``).
 
     Example:
         >>> from partitioner.cost.devices import Cluster

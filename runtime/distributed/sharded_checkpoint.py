@@ -152,12 +152,19 @@ def _optimizer_entries(optimizer: Any, stage: nn.Module, tp: TpLayout | None
     for p, state in local.state.items():
         name = names[id(p)]
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and tp is not None \
-                    and name in tp.shards.shardings and value.shape == params[name].shape:
-                value = (tp.shards.gather({name: value})[name] if tp.blocked(name)
-                         else tp.wrap(name, value))
-            out[f"{OPTIM}{name}/{key}"] = value
+            out[f"{OPTIM}{name}/{key}"] = _tp_value(name, value, params, tp)
     return out
+
+
+def _tp_value(name: str, value: Any, params: Mapping[str, torch.Tensor],
+              tp: TpLayout | None) -> Any:
+    """An optimizer state entry as DCP stores it: a tensor shaped like a tensor-parallel
+    parameter's slice becomes the whole tensor's DTensor (or, blocked, the gathered whole)."""
+    if isinstance(value, torch.Tensor) and tp is not None \
+            and name in tp.shards.shardings and value.shape == params[name].shape:
+        return (tp.shards.gather({name: value})[name] if tp.blocked(name)
+                else tp.wrap(name, value))
+    return value
 
 
 def _named_entries(named: Mapping[str, Any], params: Mapping[str, torch.Tensor],
@@ -170,11 +177,7 @@ def _named_entries(named: Mapping[str, Any], params: Mapping[str, torch.Tensor],
         out.update({GROUP + name: hyper for name in group["params"]})
     for name, state in named["state"].items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and tp is not None \
-                    and name in tp.shards.shardings and value.shape == params[name].shape:
-                value = (tp.shards.gather({name: value})[name] if tp.blocked(name)
-                         else tp.wrap(name, value))
-            out[f"{OPTIM}{name}/{key}"] = value
+            out[f"{OPTIM}{name}/{key}"] = _tp_value(name, value, params, tp)
     return out
 
 
