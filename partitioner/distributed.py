@@ -147,8 +147,9 @@ def partition_distributed(
         tensor_parallel: rules overriding the automatic splits, glob patterns over module
             names (``{"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}``).
         chunks: micro-batches per step (default: the plan's, else 1).
-        schedule: any registered schedule, ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with
-            ``virtual_stages >= 2``) or ``"zero_bubble"`` (default: the plan's, else 1f1b).
+        schedule: any registered schedule, ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or
+            ``"v_shape"`` (with ``virtual_stages >= 2``) or ``"zero_bubble"`` (default: the
+            plan's, else 1f1b).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"`` (default: the plan's, else
             never: 1F1B already bounds the activations a stage holds).
         balance: layers per stage (torchgpipe's ``balance``).
@@ -178,9 +179,10 @@ def partition_distributed(
             (default: inferred from the ranks' hosts and device kind).
         memory_reserve: with ``"auto"``: the share of each device's memory the plan leaves
             unused (default 0.10); ``memory_limit`` overrides it.
-        virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``): the model
-            is cut into ``pp * v`` stages, rank ``j`` runs stages ``j, j + pp, ...``
-            (default: the plan's, else 1).
+        virtual_stages: model chunks per pipeline rank ``v`` (``"interleaved"``,
+            ``"v_shape"``): the model is cut into ``pp * v`` stages, rank ``j`` runs those
+            the schedule places on it (``j, j + pp, ...``; in a V ``j`` and
+            ``2 pp - 1 - j``) (default: the plan's, else 1).
         optimizer_sharding: shard the optimizer state over the ``dp`` replicas (ZeRO-1,
             ``partitioner.runtime.distributed.zero``): build the optimizer with
             ``dpm.make_optimizer(torch.optim.AdamW, lr=...)``; needs ``dp >= 2``. Default

@@ -8,17 +8,19 @@ its counts must keep, the :class:`Runtime` s that execute it, where its virtual 
 (``hidden``, ``bound``, ``peak``), so the predictor and the search never branch on a
 schedule's name. A schedule no runtime executes is still simulated and predicted. The one
 interpreter (``partitioner.runtime.interpreter``) runs them all; both runtimes execute ``gpipe``,
-``1f1b``, ``interleaved`` (``v >= 2`` model chunks per stage) and ``zero_bubble``, the
-one-process runtime also ``v_shape`` (its chunks placed in a V). What each runtime runs
-besides schedules is published here too (:data:`CAPABILITIES`). Adding a schedule is
+``1f1b``, ``interleaved`` (``v >= 2`` model chunks per stage), ``zero_bubble`` and
+``v_shape`` (its chunks placed in a V). What each runtime runs besides schedules is
+published here too (:data:`CAPABILITIES`). Adding a schedule is
 adding its generator (and placement, if new) to ``partitioner.runtime.schedule_generators`` and one
 entry to :data:`SCHEDULES`; the tests then validate it over a grid of sizes and simulate it.
 
 Example:
     >>> [str(a) for a in make_schedule("1f1b", 2, 2)[0]]
     ['0F0', '0F1', '0B0', '0B1']
-    >>> set(schedule_names([Runtime.ONE_PROCESS])) - set(schedule_names([Runtime.MULTI_PROCESS]))
-    {'v_shape'}
+    >>> schedule_names([Runtime.ONE_PROCESS]) == schedule_names([Runtime.MULTI_PROCESS])
+    True
+    >>> schedule_kind("v_shape").place(2, 2)  # rank 0 holds the first and the last stage
+    (0, 1, 1, 0)
     >>> schedule_kind("interleaved").virtual, schedule_kind("interleaved").runs_on(
     ...     Runtime.MULTI_PROCESS)
     (True, True)
@@ -267,7 +269,7 @@ SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for ki
     ScheduleKind(ZERO_BUBBLE, zero_bubble, runtimes=_BOTH,
                  peak=lambda p, m, j, v: min(p - j, m), hidden=weight_halves_hidden,
                  bound=split_bound),
-    ScheduleKind(V_SHAPE, v_shape, virtual=True, runtimes=frozenset({Runtime.ONE_PROCESS}),
+    ScheduleKind(V_SHAPE, v_shape, virtual=True, runtimes=_BOTH,
                  placement=zigzag, bound=critical_path_bound, searched=False),
 )})
 """Every schedule by name, in the order messages list them."""

@@ -164,13 +164,15 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     # stays on meta) are predicted on fake tensors on this rank's device.
     devices = [device if k in stages or home.type == "meta" else home
                for k in range(len(graphs))]
-    links = PipeLinks(mesh.group("pp"), *_neighbours(mesh, ring=settings.virtual > 1),
-                      device, batched=batched)
+    placement = schedule_kind(settings.schedule).place(shape.pp, settings.virtual)
+    line = mesh.ranks("pp")  # each virtual stage's neighbours are where the schedule put them
+    links = PipeLinks(mesh.group("pp"), None, None, device, batched=batched,
+                      stage_ranks=[line[placement[k]] for k in range(len(graphs))],
+                      rank=mesh.rank)
     # One module for all virtual stages: parameters, state dict and checkpoints see them all.
     held = stages[j] if len(stages) == 1 else merge_stages(stages)
     ties = find_ties(graphs) if ties is None else ties
     # A weight tied across ranks is counted by the rank of its first stage only in norms.
-    placement = schedule_kind(settings.schedule).place(shape.pp, settings.virtual)
     not_first = frozenset(name for tie in ties if placement[tie[0][0]] != j
                           for k, name in tie if k in stages)
     tied = _tie_groups(ties, mesh, stages, placement)
@@ -246,16 +248,6 @@ def sharding_problem(dp: int) -> str:
     return (f"optimizer_sharding=True with dp={dp}: the optimizer state is sharded over "
             "the data-parallel replicas, and one replica holds it whole anyway; pass dp=2 "
             "or more, or optimizer_sharding=False")
-
-
-def _neighbours(mesh: Mesh, *, ring: bool) -> tuple[int | None, int | None]:
-    """The global ranks before and after this one on the pipeline axis; with virtual
-    stages the axis is a ring (the last rank's stage feeds rank 0's next chunk)."""
-    if not ring:
-        return mesh.neighbour("pp", -1), mesh.neighbour("pp", 1)
-    line = mesh.ranks("pp")
-    k = line.index(mesh.rank)
-    return line[(k - 1) % len(line)], line[(k + 1) % len(line)]
 
 
 def find_ties(graphs: Sequence[fx.GraphModule]) -> list[tuple[tuple[int, str], ...]]:
@@ -387,8 +379,9 @@ class DistributedModel(ModelWrapper):
 
     @property
     def is_last_stage(self) -> bool:
-        """Whether this rank computes the loss."""
-        return self.mesh.stage == self.mesh.shape.pp - 1
+        """Whether this rank computes the loss (it holds the last virtual stage: rank 0's
+        in a V)."""
+        return self.pipeline.is_last
 
     def _values(self, inputs: Any, kwargs: dict[str, Any] | None) -> list[Any]:
         args = inputs if isinstance(inputs, tuple) else (inputs,)

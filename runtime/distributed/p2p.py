@@ -10,7 +10,10 @@ shape handshake; a sender checks what it actually produced against the predictio
 
 Each tensor leaf travels as one message tagged with (direction, boundary, micro-batch,
 leaf), so messages may be matched in any order (gloo), and messages of different virtual
-stages between the same two ranks (interleaved schedules) never match each other. On NCCL,
+stages between the same two ranks (interleaved schedules) never match each other. Who is
+at the other end of a boundary is the schedule's placement (``stage_ranks``): a V puts
+virtual stage ``k + 1`` on either side of ``k``'s rank, or on the same rank, where the
+values are handed over in memory, with no message (its turn, stages ``P - 1`` and ``P``). On NCCL,
 where sends and receives to one peer run in order on one stream, :class:`PipeLinks` with
 ``batched=True`` queues operations and posts them together with ``dist.batch_isend_irecv``
 (a send of one action with the receive of the next, as torch.distributed.pipelining's 1F1B
@@ -170,18 +173,26 @@ def message_tag(direction: int, microbatch: int, leaf: int, boundary: int = 0) -
 
 
 class Pending:
-    """Receives posted (or queued) for one micro-batch; :meth:`wait` gives the tensors."""
+    """Receives posted (or queued) for one micro-batch; :meth:`wait` gives the tensors.
+
+    With ``local`` (the tags of a hand-over within this rank), the tensors are the ones
+    this rank's earlier stage left in its links' mailbox, taken at :meth:`wait`.
+    """
 
     def __init__(self, links: PipeLinks, tensors: list[torch.Tensor], peer: int,
-                 what: str) -> None:
+                 what: str, local: Sequence[int] = ()) -> None:
         self._links = links
         self.tensors = tensors
         self.works: list[Any] | None = None
         self.peer = peer
         self.what = what
+        self.local = tuple(local)
 
     def wait(self) -> list[torch.Tensor]:
         """Block until every tensor has arrived; return them."""
+        if self.local:
+            self.tensors = self._links.take_local(self.local, self.what)
+            self.local = ()
         if self.works is None:
             self._links.flush()
         assert self.works is not None
@@ -206,17 +217,53 @@ class PipeLinks:
             stage's rank in a ring).
         device: where received tensors are allocated.
         batched: queue operations until :meth:`flush` and post them as one batch (NCCL).
+        stage_ranks: per virtual stage ``k``, the global rank holding it (the schedule's
+            placement on this replica's ranks); when given, each boundary's peer comes from
+            it instead of ``prev_rank`` and ``next_rank``.
+        rank: this rank, with ``stage_ranks``: a boundary between two of its own stages
+            is handed over in memory.
+
+    Example:
+        >>> links = PipeLinks(None, None, None, torch.device("cpu"),
+        ...                   stage_ranks=(0, 1, 1, 0), rank=1)
+        >>> b = Boundary.of(torch.zeros(2))
+        >>> pending = links.recv_activations(1, 0, b)  # stage 1 to 2: both on rank 1
+        >>> links.send_activations(1, 0, b, [torch.ones(2)])
+        >>> pending.wait()[0].tolist()
+        [1.0, 1.0]
     """
 
     def __init__(self, group: Any, prev_rank: int | None, next_rank: int | None,
-                 device: torch.device, *, batched: bool = False) -> None:
+                 device: torch.device, *, batched: bool = False,
+                 stage_ranks: Sequence[int] | None = None, rank: int | None = None) -> None:
         self.group = group
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
         self.batched = batched
+        self.stage_ranks = None if stage_ranks is None else tuple(stage_ranks)
+        self.rank = rank
         self._queue: list[tuple[dist.P2POp, Pending | None]] = []
         self._sends: list[tuple[Any, torch.Tensor, str]] = []
+        self._mailbox: dict[int, torch.Tensor] = {}
+
+    def _peer(self, stage: int, line: int | None) -> int | None:
+        """The rank of virtual stage ``stage`` (``line``: the neighbour without a map)."""
+        return line if self.stage_ranks is None else self.stage_ranks[stage]
+
+    def take_local(self, tags: Sequence[int], what: str) -> list[torch.Tensor]:
+        """The tensors this rank handed itself under ``tags`` (a :class:`Pending`'s wait).
+
+        Raises:
+            ScheduleError: If the sending stage has not run yet: its list puts the receiver
+                first, which a validated schedule never does.
+        """
+        missing = [tag for tag in tags if tag not in self._mailbox]
+        if missing:
+            raise ScheduleError(f"{what}: both stages are on this rank, but the sender has not "
+                                "run yet; the rank's list must run a stage's forward before "
+                                "the next stage's (and backwards the other way)")
+        return [self._mailbox.pop(tag) for tag in tags]
 
     def _post(self, ops: list[tuple[dist.P2POp, Pending | None]]) -> None:
         if not ops:
@@ -255,6 +302,11 @@ class PipeLinks:
               metas: Sequence[TensorMeta], positions: Sequence[int], what: str) -> Pending:
         if peer is None:
             raise BoundaryMismatchError(f"no neighbour to receive {what} from")
+        if peer == self.rank:  # a hand-over within this rank: nothing to post
+            local = Pending(self, [], peer, what,
+                            [message_tag(direction, i, k, b) for k in positions])
+            local.works = []
+            return local
         tensors = [meta.empty(self.device) for meta in metas]
         pending = Pending(self, tensors, peer, what)
         ops: list[tuple[dist.P2POp, Pending | None]] = [
@@ -270,6 +322,10 @@ class PipeLinks:
               tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> None:
         if peer is None:
             raise BoundaryMismatchError("no neighbour to send to")
+        if peer == self.rank:
+            for t, k in zip(tensors, positions):
+                self._mailbox[message_tag(direction, i, k, b)] = t.detach()
+            return
         ops: list[tuple[dist.P2POp, Pending | None]] = []
         for t, k in zip(tensors, positions):
             if t.numel():
@@ -282,20 +338,23 @@ class PipeLinks:
         """Post the receives of micro-batch ``i``'s values crossing from virtual stage ``b``
         (on the previous rank) to ``b + 1``."""
         positions = boundary.tensor_positions
-        return self._recv(self.prev_rank, FORWARD, b, i, boundary.metas(positions), positions,
+        return self._recv(self._peer(b, self.prev_rank), FORWARD, b, i,
+                          boundary.metas(positions), positions,
                           f"activations of micro-batch {i} from stage {b}")
 
     def send_activations(self, b: int, i: int, boundary: Boundary,
                          tensors: Sequence[torch.Tensor]) -> None:
         """Send micro-batch ``i``'s outputs of virtual stage ``b`` (the tensor leaves of
         ``boundary``) on to ``b + 1``."""
-        self._send(self.next_rank, FORWARD, b, i, tensors, boundary.tensor_positions)
+        self._send(self._peer(b + 1, self.next_rank), FORWARD, b, i, tensors,
+                   boundary.tensor_positions)
 
     def recv_grads(self, b: int, i: int, boundary: Boundary) -> Pending:
         """Post the receives of the gradients of micro-batch ``i``'s outputs of virtual
         stage ``b`` (from ``b + 1`` on the next rank)."""
         positions = boundary.grad_positions
-        return self._recv(self.next_rank, BACKWARD, b, i, boundary.metas(positions), positions,
+        return self._recv(self._peer(b + 1, self.next_rank), BACKWARD, b, i,
+                          boundary.metas(positions), positions,
                           f"gradients of micro-batch {i} from stage {b + 1}")
 
     def send_grads(self, b: int, i: int, boundary: Boundary,
@@ -305,7 +364,7 @@ class PipeLinks:
         positions = boundary.grad_positions
         tensors = [g if g is not None else meta.empty(self.device).zero_()
                    for g, meta in zip(grads, boundary.metas(positions))]
-        self._send(self.prev_rank, BACKWARD, b, i, tensors, positions)
+        self._send(self._peer(b, self.prev_rank), BACKWARD, b, i, tensors, positions)
 
     def finish(self) -> None:
         """Post what is queued and wait until every send has completed."""

@@ -1,10 +1,11 @@
 """Run one rank's stages of a pipeline across processes: the one interpreter over P2P.
 
-Every rank holds ``v`` virtual stages of one pipeline replica (``k = j, j + P, ...``; one
+Every rank holds ``v`` virtual stages of one pipeline replica, those the schedule's
+placement puts on it (``k = j, j + P, ...`` looped; ``j`` and ``2 P - 1 - j`` in a V; one
 stage ``j`` without virtual stages) and runs its list of any registered schedule
-(``partitioner.runtime.schedule_registry``: GPipe, 1F1B, interleaved 1F1B, zero-bubble)
-through the same :class:`~partitioner.runtime.interpreter.Interpreter` as the one-process
-runtime, with point-to-point messages as the transport
+(``partitioner.runtime.schedule_registry``: GPipe, 1F1B, interleaved 1F1B, zero-bubble,
+the V) through the same :class:`~partitioner.runtime.interpreter.Interpreter` as the
+one-process runtime, with point-to-point messages as the transport
 (``partitioner.runtime.distributed.transport``)::
 
     1f1b, P=2, m=4      rank of stage 0:  0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
@@ -13,9 +14,10 @@ runtime, with point-to-point messages as the transport
     B / I: receive output gradients, backward, send input gradients (stage > 0)
     W: the deferred weight gradients (zero-bubble), local
 
-The loss is computed on the last stage, per micro-batch, as soon as that micro-batch's
-output exists (:class:`~partitioner.runtime.loss_head.LossHead`: the loss runs where the
-output lives, so outputs never travel back to one device). Each micro-batch's loss is
+The loss is computed on the rank of the last virtual stage (rank 0 in a V), per
+micro-batch, as soon as that micro-batch's output exists
+(:class:`~partitioner.runtime.loss_head.LossHead`: the loss runs where the output lives, so
+outputs never travel back to one device). Each micro-batch's loss is
 weighted by its share of the batch, ``n_i / N`` for a mean-reduced loss, so the accumulated
 gradients equal full-batch training, and with data parallelism the replicas' gradients are
 then averaged (``partitioner.runtime.distributed.data_parallel``; the interpreter arms the
@@ -72,11 +74,12 @@ class DistributedPipeline:
     interpreter over point-to-point links.
 
     Args:
-        runners: this rank's virtual stages by index (``j, j + P, ...``); one
-            :class:`StageRunner` is the rank's only stage.
+        runners: this rank's virtual stages by index (those the schedule's placement puts
+            on it); one :class:`StageRunner` is the rank's only stage.
         n_stages: virtual stages in the whole pipeline, ``P v``.
-        links: P2P links to the neighbouring ranks of this replica (a ring when
-            ``virtual >= 2``: the last rank's stage sends on to rank 0's next chunk).
+        links: P2P links to the ranks of this replica's other virtual stages (each
+            boundary's peer from the placement: a ring when looped, a V goes down the
+            ranks and back up, its turn on one rank handed over in memory).
         interfaces: predicts the boundaries of each micro-batch from stage 0's inputs.
         schedule: any schedule the multi-process runtime executes
             (``Runtime.MULTI_PROCESS`` in ``partitioner.runtime.schedule_registry``).
@@ -93,7 +96,7 @@ class DistributedPipeline:
             (micro-batch losses weighted by their share of the batch) or ``"sum"``.
         grad_scale: a factor on the gradients only (not the returned loss): ``1 / dp``
             lets a ``GradReducer(predivided=True)`` sum instead of average, saving a pass.
-        virtual: virtual stages per rank ``v`` (``"interleaved"``: 2 or more).
+        virtual: virtual stages per rank ``v`` (``"interleaved"``, ``"v_shape"``: 2 or more).
 
     Raises:
         StrategyError: If the runtime does not execute ``schedule``, or the checkpoint mode
@@ -204,9 +207,9 @@ class DistributedPipeline:
                             upcast=self.runner.precision != "fp32")
         transport = P2PTransport(self.links, self.interfaces(micro), micro,
                                  n_stages=self.n_stages, device=self.device, training=training)
-        for k, runner in self.runners.items():
+        for chunk, runner in enumerate(self.runners.values()):
             # One virtual stage per rank keeps the seed as it was; chunks get their own.
-            runner.reset(seed + (k - self.stage) // self.pipeline_stages)
+            runner.reset(seed + chunk)
         arm = self.reducer.arm if training and self.reducer is not None else None
         interpreter = Interpreter(self.runners, self.n_stages, transport, head=head,
                                   training=training, arm=arm,

@@ -1,12 +1,14 @@
 """The multi-process transport of the one interpreter: point-to-point messages between ranks.
 
-A rank holds the virtual stages ``k = j, j + P, ...`` of one pipeline replica (``j`` its
-place on the pipeline axis, ``v`` stages per rank). Virtual stage ``k`` receives its inputs
-from ``k - 1`` on rank ``(k - 1) % P`` and sends its outputs to ``k + 1`` on rank
-``(k + 1) % P``; gradients go the other way. With one virtual stage per rank the links form
-a line; with ``v >= 2`` the last rank sends to rank 0 for the next chunk, so they form a
-ring. Every message is tagged with the boundary it crosses (``k`` to ``k + 1``), so
-messages of different chunks between the same two ranks never match each other.
+A rank holds the virtual stages the schedule's placement puts on it (``v`` per rank:
+``k = j, j + P, ...`` looped, ``j`` and ``2 P - 1 - j`` in a V). Virtual stage ``k``
+receives its inputs from ``k - 1`` on the rank the placement puts that on, and sends its
+outputs to ``k + 1``; gradients go the other way. With one virtual stage per rank the links
+form a line; looped with ``v >= 2`` the last rank sends to rank 0 for the next chunk, a
+ring; a V goes down the ranks and back up, and its turn (stages ``P - 1`` and ``P``, both
+on the last rank) is handed over in memory by the links. Every message is tagged with the
+boundary it crosses (``k`` to ``k + 1``), so messages of different chunks between the same
+two ranks never match each other.
 
 What crosses each boundary comes from shape prediction (:class:`StageInterface` per virtual
 stage and micro-batch); receives are posted before they are needed (:meth:`P2PTransport.
@@ -55,7 +57,7 @@ class P2PTransport:
     """Moves one rank's activations and gradients for one step, by P2P messages.
 
     Args:
-        links: the rank's links to the previous and next rank of its replica.
+        links: the rank's links to the ranks of its replica's other virtual stages.
         faces: per micro-batch, each of this rank's virtual stages' interface.
         micro: the micro-batches of stage 0's inputs.
         n_stages: virtual stages in the whole pipeline (``P v``).

@@ -53,10 +53,24 @@ def test_its_bubble_is_below_1f1b_at_equal_work() -> None:
     assert bubble_fraction(v_shape(4, 16, 2)) < bubble_fraction(one_f_one_b(4, 16))
 
 
-def test_the_one_process_runtime_runs_it_and_the_multi_process_one_says_so() -> None:
-    check_runtime(V_SHAPE, Runtime.ONE_PROCESS)
-    with pytest.raises(ScheduleError, match="'v_shape' is not executed by the multi-process"):
-        check_runtime(V_SHAPE, Runtime.MULTI_PROCESS)
+def test_both_runtimes_run_it() -> None:
+    # Across processes (tests/runtime/distributed/test_v_shape_ranks.py) the turn, stages
+    # P - 1 and P on the last rank, is handed over in memory, and rank 0 computes the loss.
+    for runtime in Runtime:
+        assert check_runtime(V_SHAPE, runtime) is schedule_kind(V_SHAPE)
+
+
+def test_a_turn_within_one_rank_is_handed_over_without_a_message() -> None:
+    from partitioner.runtime.distributed.p2p import Boundary, PipeLinks
+
+    links = PipeLinks(None, None, None, torch.device("cpu"), stage_ranks=zigzag(2, 2), rank=1)
+    boundary = Boundary.of((torch.zeros(2, 3), 4))
+    out = torch.randn(2, 3)
+    pending = links.recv_activations(1, 0, boundary)   # posted ahead, like a prefetch
+    with pytest.raises(ScheduleError, match="the sender has not run yet"):
+        links.recv_grads(1, 5, boundary).wait()
+    links.send_activations(1, 0, boundary, [out])
+    assert pending.wait()[0] is not out and torch.equal(pending.wait()[0], out)
 
 
 def test_fill_drain_follows_the_placement() -> None:

@@ -70,6 +70,9 @@ FOUR = [
     dict(pp=4, dp=1, schedule="interleaved", checkpoint="never", chunks=4, virtual=2,
          model="mlp", balance=[1, 1, 1, 1, 1, 1, 1, 2]),
     dict(pp=2, dp=2, schedule="interleaved", checkpoint="except_last", chunks=2, virtual=2),
+    dict(pp=4, dp=1, schedule="v_shape", checkpoint="except_last", chunks=4, virtual=2,
+         model="mlp", balance=[1, 1, 1, 1, 1, 1, 1, 2]),
+    dict(pp=2, dp=2, schedule="v_shape", checkpoint="always", chunks=2, virtual=2),
 ]
 
 
@@ -266,12 +269,11 @@ def test_a_failed_loss_all_reduce_is_a_communication_error(monkeypatch: pytest.M
         pipe.step([x], x, F.mse_loss, seed=0)
 
 
-def test_every_registered_schedule_but_the_v_runs_on_both_runtimes() -> None:
-    # v_shape's turn (stages P-1 and P on one rank) needs a local hand-off the P2P
-    # transport does not have yet: the registry says so, and the runtime refuses it.
+def test_every_registered_schedule_runs_on_both_runtimes() -> None:
+    # v_shape's turn (stages P-1 and P on one rank) is handed over in memory by the links.
     names = schedule_names()
     assert set(names) == {"gpipe", "1f1b", "interleaved", "zero_bubble", "v_shape"}
-    assert schedule_names([Runtime.MULTI_PROCESS]) == tuple(n for n in names if n != "v_shape")
+    assert schedule_names([Runtime.MULTI_PROCESS]) == names
     assert schedule_names([Runtime.ONE_PROCESS]) == names
 
 
