@@ -246,14 +246,14 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
                                 "tensor_parallel=, not both (tensor-parallel plans are made "
                                 "from the uncalibrated cost model)")
-        PlanRequest.make(None, strategy, schedule=schedule, virtual_stages=virtual_stages,
-                         memory_reserve=memory_reserve)  # validates them
-        return partition_tensor_parallel(
-            model, devices, tensor_parallel, strategy=strategy, example_inputs=example_inputs,
-            example_kwargs=example_kwargs, chunks=chunks, checkpoint=checkpoint,
-            balance=balance, split_points=split_points, memory_limit=memory_limit,
-            schedule=schedule, memory_reserve=memory_reserve,
-            sequence_parallel=sequence_parallel)
+        asked = PlanRequest.make(None, strategy, example_inputs=example_inputs,
+                                 example_kwargs=example_kwargs, chunks=chunks,
+                                 checkpoint=checkpoint, balance=balance,
+                                 split_points=split_points, memory_limit=memory_limit,
+                                 schedule=schedule, virtual_stages=virtual_stages,
+                                 memory_reserve=memory_reserve)  # devices: per group
+        return partition_tensor_parallel(model, devices, tensor_parallel, asked,
+                                         sequence_parallel=sequence_parallel)
     if sequence_parallel:
         raise StrategyError("sequence_parallel=True splits the sequence between tensor-"
                             "parallel ranks; pass tensor_parallel=<degree> with it")

@@ -237,11 +237,11 @@ def _replan_tensor_parallel(model: nn.Module, plan: Plan, devices: Sequence[str]
                                 f"{plan.virtual_stages}; the tensor-parallel pipeline runs one "
                                 "model chunk per stage: re-plan the model")
     try:
-        setup = plan_tensor_parallel(model, list(devices), mesh.tp, strategy="pipeline",
-                                     example_inputs=example_inputs,
-                                     example_kwargs=example_kwargs, chunks=plan.chunks,
-                                     checkpoint=plan.checkpoint, balance=plan.balance,
-                                     schedule=plan.schedule)
+        asked = PlanRequest.make(None, "pipeline", example_inputs=example_inputs,
+                                 example_kwargs=example_kwargs, chunks=plan.chunks,
+                                 checkpoint=plan.checkpoint, balance=plan.balance,
+                                 schedule=plan.schedule)
+        setup = plan_tensor_parallel(model, list(devices), mesh.tp, asked)
     except ExampleInputsError:
         raise
     except PartitionError as error:

@@ -39,6 +39,7 @@ from partitioner.planning.auto import SearchResult
 from partitioner.planning.compile import shard_specs, split_layers
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
+from partitioner.planning.space import SearchSpace
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.tune import (
     restore_state,
@@ -227,13 +228,14 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     capacity = capacity_of(cluster, reserve, limit)
     workload = analysis.workload
 
+    asked = SearchSpace(chunks=request.chunks, checkpoint=request.checkpoint,
+                        schedules=(options.schedule,) if options.schedule else None)
+
     def searched(sharding: bool | None) -> SearchResult:
-        return search_world(precision_workload(workload, options.precision),
-                            cluster, options.degrees, chunks=request.chunks,
-                            checkpoint=request.checkpoint, schedule=options.schedule,
+        return search_world(precision_workload(workload, options.precision), cluster,
+                            options.degrees, asked.fixing(optimizer_sharding=sharding),
                             capacity=capacity,
-                            check=tensor_parallel_check(model, analysis, options.rules),
-                            optimizer_sharding=sharding)
+                            check=tensor_parallel_check(model, analysis, options.rules))
 
     if options.optimizer_sharding is not None:
         result = searched(options.optimizer_sharding)
@@ -262,10 +264,11 @@ def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: 
     merged, split = split_layers(analysis, model, mesh.tp,
                                  TensorParallelRules.parse(options.rules))
     assert merged.workload is not None, "a costed analysis stays costed when merged"
+    chosen = SearchSpace(chunks=plan.chunks, checkpoint=plan.checkpoint,
+                         schedules=(plan.schedule,),
+                         optimizer_sharding=plan.optimizer_sharding)
     result = search_world(precision_workload(merged.workload, options.precision), cluster,
-                          Degrees(mesh.pp, mesh.dp, mesh.tp), chunks=plan.chunks,
-                          checkpoint=plan.checkpoint, schedule=plan.schedule,
-                          capacity=capacity, optimizer_sharding=plan.optimizer_sharding)
+                          Degrees(mesh.pp, mesh.dp, mesh.tp), chosen, capacity=capacity)
     cut = world_plan(result, merged.layer_names, cluster, capture=plan.capture,
                      notes=merged.workload.notes)
     return replace(cut, candidates=plan.candidates, notes=plan.notes,

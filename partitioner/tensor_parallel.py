@@ -48,7 +48,7 @@ from partitioner.build import (
     first_names,
 )
 from partitioner.cost.devices import parse_devices
-from partitioner.errors import DeviceError, ExampleInputsError
+from partitioner.errors import DeviceError, ExampleInputsError, MemoryLimitError, ScheduleError
 from partitioner.passes.private_rng import route_dropout, route_module_randomness
 from partitioner.passes.tensor_parallel.sequence_parallel import (
     sequence_parallel as apply_sequence_parallel,
@@ -67,7 +67,7 @@ from partitioner.runtime.tensor_parallel.sharding import Sharding, TensorParalle
 
 __all__ = ["partition_tensor_parallel", "plan_tensor_parallel", "plan_groups",
            "TensorParallelSetup", "parallelize", "shard_stage", "stage_shardings",
-           "device_groups"]
+           "device_groups", "stage_request"]
 
 TensorParallelOption = int | Mapping[str, str]
 
@@ -111,15 +111,19 @@ def device_groups(devices: Any, tensor_parallel: TensorParallelOption
     return [flat[k:k + tp] for k in range(0, len(flat), tp)], rules
 
 
-def plan_tensor_parallel(
-        model: nn.Module, devices: Any, tensor_parallel: TensorParallelOption, *,
-        strategy: str = "auto", example_inputs: tuple[Any, ...] | None = None,
-        example_kwargs: dict[str, Any] | None = None, chunks: int | None = None,
-        checkpoint: str | None = None, balance: Sequence[int] | None = None,
-        split_points: Sequence[str] | None = None,
-        memory_limit: float | Sequence[float] | None = None, schedule: str | None = None,
-        memory_reserve: float | None = None) -> TensorParallelSetup:
+def plan_tensor_parallel(model: nn.Module, devices: Any, tensor_parallel: TensorParallelOption,
+                         request: PlanRequest | None = None, **fields: Any
+                         ) -> TensorParallelSetup:
     """Capture, choose the shardings and plan the stages (``partition``'s first half).
+
+    Args:
+        model: the model.
+        devices: the devices, grouped by ``tensor_parallel`` (see the module docstring).
+        tensor_parallel: the degree, or rules.
+        request: the planning options (``partitioner.request.PlanRequest``; its devices
+            are replaced by each group's first). ``fields`` are the same options as
+            ``PlanRequest.make``'s keywords (``strategy=``, ``example_inputs=``,
+            ``chunks=``, ...), for a caller without a request; not both.
 
     ``strategy="auto"`` searches the micro-batches, checkpoint mode and stage split for the
     groups (``partitioner.planning.planner.tensor_parallel_plan``); ``"pipeline"`` plans
@@ -133,19 +137,43 @@ def plan_tensor_parallel(
         PartitionError: a subclass naming the offending value and a fix.
     """
     groups, rules = device_groups(devices, tensor_parallel)
-    if example_inputs is None:
+    stages = stage_request(groups, request, fields)
+    if stages.example_inputs is None:
         raise ExampleInputsError("tensor parallelism needs example_inputs: the shapes decide "
                                  "what splits; pass example_inputs=(x,) with one batch")
     # The stages' split is planned as a pipeline of the groups (each group one stage).
-    search = strategy == "auto" and balance is None and split_points is None
-    request = PlanRequest.make([g[0] for g in groups], strategy, example_inputs=example_inputs,
-                               example_kwargs=example_kwargs,
-                               chunks=chunks if search or chunks is not None else 1,
-                               checkpoint=checkpoint if search else checkpoint or EXCEPT_LAST,
-                               balance=balance, split_points=split_points,
-                               memory_limit=memory_limit, schedule=schedule,
-                               memory_reserve=memory_reserve)
-    return plan_groups(model, groups, rules, request, search=search)
+    search = stages.strategy == "auto" and not stages.fixes_split
+    if not search:
+        stages = stages.with_changes(chunks=stages.chunks or 1,
+                                     checkpoint=stages.checkpoint or EXCEPT_LAST)
+    return plan_groups(model, groups, rules, stages, search=search)
+
+
+def stage_request(groups: Sequence[Sequence[torch.device]], request: PlanRequest | None,
+                  fields: Mapping[str, Any]) -> PlanRequest:
+    """The request for the pipeline of ``groups``: one device per stage (each group's
+    first), from ``request`` or from ``PlanRequest.make``'s keywords ``fields``.
+
+    Raises:
+        TypeError: both a request and keywords.
+        MemoryLimitError: per-device limits that are neither one number nor one per stage.
+        ScheduleError: virtual stages (the tensor-parallel pipeline runs one chunk a stage).
+    """
+    heads = tuple(g[0] for g in groups)
+    if request is None:
+        request = PlanRequest.make(heads, **fields)
+    elif fields:
+        raise TypeError(f"pass request= or its fields ({', '.join(sorted(fields))}), not both")
+    limit = request.memory_limit
+    if limit is not None and len(limit) not in (1, len(heads)):
+        raise MemoryLimitError(f"memory_limit has {len(limit)} entries for {len(heads)} "
+                               "tensor-parallel stages; pass one number, or one per stage")
+    if request.virtual_stages not in (None, 1):
+        raise ScheduleError(f"virtual_stages={request.virtual_stages} with tensor "
+                            "parallelism: the tensor-parallel pipeline runs one model chunk "
+                            "per stage; omit virtual_stages= or tensor_parallel=")
+    return request.with_changes(devices=heads, memory_limit=None if limit is None else
+                                (min(limit),) * len(heads))
 
 
 def plan_groups(model: nn.Module, groups: list[list[torch.device]],
@@ -173,20 +201,17 @@ def plan_groups(model: nn.Module, groups: list[list[torch.device]],
                                request)
 
 
-def partition_tensor_parallel(
-        model: nn.Module, devices: Any, tensor_parallel: TensorParallelOption, *,
-        strategy: str = "auto", example_inputs: tuple[Any, ...] | None = None,
-        example_kwargs: dict[str, Any] | None = None, chunks: int | None = None,
-        checkpoint: str | None = None, balance: Sequence[int] | None = None,
-        split_points: Sequence[str] | None = None,
-        memory_limit: float | Sequence[float] | None = None, schedule: str | None = None,
-        memory_reserve: float | None = None, sequence_parallel: bool = False
-        ) -> TensorParallelModule:
+def partition_tensor_parallel(model: nn.Module, devices: Any,
+                              tensor_parallel: TensorParallelOption,
+                              request: PlanRequest | None = None, *,
+                              sequence_parallel: bool = False, **fields: Any
+                              ) -> TensorParallelModule:
     """``partition()`` with tensor parallelism: pipeline stages of ``tp`` ranks each.
 
-    Args: as :func:`partitioner.partition`; ``tensor_parallel`` is the degree or rules.
-    ``strategy="auto"`` keeps the degree (and rules) and searches the rest for the device
-    groups (each group one pipeline stage): micro-batches, checkpoint mode, split.
+    Args: as :func:`plan_tensor_parallel`; ``sequence_parallel`` runs Megatron's sequence
+    parallelism between each stage's ranks. ``strategy="auto"`` keeps the degree (and
+    rules) and searches the rest for the device groups (each group one pipeline stage):
+    micro-batches, checkpoint mode, split.
 
     Returns:
         A :class:`partitioner.runtime.tensor_parallel.module.TensorParallelModule`; ``.plan``
@@ -197,11 +222,7 @@ def partition_tensor_parallel(
         ExampleInputsError: without ``example_inputs`` (shapes decide the splits).
         PartitionError: a subclass naming the offending value and a fix.
     """
-    setup = plan_tensor_parallel(model, devices, tensor_parallel, strategy=strategy,
-                                 example_inputs=example_inputs, example_kwargs=example_kwargs,
-                                 chunks=chunks, checkpoint=checkpoint, balance=balance,
-                                 split_points=split_points, memory_limit=memory_limit,
-                                 schedule=schedule, memory_reserve=memory_reserve)
+    setup = plan_tensor_parallel(model, devices, tensor_parallel, request, **fields)
     if sequence_parallel:  # recorded: the plan, saved and applied again, runs it too
         setup = dataclasses.replace(setup, plan=dataclasses.replace(
             setup.plan, sequence_parallel=True))

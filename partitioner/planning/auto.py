@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ from partitioner.planning.predict import (
 from partitioner.planning.ranking import CLOCK, rank_within
 from partitioner.planning.records import to_record
 from partitioner.planning.simulate import refine
+from partitioner.planning.space import SearchSpace, space_of
 from partitioner.plans.explain import format_bytes
 from partitioner.runtime.checkpointing import ALWAYS, EXCEPT_LAST, NEVER
 from partitioner.runtime.schedule_registry import (
@@ -198,69 +199,68 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def configurations(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
-                   checkpoint: str | None = None, schedules: Sequence[str] | None = None,
-                   optimizer: str = "adam", overlap_grad_reduce: bool = True,
-                   overlap_p2p: bool = True, max_microbatches: int = 64,
-                   tp: int | None = None, pp: int | None = None,
-                   virtual: int | None = None,
-                   tp_degrees: Sequence[int] | None = None,
-                   optimizer_sharding: bool | None = False,
-                   dp: int | None = None) -> Iterator[Config]:
-    """Every configuration the search considers, in a fixed order.
+def configurations(workload: Workload, cluster: Cluster, space: SearchSpace | None = None,
+                   **fixed: Any) -> Iterator[Config]:
+    """Every configuration the search considers in ``space``, in a fixed order.
 
-    ``optimizer_sharding``: ``None`` tries each ``dp > 1`` configuration both plain and with
-    the optimizer state sharded over its replicas (plain first: sharding only costs time);
-    ``True`` or ``False`` fixes it (``True`` keeps ``dp > 1`` only).
+    ``fixed`` is sugar for ``space.fixing(...)`` (``configurations(w, cluster, tp=2)``).
+    ``space.optimizer_sharding=None`` tries each ``dp > 1`` configuration both plain and
+    with the optimizer state sharded over its replicas (plain first: sharding only costs
+    time); ``True`` or ``False`` fixes it (``True`` keeps ``dp > 1`` only).
 
-    ``chunks``, ``checkpoint``, ``dp``, ``tp``, ``pp`` and ``virtual`` fix those choices when
-    given;
+    Fixed choices (``chunks``, ``checkpoint``, ``dp``, ``tp``, ``pp``, ``virtual``) are kept;
     micro-batches split the batch evenly (``chunks`` divides each replica's batch) and stay
     at 1 when the workload is not micro-batch safe (batch norm) unless ``chunks`` is given.
-    ``tp_degrees`` lists the degrees > 1 the model's split dimensions divide by (default:
-    every power of two in a node).
+    ``space.tp_degrees`` lists the degrees > 1 the model's split dimensions divide by
+    (default: every power of two in a node).
     """
+    s = space_of(space, fixed)
     n, layers = cluster.size, len(workload.layers)
     splittable = workload.max_tp != 1
     tps = [t for t in _divisors(min(n, cluster.devices_per_node))
            if t == 1 or (splittable and t in workload_tp_degrees(workload, cluster))]
-    if tp_degrees is not None:
-        tps = [t for t in tps if t == 1 or t in tp_degrees]
-    if tp is not None:
-        tps = [tp] if n % tp == 0 else []
-    names = tuple(schedules) if schedules is not None else schedule_names(searched=True)
-    modes = (checkpoint,) if checkpoint is not None else CHECKPOINT_ORDER
-    replicas = dp  # the loop's dp is each configuration's
+    if s.tp_degrees is not None:
+        tps = [t for t in tps if t == 1 or t in s.tp_degrees]
+    if s.tp is not None:
+        tps = [s.tp] if n % s.tp == 0 else []
+    names = s.schedules if s.schedules is not None else schedule_names(searched=True)
+    modes = (s.checkpoint,) if s.checkpoint is not None else CHECKPOINT_ORDER
     for t in tps:
         for p in _divisors(n // t):
             dp = n // (t * p)
-            if p > layers or workload.batch % dp or (pp is not None and p != pp) \
-                    or (replicas is not None and dp != replicas):
+            if p > layers or workload.batch % dp or (s.pp is not None and p != s.pp) \
+                    or (s.dp is not None and dp != s.dp):
                 continue
             if dp > 1 and not workload.microbatch_safe:
                 continue  # replicas split the batch as micro-batches do
-            per_replica = workload.batch // dp
-            if chunks is not None:
-                counts = [chunks] if chunks <= per_replica else []
-            elif not workload.microbatch_safe:
-                counts = [1]
-            else:
-                counts = [m for m in _divisors(per_replica) if m <= max_microbatches
-                          or per_replica // m <= 8]
-            if workload.splits is not None:
-                # A chunks= the graph does not hold for is the user's: it is refused with
-                # the guard it breaks when the stages are built.
-                counts = [m for m in counts if m * dp in workload.splits
-                          or (dp == 1 and chunks is not None)]
-            shardings = [s for s in (False, True) if optimizer_sharding in (None, s)
-                         and (dp > 1 or not s)]
-            for m, name, mode, s in itertools.product(counts, names, modes, shardings):
-                if mode == EXCEPT_LAST and m == 1 and mode != checkpoint:
+            shardings = [x for x in (False, True) if s.optimizer_sharding in (None, x)
+                         and (dp > 1 or not x)]
+            for m, name, mode, x in itertools.product(_counts(workload, s, dp), names, modes,
+                                                      shardings):
+                if mode == EXCEPT_LAST and m == 1 and mode != s.checkpoint:
                     continue  # replays nothing: NEVER at no less memory
-                for v in _chunk_counts(name, p, m, layers, schedules is not None):
-                    if virtual is None or v == virtual:
-                        yield Config(dp, t, p, m, name, v, mode, optimizer,
-                                     overlap_grad_reduce, overlap_p2p, s)
+                for v in _chunk_counts(name, p, m, layers, s.schedules is not None):
+                    if s.virtual is None or v == s.virtual:
+                        yield Config(dp, t, p, m, name, v, mode, s.optimizer,
+                                     s.overlap_grad_reduce, s.overlap_p2p, x)
+
+
+def _counts(workload: Workload, s: SearchSpace, dp: int) -> list[int]:
+    """The micro-batch counts tried per replica of ``dp``."""
+    per_replica = workload.batch // dp
+    if s.chunks is not None:
+        counts = [s.chunks] if s.chunks <= per_replica else []
+    elif not workload.microbatch_safe:
+        counts = [1]
+    else:
+        counts = [m for m in _divisors(per_replica) if m <= s.max_microbatches
+                  or per_replica // m <= 8]
+    if workload.splits is not None:
+        # A chunks= the graph does not hold for is the user's: it is refused with the
+        # guard it breaks when the stages are built.
+        counts = [m for m in counts if m * dp in workload.splits
+                  or (dp == 1 and s.chunks is not None)]
+    return counts
 
 
 def workload_tp_degrees(workload: Workload, cluster: Cluster) -> tuple[int, ...]:
@@ -316,7 +316,8 @@ class _Bounds:
         samples = w.batch / (c.dp * c.chunks)
         static, acts = self._model_memory(c.tp, c.optimizer, c.optimizer_shards,
                                           c.dp if w.fsdp else 1)
-        held = in_flight(c.schedule, c.pp, c.chunks, c.pp - 1, c.virtual)
+        # The device holding the fewest (the last when looped, not in a V).
+        held = min(in_flight(c.schedule, c.pp, c.chunks, j, c.virtual) for j in range(c.pp))
         least = acts * samples / c.pp if c.checkpoint != NEVER else \
             acts * samples * held / (c.pp * c.virtual)
         return (static / c.pp + least) <= self.capacity
@@ -337,28 +338,17 @@ class _Bounds:
         return self.memory[key]
 
 
-def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
-           checkpoint: str | None = None, schedules: Sequence[str] | None = None,
-           optimizer: str = "adam", overlap_grad_reduce: bool = True,
-           overlap_p2p: bool = True, executable_only: bool | None = None,
-           support: RuntimeSupport = LOCAL_RUNTIME,
-           budget: float | None = 5.0, capacity: float | None = None,
-           keep: int = 10, tp: int | None = None, pp: int | None = None,
-           virtual: int | None = None,
-           tp_degrees: Sequence[int] | None = None,
-           optimizer_sharding: bool | None = False,
-           dp: int | None = None) -> SearchResult:
+def search(workload: Workload, cluster: Cluster, space: SearchSpace | None = None, *,
+           executable_only: bool | None = None, support: RuntimeSupport = LOCAL_RUNTIME,
+           budget: float | None = 5.0, capacity: float | None = None, keep: int = 10,
+           **fixed: Any) -> SearchResult:
     """The fastest configuration of ``workload`` on ``cluster`` that fits.
 
     Args:
         workload: the model's costs.
         cluster: the devices.
-        chunks: fix the micro-batches per replica.
-        checkpoint: fix the checkpoint mode.
-        schedules: the schedules to try (default every registered one).
-        optimizer: the optimizer whose state is held (``partitioner.cost.memory.OPTIMIZERS``).
-        overlap_grad_reduce: whether gradient all-reduces overlap the last backward.
-        overlap_p2p: whether sends between stages overlap compute.
+        space: the choices fixed and searched (:class:`SearchSpace`; default: all searched,
+            the optimizer state unsharded).
         executable_only: keep only configurations ``support`` can run (default: when the
             cluster is this machine).
         support: what the runtime can execute.
@@ -366,13 +356,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
         capacity: bytes a device may use (default: its memory; the caller takes off the
             memory reserve, ``partitioner.planning.reserve``).
         keep: how many ranked candidates to return.
-        tp: fix the tensor-parallel degree.
-        pp: fix the pipeline stages.
-        virtual: fix the model chunks per device (interleaved).
-        tp_degrees: the tensor-parallel degrees the model's layers divide by.
-        optimizer_sharding: ``None``: try sharding the optimizer state when ``dp > 1``
-            (ZeRO-1, runtimes whose ``support`` has it); ``True``/``False``: fix it.
-        dp: fix the data-parallel replicas.
+        fixed: sugar for ``space.fixing(...)``: ``search(w, cluster, chunks=4, tp=2)``.
 
     Returns:
         The :class:`SearchResult`.
@@ -387,12 +371,7 @@ def search(workload: Workload, cluster: Cluster, *, chunks: int | None = None,
     bounds = _Bounds(workload, cluster, cap)
     # Devices sharing this machine's cores: the simulation decides (see simulate.refine).
     shared = cluster.is_local and bool(cluster.spec(0).shared_speedup)
-    configs = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                                  schedules=schedules, optimizer=optimizer,
-                                  overlap_grad_reduce=overlap_grad_reduce,
-                                  overlap_p2p=overlap_p2p, tp=tp, pp=pp, virtual=virtual,
-                                  tp_degrees=tp_degrees,
-                                  optimizer_sharding=optimizer_sharding, dp=dp))
+    configs = list(configurations(workload, cluster, space_of(space, fixed)))
     queue, excluded, not_executable = [], [], 0
     for c in configs:
         why = executable(c, cluster, support) if local_only else None

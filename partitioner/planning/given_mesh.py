@@ -32,11 +32,12 @@ from partitioner.planning.auto import (
     executable,
     workload_tp_degrees,
 )
+from partitioner.planning.space import SearchSpace
 from partitioner.plans.explain import format_seconds, given_mesh_line
 from partitioner.plans.plan import Mesh, Plan
 
 __all__ = ["mesh_problems", "mesh_refusal", "compared", "unfit_mesh_message", "mesh_degrees",
-           "FIXED_BY_CALLER"]
+           "FIXED_BY_CALLER", "auto_best_space"]
 
 FIXED_BY_CALLER = ("chunks", "checkpoint", "schedules", "virtual")
 """The search options a caller may fix beside the mesh; auto's best searches them too."""
@@ -90,20 +91,20 @@ def mesh_degrees(mesh: Mesh | None, **degrees: int | None) -> tuple[int | None, 
     return mesh.pp, mesh.dp, mesh.tp
 
 
-def mesh_refusal(workload: Workload, cluster: Cluster, mesh: Mesh, *,
-                 tp_degrees: Sequence[int] | None = None, **fixed: Any) -> str | None:
+def mesh_refusal(workload: Workload, cluster: Cluster, mesh: Mesh,
+                 space: SearchSpace | None = None) -> str | None:
     """Why the search has no configuration of ``mesh`` (``None``: it has some).
 
     Args:
         workload: the model's costs (``workload.batch`` is the whole step's batch).
         cluster: the devices.
         mesh: the mesh asked for.
-        tp_degrees: the tensor-parallel degrees the model's layers divide by.
-        fixed: the other choices the caller fixed (:data:`FIXED_BY_CALLER`).
+        space: the other choices the caller fixed (:data:`FIXED_BY_CALLER`) and the
+            tensor-parallel degrees the model's layers divide by.
     """
-    options = {k: v for k, v in fixed.items() if k in FIXED_BY_CALLER}
-    found = list(configurations(workload, cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
-                                tp_degrees=tp_degrees, **options))
+    space = space or SearchSpace()
+    found = list(configurations(workload, cluster, space.fixing(dp=mesh.dp, tp=mesh.tp,
+                                                                pp=mesh.pp)))
     if found and not cluster.is_local:
         return None
     runnable = [c for c in found if executable(c, cluster, LOCAL_RUNTIME) is None]
@@ -112,11 +113,17 @@ def mesh_refusal(workload: Workload, cluster: Cluster, mesh: Mesh, *,
     if found:
         why = executable(found[0], cluster, LOCAL_RUNTIME)
         return f"mesh={mesh} cannot run in this process: {why}; pass another mesh"
-    return f"mesh={mesh}: {_no_configuration(workload, cluster, mesh, tp_degrees, options)}"
+    return f"mesh={mesh}: {_no_configuration(workload, cluster, mesh, space)}"
+
+
+def auto_best_space(space: SearchSpace) -> SearchSpace:
+    """What auto's best beside a given mesh searches: everything the caller fixed beside
+    the mesh (:data:`FIXED_BY_CALLER`) and the mesh itself set free again."""
+    return space.without_mesh().fixing(**dict.fromkeys(FIXED_BY_CALLER))
 
 
 def _no_configuration(workload: Workload, cluster: Cluster, mesh: Mesh,
-                      tp_degrees: Sequence[int] | None, options: dict[str, Any]) -> str:
+                      space: SearchSpace) -> str:
     """The first reason no configuration of ``mesh`` is enumerated."""
     layers, batch = len(workload.layers), workload.batch
     if mesh.pp > layers:
@@ -128,17 +135,17 @@ def _no_configuration(workload: Workload, cluster: Cluster, mesh: Mesh,
     if mesh.dp > 1 and not workload.microbatch_safe:
         return (f"dp={mesh.dp} splits the batch, but the model is not micro-batch safe "
                 "(batch norm sees the whole batch); pass dp=1")
-    allowed = _tp_degrees(workload, cluster, tp_degrees)
+    allowed = _tp_degrees(workload, cluster, space.tp_degrees)
     if mesh.tp > 1 and mesh.tp not in allowed:
         return (f"tp={mesh.tp} but the model's layers split only {allowed[1:] or 'no'} ways "
                 "here (powers of two inside a node that the split dimensions divide by); pass "
                 f"tp in {allowed}")
     per_replica = batch // mesh.dp
-    chunks = options.get("chunks")
+    chunks = space.chunks
     if chunks is not None and chunks > per_replica:
         return (f"chunks={chunks} micro-batches but each of the {mesh.dp} replicas gets "
                 f"{per_replica} samples; pass chunks <= {per_replica}")
-    given = {k: v for k, v in options.items() if v is not None}
+    given = {k: getattr(space, k) for k in FIXED_BY_CALLER if getattr(space, k) is not None}
     return (f"no micro-batch count, schedule and virtual stages suit it with {given}; drop "
             "some of those or pass another mesh")
 

@@ -46,7 +46,7 @@ from partitioner.errors import (
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, records, search
 from partitioner.planning.given_mesh import (
-    FIXED_BY_CALLER,
+    auto_best_space,
     compared,
     mesh_refusal,
     unfit_mesh_message,
@@ -57,6 +57,7 @@ from partitioner.planning.predict import Config, Prediction, predict, replayed
 from partitioner.planning.records import to_record
 from partitioner.planning.reserve import MEMORY_RESERVE, describe_reserve, usable_memory
 from partitioner.planning.simulate import predict_step
+from partitioner.planning.space import SearchSpace, space_of
 from partitioner.planning.tp_rules import resolve_shardings
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import fingerprint
@@ -130,13 +131,11 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
         if request.schedule is not None and cluster.is_local:
             _check_local_schedule(request.schedule)
         pipeline_only = _precision_limits(request, cluster)
-        options: dict[str, Any] = dict(
-            chunks=request.chunks, checkpoint=request.checkpoint, capacity=limit,
-            capture=method, schedules=(request.schedule,) if request.schedule else None,
-            virtual=request.virtual_stages, reserve=reserve, tp_degrees=tp_degrees)
+        space = SearchSpace.of_request(request, tp_degrees)
+        where: dict[str, Any] = dict(capacity=limit, capture=method, reserve=reserve)
         mesh = request.mesh
         if mesh is None and pipeline_only:
-            options.update(pp=pipeline_only, tp=1)
+            space = space.fixing(pp=pipeline_only, tp=1)
         if mesh is not None and pipeline_only and (mesh.dp, mesh.tp) != (1, 1):
             raise PrecisionError(
                 f"precision={request.precision!r} with mesh={mesh}: mixed "
@@ -144,10 +143,10 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                 "with dp=1 and tp=1, or precision='fp32'")
 
         def plan_for(w: Workload, checkpoint: str | None) -> Plan:
-            chosen = {**options, "checkpoint": checkpoint}
+            chosen = space.fixing(checkpoint=checkpoint)
             if mesh is None:
-                return auto_plan(w, analysis.layer_names, cluster, **chosen)
-            return given_mesh_plan(w, analysis.layer_names, cluster, mesh, **chosen)
+                return auto_plan(w, analysis.layer_names, cluster, chosen, **where)
+            return given_mesh_plan(w, analysis.layer_names, cluster, mesh, chosen, **where)
         # A Llama model planned for a cluster: costed as such runs train it (llama_plan).
         plan = first_fitting(workload_variants(analysis, request, cluster, workload),
                              plan_for)
@@ -173,36 +172,43 @@ def _precision_limits(request: PlanRequest, cluster: Cluster) -> int | None:
 
 
 def given_mesh_plan(workload: Workload, names: Sequence[str], cluster: Cluster, mesh: Mesh,
-                    **options: Any) -> Plan:
+                    space: SearchSpace | None = None, *, capacity: float | None = None,
+                    reserve: float = MEMORY_RESERVE, budget: float | None = 5.0,
+                    capture: str = "fx", **fixed: Any) -> Plan:
     """The plan of exactly ``mesh`` (the rest still searched), with auto's best recorded
     beside it (``partitioner.planning.given_mesh``).
 
     Args:
-        options: :func:`auto_plan`'s keywords; ``chunks``, ``checkpoint``, ``schedules``
-            and ``virtual`` fix those choices for the mesh only (auto's best searches them).
+        space: the other choices (``fixed`` is sugar for ``space.fixing(...)``); the
+            micro-batches, checkpoint mode, schedules and virtual stages it fixes hold for
+            the mesh only: auto's best searches them.
+        capacity, reserve, budget, capture: as :func:`auto_plan`.
 
     Raises:
         MeshError: no configuration of the mesh exists for the model (or runs here).
     """
-    why = mesh_refusal(workload, cluster, mesh, **options)
+    space = space_of(space, fixed)
+    where: dict[str, Any] = dict(capacity=capacity, reserve=reserve, budget=budget,
+                                 capture=capture)
+    why = mesh_refusal(workload, cluster, mesh, space)
     if why is not None:
         raise MeshError(why)
-    free = {k: v for k, v in options.items() if k not in FIXED_BY_CALLER}
+    free = auto_best_space(space)
     try:
-        given = auto_plan(workload, names, cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
-                          **options)
+        given = auto_plan(workload, names, cluster, space.fixing(dp=mesh.dp, tp=mesh.tp,
+                                                                  pp=mesh.pp), **where)
     except MemoryLimitError as error:
         raise MemoryLimitError(unfit_mesh_message(mesh, str(error),
                                                   _best_or_none(workload, names, cluster,
-                                                                free))) from error
-    return compared(given, _best_or_none(workload, names, cluster, free), mesh)
+                                                                free, where))) from error
+    return compared(given, _best_or_none(workload, names, cluster, free, where), mesh)
 
 
 def _best_or_none(workload: Workload, names: Sequence[str], cluster: Cluster,
-                  options: dict[str, Any]) -> Plan | None:
+                  space: SearchSpace, where: dict[str, Any]) -> Plan | None:
     """Auto's best plan, or ``None`` when nothing fits (the comparison then says so)."""
     try:
-        return auto_plan(workload, names, cluster, **options)
+        return auto_plan(workload, names, cluster, space, **where)
     except PartitionError:
         return None
 
@@ -294,11 +300,11 @@ def tensor_parallel_plan(analysis: Analysis, request: PlanRequest,
     cluster = local_cluster([d for g in groups for d in g])
     workload = analysis.workload
     assert workload is not None, "tensor-parallel planning without example inputs"
-    plan = auto_plan(workload, names, cluster, chunks=request.chunks,
-                     checkpoint=request.checkpoint,
+    space = SearchSpace.of_request(request).fixing(schedules=tp_schedules, tp=len(groups[0]),
+                                                    pp=len(groups), virtual=None)
+    plan = auto_plan(workload, names, cluster, space,
                      capacity=min(request.memory_limit) if request.memory_limit else None,
-                     capture=analysis.captured.method, schedules=tp_schedules,
-                     tp=len(groups[0]), pp=len(groups), reserve=request.memory_reserve,
+                     capture=analysis.captured.method, reserve=request.memory_reserve,
                      devices=[str(g[0]) for g in groups])
     return _check_host_memory(plan, cluster)
 
@@ -466,14 +472,11 @@ def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
                      reserve=reserve)
 
 
-def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
-              chunks: int | None = None, checkpoint: str | None = None,
-              capacity: float | None = None, optimizer: str = "adam",
-              budget: float | None = 5.0, capture: str = "fx",
-              schedules: Sequence[str] | None = None, virtual: int | None = None,
-              tp: int | None = None, pp: int | None = None, reserve: float = MEMORY_RESERVE,
-              devices: Sequence[str] | None = None,
-              tp_degrees: Sequence[int] | None = None, dp: int | None = None) -> Plan:
+def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster,
+              space: SearchSpace | None = None, *, capacity: float | None = None,
+              reserve: float = MEMORY_RESERVE, budget: float | None = 5.0,
+              capture: str = "fx", devices: Sequence[str] | None = None,
+              **fixed: Any) -> Plan:
     """The fastest fitting configuration :func:`partitioner.planning.auto.search` finds, as a plan.
 
     On this machine's devices only configurations the runtimes can execute are chosen.
@@ -482,17 +485,17 @@ def auto_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
     ``"hybrid"`` (``dp > 1`` on a cluster).
 
     Args:
+        space: the choices fixed and searched (``partitioner.planning.space``); ``fixed``
+            is sugar for ``space.fixing(...)``.
         capacity: bytes of each device (default: its memory); plans use ``1 - reserve``
             of it (``partitioner.planning.reserve``).
-        schedules, virtual, dp, tp, pp: fix those choices (see ``search``).
-        tp_degrees: the tensor-parallel degrees the model's layers divide by.
+        budget: seconds of search (``None``: no limit).
+        capture: how the model was captured (recorded in the plan).
         devices: the pipeline devices' names in the plan (default: the cluster's).
     """
     memory = capacity if capacity is not None else cluster.spec(0).memory_bytes
-    result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                    optimizer=optimizer, budget=budget,
-                    capacity=usable_memory(memory, reserve), schedules=schedules,
-                    virtual=virtual, tp=tp, pp=pp, tp_degrees=tp_degrees, dp=dp)
+    result = search(workload, cluster, space_of(space, fixed), budget=budget,
+                    capacity=usable_memory(memory, reserve))
     made = records(result, cluster)
     alone = one_device_record(workload, cluster, usable_memory(memory, reserve))
     if alone is not None:
@@ -524,11 +527,11 @@ def candidate_plan(analysis: Analysis, request: PlanRequest, config: dict[str, A
     assert analysis.workload is not None, "a candidate plan without costs"
     workload = precision_workload(analysis.workload, request.precision)
     limit = min(request.memory_limit) if request.memory_limit else None
-    plan = auto_plan(workload, analysis.layer_names, cluster, chunks=config["chunks"],
-                     checkpoint=config["checkpoint"], capacity=limit,
-                     capture=analysis.captured.method, schedules=(config["schedule"],),
-                     virtual=config["virtual"], reserve=request.memory_reserve,
-                     dp=config["dp"], tp=config["tp"], pp=config["pp"])
+    space = SearchSpace(dp=config["dp"], tp=config["tp"], pp=config["pp"],
+                        chunks=config["chunks"], checkpoint=config["checkpoint"],
+                        schedules=(config["schedule"],), virtual=config["virtual"])
+    plan = auto_plan(workload, analysis.layer_names, cluster, space, capacity=limit,
+                     capture=analysis.captured.method, reserve=request.memory_reserve)
     return replace(_check_host_memory(plan, cluster), precision=request.precision)
 
 

@@ -49,6 +49,7 @@ from partitioner.planning.planner import plan_from
 from partitioner.planning.predict import Config, Prediction, predict
 from partitioner.planning.ranking import rank_within
 from partitioner.planning.simulate import refine
+from partitioner.planning.space import SearchSpace
 from partitioner.plans.explain import explain
 from partitioner.plans.plan import Plan
 from partitioner.runtime import device as accelerators
@@ -244,13 +245,12 @@ Check = Callable[[Config], str | None]
 supports: e.g. whether tensor parallelism splits this model ``tp`` ways."""
 
 
-def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degrees(), *,
-                 chunks: int | None = None, checkpoint: str | None = None,
-                 schedule: str | None = None, capacity: float | None = None,
-                 budget: float | None = 5.0, check: Check | None = None,
-                 optimizer_sharding: bool | None = None) -> SearchResult:
+def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degrees(),
+                 space: SearchSpace | None = None, *, capacity: float | None = None,
+                 budget: float | None = 5.0, check: Check | None = None) -> SearchResult:
     """The fastest configuration of ``workload`` that the multi-process runtime runs on
-    ``cluster``, with the ``degrees`` given.
+    ``cluster``, with the ``degrees`` given and the other choices ``space`` fixes
+    (micro-batches, checkpoint mode, schedules, optimizer sharding).
 
     Without fixed degrees this is :func:`partitioner.planning.auto.search`; with them, the
     configurations of those degrees are predicted one by one (fewer: no bound needed).
@@ -259,37 +259,35 @@ def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degree
     tensor parallelism (which ``check`` is for).
 
     Raises:
-        ScheduleError: ``schedule`` is not one the multi-process runtime runs.
+        ScheduleError: a schedule of ``space`` the multi-process runtime does not run.
         StrategyError: no configuration has the fixed degrees (saying why).
         MemoryLimitError: none fits.
     """
-    if schedule is not None:
-        problem = runtime_problem(schedule, Runtime.MULTI_PROCESS)
+    space = space or SearchSpace(optimizer_sharding=None)
+    for name in space.schedules or ():
+        problem = runtime_problem(name, Runtime.MULTI_PROCESS)
         if problem is not None:
             raise ScheduleError(problem)
     support = MULTI_PROCESS_RUNTIME
     # On this machine the search records why it skips what the runtime cannot run; for a
     # cluster elsewhere it is told the schedules (it only checks executability here).
-    schedules = (schedule,) if schedule else (None if cluster.is_local else support.schedules)
+    if space.schedules is None and not cluster.is_local:
+        space = space.fixing(schedules=support.schedules)
     if degrees.tp is not None and degrees.tp > 1 and workload.max_tp == 1:
         workload = assume_split(workload)
     if degrees.given:
-        return _fixed_search(workload, cluster, degrees, chunks=chunks, checkpoint=checkpoint,
-                             schedules=schedules, capacity=capacity, budget=budget,
-                             check=check, optimizer_sharding=optimizer_sharding)
-    result = search(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                    schedules=schedules, executable_only=cluster.is_local, support=support,
-                    budget=budget, capacity=capacity, optimizer_sharding=optimizer_sharding)
+        return _fixed_search(workload, cluster, degrees, space, capacity=capacity,
+                             budget=budget, check=check)
+    result = search(workload, cluster, space, executable_only=cluster.is_local,
+                    support=support, budget=budget, capacity=capacity)
     if check is None:
         return result
     refused = [(p.config.label(), why, p.step_time) for p in result.ranked
                for why in [check(p.config)] if why is not None]
     kept = tuple(p for p in result.ranked if check(p.config) is None)
     if not kept:
-        return _fixed_search(workload, cluster, Degrees(tp=1), chunks=chunks,
-                             checkpoint=checkpoint, schedules=schedules, capacity=capacity,
-                             budget=budget, check=check, refused=refused,
-                             optimizer_sharding=optimizer_sharding)
+        return _fixed_search(workload, cluster, Degrees(tp=1), space, capacity=capacity,
+                             budget=budget, check=check, refused=refused)
     # The refused were predicted faster than the new best: they lead the explanation.
     return replace(result, best=kept[0], ranked=kept,
                    not_executable=result.not_executable + len(refused),
@@ -309,15 +307,12 @@ def assume_split(workload: Workload) -> Workload:
     return replace(workload, layers=layers, notes=(*workload.notes, note))
 
 
-def _fixed_search(workload: Workload, cluster: Cluster, degrees: Degrees, *,
-                  chunks: int | None, checkpoint: str | None,
-                  schedules: Sequence[str] | None, capacity: float | None,
-                  budget: float | None, check: Check | None = None,
-                  refused: Sequence[tuple[str, str, float]] = (),
-                  optimizer_sharding: bool | None = None) -> SearchResult:
+def _fixed_search(workload: Workload, cluster: Cluster, degrees: Degrees,
+                  space: SearchSpace, *, capacity: float | None, budget: float | None,
+                  check: Check | None = None,
+                  refused: Sequence[tuple[str, str, float]] = ()) -> SearchResult:
     start = time.perf_counter()
-    every = list(configurations(workload, cluster, chunks=chunks, checkpoint=checkpoint,
-                                schedules=schedules, optimizer_sharding=optimizer_sharding))
+    every = list(configurations(workload, cluster, space))
     wanted = [c for c in every if degrees.matches(c)]
     excluded: list[tuple[str, str, float]] = list(refused)
     runnable = []

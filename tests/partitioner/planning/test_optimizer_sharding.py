@@ -16,6 +16,7 @@ from partitioner.planning.auto import (
     search,
 )
 from partitioner.planning.predict import Config, predict
+from partitioner.planning.space import SearchSpace
 from partitioner.planning.world import Degrees, search_world, world_plan
 from partitioner.plans.plan import Plan
 
@@ -96,9 +97,10 @@ def test_a_plan_carries_the_sharding_the_search_chose() -> None:
     config = _config(True)
     prediction = predict(workload, CLUSTER, config, megatron_boundaries(SHAPE, config.stages))
     capacity = max(m.total for m in prediction.memory) * 1.01  # fits sharded, not plain
-    result = search_world(workload, CLUSTER, Degrees(dp=8, tp=8, pp=16), chunks=BATCH // 8,
-                          checkpoint="always", schedule="1f1b", capacity=capacity,
-                          budget=None)
+    asked = SearchSpace(chunks=BATCH // 8, checkpoint="always", schedules=("1f1b",),
+                        optimizer_sharding=None)
+    result = search_world(workload, CLUSTER, Degrees(dp=8, tp=8, pp=16), asked,
+                          capacity=capacity, budget=None)
     assert result.best.config.optimizer_sharding
     plan = world_plan(result, [lay.name for lay in workload.layers], CLUSTER)
     assert plan.optimizer_sharding

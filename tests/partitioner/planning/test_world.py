@@ -11,6 +11,7 @@ from partitioner.cost.device_names import ASSUMED_GPU
 from partitioner.cost.devices import REFERENCE_CPU, Cluster
 from partitioner.errors import DeviceError, MeshError, ScheduleError, StrategyError
 from partitioner.planning.auto import MULTI_PROCESS_RUNTIME, configurations, executable
+from partitioner.planning.space import SearchSpace
 from partitioner.planning.world import (
     ETHERNET,
     LOOPBACK,
@@ -145,8 +146,8 @@ def test_fixed_sizes_are_kept(workload: object, sizes: dict[str, int]) -> None:
 
 def test_fixed_schedule_chunks_checkpoint(workload: object) -> None:
     cluster = world_cluster(["box"] * 4, "cpu")
-    result = search_world(workload.workload, cluster, Degrees(pp=4), chunks=4,
-                          checkpoint="always", schedule="1f1b")
+    result = search_world(workload.workload, cluster, Degrees(pp=4),
+                          SearchSpace(chunks=4, checkpoint="always", schedules=("1f1b",)))
     assert result.best.config.label() == "dp=1 tp=1 pp=4 m=4 1f1b ckpt=always"
 
 
@@ -155,7 +156,7 @@ def test_schedule_the_runtime_lacks_is_refused(workload: object) -> None:
     missing = [n for n in ("interleaved", "zero_bubble", "no_such")
                if n not in schedule_names([Runtime.MULTI_PROCESS])]
     with pytest.raises(ScheduleError, match=rf"schedule={missing[-1]!r}"):
-        search_world(workload.workload, cluster, schedule=missing[-1])
+        search_world(workload.workload, cluster, space=SearchSpace(schedules=(missing[-1],)))
 
 
 def test_impossible_fixed_sizes_say_why(workload: object) -> None:
