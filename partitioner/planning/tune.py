@@ -39,8 +39,8 @@ from torch import nn
 
 from partitioner.errors import TuneError
 
-__all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "TuneError", "Trial",
-           "tune_count", "synthetic_loss", "time_training_steps", "run_trials",
+__all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
+           "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss", "time_training_steps", "run_trials",
            "tuned_records", "snapshot_state", "restore_state"]
 
 DEFAULT_CANDIDATES = 4
@@ -48,7 +48,13 @@ DEFAULT_CANDIDATES = 4
 WARMUP_STEPS = 1
 """Untimed steps per candidate (threads, allocator and caches warm up)."""
 TIMED_STEPS = 3
-"""Timed steps per candidate; the median counts."""
+"""Timed steps per candidate and round; the median counts."""
+ROUNDS = 2
+"""Rounds of timing: the candidates close to the fastest are timed again (:func:`run_trials`)."""
+RETIME_WITHIN = 0.25
+"""Candidates measured within this share of the fastest are timed again: on a machine whose
+speed drifts by 10-25% over seconds (measured on the 2-core VM, docs/benchmarks.md "auto's
+regret"), one round does not rank them the same way twice."""
 
 
 def tune_count(tune: object) -> int:
@@ -133,32 +139,68 @@ class Trial:
 
     Attributes:
         index: the candidate's position in the records.
-        measured: its median step time in seconds (``None``: it could not run).
+        measured: its step time in seconds, the mean of its rounds' medians (``None``: it
+            could not run).
         error: why it could not run.
+        rounds: how many rounds timed it.
     """
 
     index: int
     measured: float | None
     error: str = ""
+    rounds: int = 1
 
 
 def run_trials(records: Sequence[dict[str, Any]], count: int,
-               measure: Callable[[dict[str, Any]], float]) -> list[Trial]:
+               measure: Callable[[dict[str, Any]], float], *,
+               rounds: int = ROUNDS) -> list[Trial]:
     """Time the ``count`` best-ranked candidates with ``measure(record)``.
+
+    Every candidate is timed once in rank order; then, for each further round, the
+    candidates measured within :data:`RETIME_WITHIN` of the fastest so far are timed again,
+    in the reverse order (a machine whose speed drifts over the seconds tuning takes then
+    favours none of them), and each one's measured time is the mean of its rounds. The
+    ranking of the contenders is what a round decides; candidates far behind are not timed
+    twice.
 
     A candidate that fails to build or run is skipped with its error (the first line of
     it): tuning never loses the plan.
     """
-    order = sorted(range(len(records)), key=lambda i: records[i].get("rank", i + 1))
-    trials = []
-    for i in order[:count]:
+    order = sorted(range(len(records)), key=lambda i: records[i].get("rank", i + 1))[:count]
+    samples: dict[int, list[float]] = {}
+    errors: dict[int, str] = {}
+
+    def attempt(i: int) -> None:
         try:
-            trials.append(Trial(i, measure(records[i])))
+            samples.setdefault(i, []).append(measure(records[i]))
         except Exception as error:  # any failure skips the candidate, never the plan
             text = str(error).strip().splitlines()
-            trials.append(Trial(i, None, f"{type(error).__name__}: "
-                                         f"{text[0] if text else ''}"[:300]))
-    return trials
+            errors[i] = f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+    for i in order:
+        attempt(i)
+    for _ in range(rounds - 1):
+        close = contenders({i: statistics.mean(s) for i, s in samples.items()
+                            if i not in errors})
+        if len(close) < 2:
+            break
+        for i in sorted(close, key=order.index, reverse=True):
+            attempt(i)
+    return [Trial(i, None, errors[i]) if i in errors else
+            Trial(i, statistics.mean(samples[i]), rounds=len(samples[i])) for i in order]
+
+
+def contenders(measured: dict[int, float]) -> list[int]:
+    """The candidates measured within :data:`RETIME_WITHIN` of the fastest.
+
+    Example:
+        >>> contenders({0: 1.0, 1: 1.2, 2: 1.5})
+        [0, 1]
+    """
+    if not measured:
+        return []
+    best = min(measured.values())
+    return [i for i, t in measured.items() if t <= best * (1 + RETIME_WITHIN)]
 
 
 def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
@@ -168,6 +210,8 @@ def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
     out = [dict(r) for r in records]
     for trial in trials:
         out[trial.index]["measured_step_time"] = trial.measured
+        if trial.measured is not None:
+            out[trial.index]["measured_rounds"] = trial.rounds
         if trial.error:
             out[trial.index]["tune_error"] = trial.error
     timed = [t for t in trials if t.measured is not None]

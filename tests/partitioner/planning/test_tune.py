@@ -76,6 +76,35 @@ def test_run_trials_skips_a_failing_candidate_with_its_reason() -> None:
         (1, None, "RuntimeError: out of memory"), (0, 1.0, "")]
 
 
+def test_close_candidates_are_timed_again_in_reverse_order() -> None:
+    """A machine slowing down over the seconds tuning takes: the first round ranks the
+    later candidate slower than it is; the second round, in reverse order, evens it out,
+    and the candidate far behind is not timed twice."""
+    records = [{"label": k, "rank": r} for r, k in enumerate("abc", start=1)]
+    intrinsic = {"a": 1.00, "b": 0.95, "c": 2.0}
+    calls: list[str] = []
+
+    def measure(record: dict) -> float:
+        calls.append(record["label"])
+        return intrinsic[record["label"]] * (1 + 0.1 * len(calls))  # 10% slower each call
+    trials = run_trials(records, 3, measure)
+    assert calls == ["a", "b", "c", "b", "a"]
+    measured = {records[t.index]["label"]: t for t in trials}
+    assert (measured["a"].rounds, measured["b"].rounds, measured["c"].rounds) == (2, 2, 1)
+    assert measured["a"].measured == pytest.approx((1.1 + 1.5) / 2)
+    assert measured["b"].measured < measured["a"].measured  # one round alone: b 1.14 > a 1.1
+    tuned = tuned_records(records, trials)
+    assert [r["chosen"] for r in tuned] == [False, True, False]
+    assert [r.get("measured_rounds") for r in tuned] == [2, 2, 1]
+
+
+def test_one_round_times_each_candidate_once() -> None:
+    calls: list[int] = []
+    records = [{"rank": 1}, {"rank": 2}]
+    run_trials(records, 2, lambda r: calls.append(r["rank"]) or 1.0, rounds=1)
+    assert calls == [1, 2]
+
+
 def test_synthetic_loss_refuses_outputs_without_gradients() -> None:
     with pytest.raises(TuneError, match="no floating-point tensor"):
         synthetic_loss((torch.ones(2, dtype=torch.long),), None)
