@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--tokens", type=int, default=16, help="sequence length, batch 2")
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: pp=2 x tp ranks (tp=2: 4 ranks)")
     return parser.parse_args()
 
 
@@ -86,7 +88,7 @@ def contender(name: str, args: argparse.Namespace, weights: str) -> dict[str, An
     ids, labels = batch(args)
     times: dict[str, float] = {}
     start = time.perf_counter()
-    dpm = partition_distributed(model, (ids,), pp=2, chunks=1, init_fn=init_fn)
+    dpm = partition_distributed(model, (ids,), pp=2, tp=args.tp, chunks=1, init_fn=init_fn)
     times["partition"] = time.perf_counter() - start
     start = time.perf_counter()
     if name == "eager":
@@ -107,7 +109,7 @@ def _entry(rank: int, name: str, args: argparse.Namespace, port: int, weights: s
            out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=2 * args.tp)
     result = contender(name, args, weights)
     Path(out, f"{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -119,8 +121,9 @@ def spawn(name: str, args: argparse.Namespace, weights: str) -> list[dict[str, A
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    mp.spawn(_entry, (name, args, port, weights, str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+    world = 2 * args.tp
+    mp.spawn(_entry, (name, args, port, weights, str(out)), nprocs=world, join=True)
+    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(world)]
 
 
 def main() -> None:
@@ -134,7 +137,7 @@ def main() -> None:
         del whole
         print(f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, vocab "
               f"{args.vocab}: {params / 1e6:.0f} M parameters ({params * 4 / 2**20:.0f} MiB "
-              f"fp32); pp=2 on 2 gloo ranks; torch {torch.__version__}; load at start "
+              f"fp32); pp=2 x tp={args.tp} on {2 * args.tp} gloo ranks; torch {torch.__version__}; load at start "
               f"{os.getloadavg()[0]:.2f}")
         print(f"{'contender':<9} {'rank':>4} {'partition s':>11} {'init s':>7} {'load s':>7} "
               f"{'step s':>7} {'ready s':>8} {'init_fn calls':>13} {'loss':>9}")

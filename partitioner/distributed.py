@@ -459,10 +459,10 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     check_same_plan(*plan_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     real = call.materializer(info.device) if call.materializer is not None else None
-    # Initialized on first use, unless load() fills it first (runtime/deferred_init.py);
-    # a stage cut over tp ranks or sharded is cut from (or copied from) initialized tensors.
-    deferred = (DeferredInit(real) if real is not None and planned.shard_plan is None
-                and call.sharding != "fsdp" and not sharded else None)
+    # Initialized on first use, unless load() fills it first (runtime/deferred_init.py),
+    # a tensor-parallel rank's slices too; a sharded stage is copied from initialized tensors.
+    deferred = (DeferredInit(real) if real is not None and call.sharding != "fsdp"
+                and not sharded else None)
     source = deferred if deferred is not None else real
     if virtual > 1:
         placement = schedule_kind(made.schedule).place(shape.pp, virtual)
@@ -589,9 +589,11 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
             materialize_module(graph, made)
         return route_module_randomness(graph.to(device)).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
-    source = made.tensor if made is not None else None
-    stage = route_module_randomness(shard_stage(graph, model, shard_plan, mesh.shard, device,
-                                                source, sequence_parallel)).graph_module
+    later = made if isinstance(made, DeferredInit) else None
+    source = made.tensor if made is not None and later is None else None
+    stage = route_module_randomness(shard_stage(
+        graph, model, shard_plan, mesh.shard, device, source, sequence_parallel,
+        derive=later.derived if later is not None else None)).graph_module
     setattr(stage, COMM_ATTR, comm)
     keep_non_persistent(stage, non_persistent_names(graph))
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)

@@ -314,7 +314,9 @@ def _default_device(group: Any) -> torch.device:
 def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, rank: int,
                 device: torch.device | str = "cpu",
                 source: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                sequence_parallel: bool = False) -> fx.GraphModule:
+                sequence_parallel: bool = False,
+                derive: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+                                 torch.Tensor] | None = None) -> fx.GraphModule:
     """Rank ``rank``'s graph of one pipeline stage (for runtimes placing stages themselves).
 
     Args:
@@ -330,6 +332,9 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
             one-process runtime's rank graphs do
             (``partitioner.passes.tensor_parallel.sequence_parallel``); the graph's outputs
             stay whole sequences, so pipeline boundaries are unchanged.
+        derive: instead of ``source``, the rank's tensors put off until first use
+            (``partitioner.runtime.deferred_init.DeferredInit.derived``: placeholders of
+            the slices' shapes, filled by slicing the whole values later).
 
     Returns:
         The rank's graph; set its ``_tp_comm`` attribute to the rank's communicator
@@ -337,7 +342,7 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
         every collective, the sequence-parallel ones too, goes through it.
     """
     ids = first_names(model)
-    store = ShardStore(shard_plan.shardings, source)
+    store = ShardStore(shard_plan.shardings, source, derive)
     shardings = attr_shardings(stage, ids, shard_plan.shardings)
     out = shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module

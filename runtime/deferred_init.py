@@ -17,8 +17,11 @@ shows as NaN, never as plausible numbers), and initialized when first used:
 ``parameters()`` does not initialize: an optimizer is built over the placeholders before
 ``dpm.load(path, optimizer)`` resumes a run, and holds the very tensors the load fills.
 
-Stages split over ``tp`` ranks, sharded by FSDP or with a sharded optimizer are initialized
-at build: their tensors are cut or copied from the whole ones there.
+A stage split over ``tp`` ranks is put off alike: each rank's slice is a placeholder of the
+slice's shape (:meth:`DeferredInit.derived`, computed from the meta original, so no whole
+tensor is allocated at build), filled by the same slicing of the whole initialized value
+when it runs. Stages sharded by FSDP or with a sharded optimizer are initialized at build:
+their tensors are copied into shards or flat buffers there.
 
 Example:
     >>> import torch
@@ -38,11 +41,16 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from partitioner.runtime.materialize import Materializer
 
-__all__ = ["DeferredInit"]
+__all__ = ["DeferredInit", "Derive"]
+
+Derive = Callable[[torch.Tensor], torch.Tensor]
+"""How a rank's tensor is made from a whole one (its tensor-parallel slice, or a copy)."""
 
 
 class DeferredInit:
@@ -59,11 +67,38 @@ class DeferredInit:
         # original and its placeholder. One placeholder per original, so stages of one rank
         # that share a tensor share its placeholder.
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Placeholders of values made from an original (a tensor-parallel rank's slice):
+        # the original, the placeholder and how the value is made from the whole one.
+        self._derived: list[tuple[torch.Tensor, torch.Tensor, Derive]] = []
 
     @property
     def pending(self) -> int:
         """How many tensors still wait for their values."""
-        return len(self._pending)
+        return len(self._pending) + len(self._derived)
+
+    def derived(self, original: torch.Tensor, make: Derive) -> torch.Tensor:
+        """A placeholder on the device for ``make(whole)``, where ``whole`` is
+        ``original``'s initialized value (a tensor-parallel rank's slice of it), filled in
+        place by :meth:`run`; its shape comes from ``make(original)`` on the meta device.
+        ``make(original)`` itself if ``original`` is real.
+
+        Raises:
+            InitError: if ``original`` is not one of the model's tensors.
+        """
+        if not original.is_meta:
+            return make(original)
+        self._materializer.persistent(original)  # refuses a tensor no module owns, now
+        shape = make(original)
+        value = self._blank(shape.shape, shape.dtype)
+        if value.numel():
+            self._derived.append((original, value, make))
+        return value
+
+    def _blank(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        device = self._materializer.device
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def tensor(self, original: torch.Tensor) -> torch.Tensor:
         """A placeholder on the device for ``original`` (NaN if floating, else zeros), filled
@@ -78,12 +113,7 @@ class DeferredInit:
         if known is not None:
             return known[1]
         self._materializer.persistent(original)  # refuses a tensor no module owns, now
-        device = self._materializer.device
-        if original.is_floating_point() or original.is_complex():
-            value = torch.full(original.shape, float("nan"), dtype=original.dtype,
-                               device=device)
-        else:
-            value = torch.zeros(original.shape, dtype=original.dtype, device=device)
+        value = self._blank(original.shape, original.dtype)
         if value.numel():
             self._pending[id(original)] = (original, value)
         return value
@@ -101,6 +131,10 @@ class DeferredInit:
                         continue
                     value.copy_(self._materializer.tensor(original))
                     del self._pending[key]
+                for original, value, make in self._derived:
+                    if not (loaded and self._materializer.persistent(original)):
+                        value.copy_(make(self._materializer.tensor(original)))
         finally:
             self._materializer.release()
         self._pending.clear()  # loaded: the rest came from the file
+        self._derived.clear()

@@ -40,8 +40,9 @@ from torch import nn
 from partitioner.errors import TuneError
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
-           "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss", "time_training_steps", "run_trials",
-           "tuned_records", "snapshot_state", "restore_state"]
+           "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
+           "time_training_steps", "run_trials", "tuned_records", "snapshot_state",
+           "restore_state"]
 
 DEFAULT_CANDIDATES = 4
 """Candidates ``tune=True`` builds and times."""

@@ -60,12 +60,18 @@ class ShardStore:
         source: the whole value of an original tensor (a meta-built model's layer,
             materialized: ``partitioner.runtime.materialize.Materializer.tensor``); default:
             the tensor itself.
+        derive: instead of ``source``, given an original and how a rank's tensor is cut
+            from its whole value, the rank's tensor made later
+            (``partitioner.runtime.deferred_init.DeferredInit.derived``).
     """
 
     def __init__(self, shardings: dict[str, Sharding],
-                 source: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 source: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 derive: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+                                  torch.Tensor] | None = None) -> None:
         self.shardings = shardings
         self._source = source
+        self._derive = derive
         self._made: dict[tuple[int, int], torch.Tensor] = {}
         self._devices: dict[tuple[int, int], torch.device] = {}
 
@@ -80,9 +86,15 @@ class ShardStore:
         key = (id(original), rank)
         if key not in self._made:
             sharding = self.shardings.get(name)
-            whole = original if self._source is None else self._source(original)
-            data = (shard_tensor(whole, sharding, rank) if sharding is not None
-                    else whole.detach().clone()).to(device)
+
+            def cut(whole: torch.Tensor) -> torch.Tensor:
+                return (shard_tensor(whole, sharding, rank) if sharding is not None
+                        else whole.detach().clone())
+            if self._derive is not None:  # put off: runtime/deferred_init.py
+                data = self._derive(original, cut).to(device)
+            else:
+                data = cut(original if self._source is None else self._source(original)
+                           ).to(device)
             self._made[key] = (nn.Parameter(data, original.requires_grad)
                                if isinstance(original, nn.Parameter) else data)
             self._devices[key] = device

@@ -1,7 +1,7 @@
 """One rank of the deferred-initialization tests: ``python deferred_init_worker.py <json>``.
 
 Builds :func:`meta_models.build_scaled` on the meta device, partitions it over the world
-with an ``init_fn`` that records the modules it fills, builds the optimizer, then
+(``pp``, ``tp``: default a 2-stage pipeline) with an ``init_fn`` that records the modules it fills, builds the optimizer, then
 (``weights`` given) loads the
 whole model's state dict or (no weights) reads the stage's state dict first. Trains
 ``steps`` SGD steps. Prints ``RESULT {json}``: the modules initialized at each point, the
@@ -35,8 +35,9 @@ def main() -> None:
     data = batches(args["steps"], width=16)
     with torch.device("meta"):
         model = build_scaled()
-    dpm = partition_distributed(model, example_inputs=(data[0][0],), pp=2, chunks=2,
-                                init_fn=counting_init, seed=args.get("seed", 0))
+    dpm = partition_distributed(model, example_inputs=(data[0][0],), pp=args.get("pp", 2),
+                                tp=args.get("tp", 1), chunks=2, init_fn=counting_init,
+                                seed=args.get("seed", 0))
     # Built before load (as resuming does, load(path, optimizer)): it holds the tensors
     # the load fills, and building it initializes nothing.
     optimizer = torch.optim.SGD(dpm.parameters(), lr=0.1)
@@ -44,7 +45,7 @@ def main() -> None:
     nan_before = bool(dpm.stage.get_submodule(_first_linear(dpm.stage)).weight.isnan().all())
     if args.get("weights"):
         dpm.load(args["weights"])
-    state = {k: v.tolist() for k, v in dpm.state_dict().items()}
+    state = {k: v.tolist() for k, v in dpm.state_dict().items()}  # tp: gathered whole
     before_steps = list(CALLS)
     scales = {name: b.tolist() for name, b in dpm.named_buffers()}
     losses = []

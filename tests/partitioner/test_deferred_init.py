@@ -82,18 +82,26 @@ def test_a_meta_tensor_no_module_owns_is_refused_when_its_placeholder_is_asked()
 
 
 def _launch(args: dict[str, Any]) -> list[dict[str, Any]]:
-    runs = launch(WORKER, 2, [json.dumps(dict(steps=STEPS, **args))], timeout=240)
+    world = args.get("pp", 2) * args.get("tp", 1)
+    runs = launch(WORKER, world, [json.dumps(dict(steps=STEPS, **args))], timeout=240)
     return [r[0] for r in results(runs)]
 
 
+MESHES = [pytest.param({}, id="pp2"), pytest.param({"pp": 1, "tp": 2}, id="tp2"),
+          pytest.param({"pp": 2, "tp": 2}, id="pp2xtp2")]
+"""A pipeline, a tensor-parallel stage (each rank's slices put off: ``derived``), both."""
+
+
 @pytest.mark.slow  # seconds of subprocesses or big models: the second tier
-def test_load_skips_the_initialization_of_everything_it_fills(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mesh", MESHES)
+def test_load_skips_the_initialization_of_everything_it_fills(tmp_path: Path,
+                                                              mesh: dict[str, int]) -> None:
     """``init_fn`` runs on no Linear at all: only on the modules owning non-persistent
     buffers, which the file cannot hold; training equals the whole model's."""
     torch.manual_seed(0)
     whole = build_scaled().double()
     torch.save(whole.state_dict(), tmp_path / "whole.pt")
-    records = _launch(dict(weights=str(tmp_path / "whole.pt")))
+    records = _launch(dict(weights=str(tmp_path / "whole.pt"), **mesh))
     expected = {k: v.clone() for k, v in whole.state_dict().items()}
     losses = train_whole(whole, batches(STEPS, width=16))
     for record in records:
@@ -106,12 +114,15 @@ def test_load_skips_the_initialization_of_everything_it_fills(tmp_path: Path) ->
             assert torch.equal(torch.tensor(value, dtype=torch.float64),
                                torch.linspace(0.5, 1.5, 32, dtype=torch.float64))
         assert record["losses"] == pytest.approx(losses, abs=1e-9)  # micro-batch sums
-    assert sum(len(r["before_steps"]) for r in records) == 2  # the model's two Scaled
+    # the model's two Scaled, each on one stage (and on each tensor-parallel rank of it)
+    assert sum(len(r["before_steps"]) for r in records) == 2 * mesh.get("tp", 1)
 
 
 @pytest.mark.slow  # seconds of subprocesses or big models: the second tier
-def test_without_a_load_the_first_use_initializes_as_an_eager_build_would() -> None:
-    records = _launch({})
+@pytest.mark.parametrize("mesh", MESHES)
+def test_without_a_load_the_first_use_initializes_as_an_eager_build_would(
+        mesh: dict[str, int]) -> None:
+    records = _launch(dict(mesh))
     model = _meta_scaled(torch.float64)  # as the ranks build it
     source = Materializer(model, torch.device("cpu"), seed=0, init_fn=init_scaled)
     whole = build_scaled().double()
