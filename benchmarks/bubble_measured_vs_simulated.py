@@ -1,8 +1,8 @@
 """Pipeline bubble: measured in the one-process runtime against the schedules' simulations.
 
-For each registered schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``v`` virtual stages
-per device, ``zero_bubble``) and each pipeline depth ``P`` (default 2 and 4), equal stages
-of (Linear(width, width), ReLU) blocks on ``P`` ``"cpu"`` devices of this process run
+For each registered schedule (``gpipe``, ``1f1b``, ``interleaved`` and ``v_shape`` with ``v``
+virtual stages per device, ``zero_bubble``) and each pipeline depth ``P`` (default 2 and 4),
+equal stages of (Linear(width, width), ReLU) blocks on ``P`` ``"cpu"`` devices of this process run
 :meth:`LocalPipeline.step` (MSE loss per micro-batch on the last stage). After the warm-up
 steps, each timed step's ``pipe.timeline`` (every action's start and end) gives
 
@@ -53,9 +53,14 @@ from partitioner.passes.fuse_weight_grads import fuse_weight_grads
 from partitioner.planning.simulate import simulate
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.schedule import Phase, bubble_fraction
-from partitioner.runtime.schedule_registry import make_schedule, schedule_kind
+from partitioner.runtime.schedule_registry import (
+    Runtime,
+    make_schedule,
+    schedule_kind,
+    schedule_names,
+)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = schedule_names([Runtime.ONE_PROCESS])
 GOAL_POINTS = 10.0
 
 

@@ -5,14 +5,16 @@ schedule up here. Each :class:`ScheduleKind` holds its generator (a pure functio
 ``partitioner.runtime.schedule_generators``), whether it needs virtual stages, the rules
 its counts must keep, the :class:`Runtime` s that execute it, where its virtual stages run
 (its placement, ``partitioner.runtime.placement``) and its own time and memory hooks
-(``hidden``, ``bound``, ``peak``), so the predictor and the search never branch on a
-schedule's name. A schedule no runtime executes is still simulated and predicted. The one
-interpreter (``partitioner.runtime.interpreter``) runs them all; both runtimes execute ``gpipe``,
+(``hidden``, ``fill``, ``bound``, ``peak``; ``None``: counted from the schedule itself), so
+the predictor and the search never branch on a schedule's name. A schedule no runtime
+executes is still simulated and predicted. The one interpreter
+(``partitioner.runtime.interpreter``) runs them all; both runtimes execute ``gpipe``,
 ``1f1b``, ``interleaved`` (``v >= 2`` model chunks per stage), ``zero_bubble`` and
-``v_shape`` (its chunks placed in a V). What each runtime runs besides schedules is
-published here too (:data:`CAPABILITIES`). Adding a schedule is
-adding its generator (and placement, if new) to ``partitioner.runtime.schedule_generators`` and one
-entry to :data:`SCHEDULES`; the tests then validate it over a grid of sizes and simulate it.
+``v_shape`` (its chunks placed in a V), and ``strategy="auto"`` tries them all. What each
+runtime runs besides schedules is published here too (:data:`CAPABILITIES`). Adding a
+schedule is adding its generator (and placement, if new) to
+``partitioner.runtime.schedule_generators`` and one entry to :data:`SCHEDULES`; the tests
+then validate it over a grid of sizes and simulate it.
 
 Example:
     >>> [str(a) for a in make_schedule("1f1b", 2, 2)[0]]
@@ -37,7 +39,7 @@ from types import MappingProxyType
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Schedule
 from partitioner.runtime.placement import Placement, looped
-from partitioner.runtime.schedule import count_problems, in_flight
+from partitioner.runtime.schedule import clock_ticks, count_problems, in_flight
 from partitioner.runtime.schedule_generators import (
     gpipe,
     interleaved,
@@ -128,6 +130,16 @@ Bound = Callable[[int, int, int, Sequence[float], Sequence[float], float], float
 """``(P, m, v, forward, backward, input_share)`` (times per layer or stage of one
 micro-batch) to a lower bound on a step's pipeline time: what the search prunes with."""
 
+Fill = Callable[[int, int, int], float]
+"""``(P, m, v)`` to the fill and drain of a schedule with virtual stages: how many times a
+virtual stage's forward and backward of one micro-batch a step takes beyond the ``m v`` of
+each device's own work (equal stages)."""
+
+
+def looped_fill(p: int, m: int, v: int) -> float:
+    """Megatron's interleaving: ``P - 1`` chunk times, ``1 / v`` of 1F1B's fill and drain."""
+    return float(p - 1)
+
 
 def nothing_hidden(backward: Sequence[float], share: float) -> float:
     """Whole backwards: the first micro-batch's forwards and backwards run in a chain."""
@@ -166,6 +178,18 @@ def critical_path_bound(p: int, m: int, v: int, forward: Sequence[float],
     return max(m * work / p, work)
 
 
+def v_bound(p: int, m: int, v: int, forward: Sequence[float], backward: Sequence[float],
+            share: float) -> float:
+    """The predictor's own pipeline time for the V, from its counted fill and drain
+    (:meth:`ScheduleKind.fill_drain`) over stages as even as the work allows: ``m v``
+    chunk times of each device's work plus the fill, ``1 / (P v)`` of the work each. The
+    predictor's stages are no faster than their layers and its busiest device no less busy
+    than the average, so this never exceeds a prediction; at least the critical path
+    (:func:`critical_path_bound`), since the fill counts the one micro-batch's path."""
+    work = sum(f + b for f, b in zip(forward, backward))
+    return (SCHEDULES[V_SHAPE].fill_drain(p, m, v) + m * v) * work / (p * v)
+
+
 @dataclass(frozen=True)
 class ScheduleKind:
     """One registered schedule.
@@ -185,7 +209,10 @@ class ScheduleKind:
             schedule's memory hook).
         placement: ``(P, v)`` to the stage-to-device map (``partitioner.runtime.placement``)
             its generator's lists follow; everything that places a stage reads it.
-        hidden: How much of its fill and drain it hides (the time hook of the predictor).
+        hidden: How much of its fill and drain it hides (the time hook of the predictor,
+            one virtual stage per device).
+        fill: Its fill and drain with virtual stages (the time hook of the predictor);
+            ``None``: counted from the schedule in unit times (:meth:`fill_drain`).
         bound: Its lower bound on a step (the time hook of the search).
         searched: Whether ``strategy="auto"`` tries it (else only when asked for).
     """
@@ -199,6 +226,7 @@ class ScheduleKind:
     peak: InFlight | None = None
     placement: Callable[[int, int], Placement] = looped
     hidden: Hidden = nothing_hidden
+    fill: Fill | None = looped_fill
     bound: Bound = fill_drain_bound
     searched: bool = True
 
@@ -242,6 +270,20 @@ class ScheduleKind:
             return self.peak(n_stages, n_microbatches, stage, virtual)
         return _counted_peaks(self, n_stages, n_microbatches, virtual)[stage]
 
+    def fill_drain(self, n_stages: int, n_microbatches: int, virtual: int) -> float:
+        """Chunk times (one virtual stage's forward and backward of one micro-batch) a step
+        of ``P`` devices, ``m`` micro-batches and ``v`` virtual stages each takes beyond
+        the ``m v`` of a device's own work, for equal stages.
+
+        Example:
+            >>> schedule_kind("v_shape").fill_drain(4, 8, 2), schedule_kind(
+            ...     "interleaved").fill_drain(4, 8, 2)
+            (3.0, 3.0)
+        """
+        if self.fill is not None:
+            return self.fill(n_stages, n_microbatches, virtual)
+        return _counted_fill(self, n_stages, n_microbatches, virtual)
+
     def place(self, n_stages: int, virtual: int = 1) -> Placement:
         """Per virtual stage, the pipeline device that runs it."""
         return self.placement(n_stages, virtual)
@@ -257,6 +299,14 @@ def _counted_peaks(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtu
     return in_flight(kind.build(n_stages, n_microbatches, virtual))
 
 
+@lru_cache(maxsize=256)
+def _counted_fill(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
+                  ) -> float:
+    # A backward twice a forward, as the cost model's layers mostly are; 3 ticks a chunk.
+    ticks = len(clock_ticks(kind.build(n_stages, n_microbatches, virtual), 1.0, 2.0))
+    return ticks / 3 - n_microbatches * virtual
+
+
 _BOTH = frozenset({Runtime.ONE_PROCESS, Runtime.MULTI_PROCESS})
 
 SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for kind in (
@@ -270,7 +320,7 @@ SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for ki
                  peak=lambda p, m, j, v: min(p - j, m), hidden=weight_halves_hidden,
                  bound=split_bound),
     ScheduleKind(V_SHAPE, v_shape, virtual=True, runtimes=_BOTH,
-                 placement=zigzag, bound=critical_path_bound, searched=False),
+                 placement=zigzag, fill=None, bound=v_bound),
 )})
 """Every schedule by name, in the order messages list them."""
 

@@ -12,9 +12,9 @@ the checkpoint mode. :func:`predict` finds the optimal stage split
   inside the node, plus sending the boundary activations (and their gradients) to the next
   stage, ``1 / tp`` of them per rank, then an all-gather (Megatron's scatter-gather);
 * the pipeline: ``sum_j t_j + (m - 1) max_j t_j`` for GPipe and 1F1B (fill, steady state,
-  drain), ``m max_j W_j + (p - 1) max_k t_k`` for the interleaved schedule (``W_j`` all
-  chunks of device ``j``, ``t_k`` one chunk), and never faster than the host can get
-  through the work when devices share one host's cores;
+  drain), ``m max_j W_j + f mean_k t_k`` with virtual stages (``W_j`` all chunks of device
+  ``j``, ``t_k`` one chunk, ``f`` the schedule's fill: ``p - 1`` interleaved, counted for
+  the V), and never faster than the host can get through the work on shared cores;
 * after each device's last backward: the data-parallel all-reduce of its gradients
   (overlapped with that backward when ``overlap_grad_reduce``), then the optimizer step
   (memory-bound; devices sharing one host are stepped one after another by one process's
@@ -310,7 +310,9 @@ def stage_problem(workload: Workload, cluster: Cluster, config: Config,
     compute = [f * (1 + replay) + b for f, b in times]
     transfer = [2 * _send(workload, cluster, config, bound * samples, 0, 1 % config.pp)
                 for bound in workload.boundaries]
-    held = in_flight(config.schedule, config.pp, config.chunks, 0, config.virtual)
+    # The busiest device's in-flight count (the first when looped, the last in a V).
+    held = max(in_flight(config.schedule, config.pp, config.chunks, j, config.virtual)
+               for j in range(config.pp))
     element = workload.param_bytes_per_element
     memory = []
     for layer in workload.layers:
@@ -509,7 +511,9 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         edges -= kind.hidden([s.backward for s in stages], INPUT_SHARE)
         steady = (m - 1) * max(max(work), max(s.send for s in stages))
     else:
-        edges = (p - 1) * sum(work) / len(work) + 2 * sum(s.send for s in stages[:p])
+        # The schedule's own fill and drain in chunk times (its hook: P - 1 when looped).
+        edges = kind.fill_drain(p, m, v) * sum(work) / len(work) \
+            + 2 * sum(s.send for s in stages[:p])
         steady = m * max(per_device)
     # The schedule's idle fraction, before any slowdown from sharing a host: a device slowed
     # by its neighbours is computing, not waiting.

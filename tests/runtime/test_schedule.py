@@ -270,7 +270,7 @@ def test_runtimes_execute_what_the_registry_says() -> None:
     assert schedule_names([Runtime.ONE_PROCESS]) == (*every, V_SHAPE)
     assert schedule_names([Runtime.MULTI_PROCESS]) == (*every, V_SHAPE)
     assert schedule_names(virtual=True) == (INTERLEAVED, V_SHAPE)
-    assert schedule_names(searched=True) == every
+    assert schedule_names(searched=True) == (*every, V_SHAPE)
     assert check_runtime(GPIPE, Runtime.ONE_PROCESS) is SCHEDULES[GPIPE]
     assert runtime_problem(ZERO_BUBBLE, Runtime.MULTI_PROCESS) is None
     with pytest.raises(ScheduleError, match="schedule='zb' is not a registered schedule"):
