@@ -3,7 +3,8 @@
 With ``pp=2, virtual_stages=2`` the V puts virtual stages 0 and 3 on rank 0 and 1 and 2
 (its turn, handed over in memory) on rank 1: rank 0 sends forward to rank 1 and receives
 the turn's outputs back from it, and computes the loss. Training must equal the whole model
-and 1F1B, and a V checkpoint must resume under the V and under 1F1B.
+and 1F1B, a V checkpoint must resume under the V and under 1F1B, and ``strategy="auto"``
+asked for the V must choose and run one.
 """
 
 from __future__ import annotations
@@ -55,3 +56,11 @@ def test_a_v_checkpoint_resumes_under_the_v_and_under_1f1b(records: Any) -> None
             assert r[where]["losses"] == pytest.approx(r["straight"], rel=TOLERANCE)
             if r["rank"] == 0:
                 assert r[where]["diff"] < TOLERANCE, (where, r[where]["diff"])
+
+
+@pytest.mark.slow
+def test_auto_across_processes_chooses_and_runs_a_v(records: Any) -> None:
+    for r in records["auto"]:
+        assert r["schedule"] == "v_shape" and r["virtual"] >= 2
+        assert all("v_shape" in label for label in r["labels"])  # every candidate a V
+        assert r["grads"] and max(r["grads"].values()) < TOLERANCE

@@ -2,8 +2,8 @@
 
 Launched by ``tests/distributed_harness.py`` with two ranks. Trains float64 models with
 ``schedule="v_shape"`` (rank 0 holds the first and the last virtual stage, rank 1 the turn),
-with 1F1B and in one process, and saves, loads and resumes a V run; prints ``RESULT {json}``
-lines for ``test_v_shape_ranks.py``.
+with 1F1B and in one process, saves, loads and resumes a V run, and lets
+``strategy="auto"`` choose one; prints ``RESULT {json}`` lines for ``test_v_shape_ranks.py``.
 """
 
 from __future__ import annotations
@@ -143,11 +143,30 @@ def scenario_resume(folder: Path) -> None:
     report(**record)
 
 
+def scenario_auto() -> None:
+    """``strategy="auto"`` across processes, asked for the V: it chooses the chunks and
+    virtual stages and runs the V it chose."""
+    model, (x, y) = build("longskip"), batches(1)[0]
+    reference = copy.deepcopy(model)
+    F.mse_loss(reference(x), y).backward()
+    dpm = partition_distributed(copy.deepcopy(model), example_inputs=(x,), pp=2,
+                                strategy="auto", schedule="v_shape", failure=POLICY)
+    dpm.step(x, y, F.mse_loss)
+    want = dict(reference.named_parameters())
+    grads = {k: float((p.grad - want[k].grad).abs().max())
+             for k, p in dpm.stage.named_parameters()}
+    report(case="auto", rank=dist.get_rank(), schedule=dpm.plan.schedule,
+           virtual=dpm.plan.virtual_stages, grads=grads,
+           labels=[c["label"] for c in dpm.plan.candidates])
+    dpm.close()
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])  # {"dir": a folder every rank sees}
     for name in ("longskip", "tied"):
         scenario_train(name)
     scenario_resume(Path(args["dir"]))
+    scenario_auto()
     dist.barrier()
 
 
