@@ -209,7 +209,8 @@ def partition_distributed(
             ``None``/``"none"``, ``"optimizer"`` (``optimizer_sharding=True``) or
             ``"fsdp"``: parameters, gradients and optimizer state by torch's FSDP2, the
             parameters ``DTensor``s (build the optimizer over ``dpm.parameters()`` or with
-            ``dpm.make_optimizer``); needs ``dp >= 2``, ``tp=1``, one stage per rank.
+            ``dpm.make_optimizer``); needs ``dp >= 2`` and one stage per rank; with
+            ``tp >= 2`` each tp slice is cut again over its replicas.
         sequence_parallel: with ``tp >= 2``, Megatron's sequence parallelism on every
             stage's tp slice (``partitioner.tensor_parallel.shard_stage``): norms, dropout
             and residual adds between the column/row pairs on ``seq / tp`` tokens per

@@ -181,15 +181,26 @@ class ModelWrapper(nn.Module):
         if self.inner is not None:
             _strip(state_dict, prefix, self.inner)
         if self._shards is not None:
-            _convert_shards(self._shards, state_dict, prefix, whole=True)
+            _convert_shards(self._whole_shards, self._shards, state_dict, prefix)
 
     def _state_from_original(self, state_dict: dict[str, Any], prefix: str,
                              missing_keys: list[str]) -> None:
         """Turn the original model's entries into this module's, in place (before loading)."""
         if self._shards is not None:
-            _convert_shards(self._shards, state_dict, prefix, whole=False)
+            _convert_shards(self._cut_shards, self._shards, state_dict, prefix)
         if self.inner is not None:
             _add(state_dict, prefix, self.inner)
+
+    def _whole_shards(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """This process's split entries whole (a collective over the tensor-parallel group);
+        a subclass holding them cut again (FSDP) overrides it with its own layout."""
+        assert self._shards is not None
+        return self._shards.gather(entries)
+
+    def _cut_shards(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """The split entries (whole tensors) cut to what this process holds."""
+        assert self._shards is not None
+        return self._shards.split(entries)
 
     # -- names --------------------------------------------------------------------------
 
@@ -362,10 +373,10 @@ def _add(state_dict: dict[str, Any], prefix: str, inner: str) -> None:
             state_dict[f"{prefix}{inner}.{key[len(prefix):]}"] = state_dict.pop(key)
 
 
-def _convert_shards(shards: ShardState, state_dict: dict[str, Any], prefix: str, *,
-                    whole: bool) -> None:
+def _convert_shards(convert: Callable[[dict[str, Any]], dict[str, Any]], shards: ShardState,
+                    state_dict: dict[str, Any], prefix: str) -> None:
     """Make the split entries of ``state_dict`` whole (a collective) or this rank's slices."""
     entries = {k: state_dict[prefix + k] for k in shards.shardings if prefix + k in state_dict}
-    converted = shards.gather(entries) if whole else shards.split(entries)
+    converted = convert(entries)
     for key, value in converted.items():
         state_dict[prefix + key] = value

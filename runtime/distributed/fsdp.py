@@ -20,6 +20,15 @@ gradients, as data parallelism does; what is sharded is what persists across ste
 (parameters, gradients, optimizer state). The stage is one FSDP unit: its graph calls no
 submodules whose hooks could gather layer by layer (``docs/design/004-distributed.md``).
 
+With tensor parallelism (``tp >= 2``) the stage is a tensor-parallel rank's graph, its
+parameters that rank's slices as plain tensors; FSDP cuts each slice again over the ranks
+holding the same stage and the same tp rank (the ``dp`` group), as torchtitan applies
+``fully_shard`` over the dp axis after tensor parallelism. The graph's own tp collectives
+run on the gathered slices, between FSDP's all-gather and its reduce-scatter. A checkpoint
+records both cuts: :func:`tp_dp_device_mesh` is the stage's two-dimensional ``(tp, dp)``
+mesh on which a slice's FSDP shard is one ``DTensor`` of the whole tensor (the tp cut
+first, then FSDP's along dim 0 of the slice: placements ``[Shard(d), Shard(0)]``).
+
 Example:
     >>> w = torch.nn.Parameter(torch.zeros(3, 4))
     >>> print(fsdp_problem([("w", w)], dp=4, stage=0))  # doctest: +ELLIPSIS
@@ -30,19 +39,21 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from partitioner.errors import CheckpointError
+from partitioner.errors import CheckpointError, StrategyError
 from partitioner.runtime.distributed.checkpoint_io import read_any, refuse_unexpected
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.stage import CALL_HOOKS_ATTR
+from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["FsdpGradients", "shard_stage_fsdp", "fsdp_problem", "axis_device_mesh",
-           "load_whole_into_fsdp"]
+           "load_whole_into_fsdp", "check_fsdp", "tp_dp_device_mesh", "cut_like",
+           "cut_whole_entries", "local_shard"]
 
 
 def fsdp_problem(named: Iterable[tuple[str, nn.Parameter]], dp: int, stage: int) -> str | None:
@@ -64,6 +75,64 @@ def fsdp_problem(named: Iterable[tuple[str, nn.Parameter]], dp: int, stage: int)
             f"first dim, and stage {stage}'s largest first dim is {rows} ({name}, shape "
             f"{tuple(widest.shape)}), so replica {empty[0]} would hold nothing; pass dp <= "
             f"{_most_replicas(rows)}, or sharding='optimizer' or None")
+
+
+def check_fsdp(graphs: Sequence[nn.Module], held: nn.Module, *, dp: int, stage: int,
+               virtual: int, split: bool, tied: bool) -> None:
+    """Refuse what ``sharding="fsdp"`` cannot run (design 004, "Sharding by torch"), on
+    every rank together: from every stage's graph, which all ranks know alike, and, when
+    stages are split over tp ranks, from each rank's own slices (exchanged: a collective).
+
+    Args:
+        graphs: every stage's (unsplit) graph.
+        held: this rank's stage (its tp slice when ``split``).
+        dp: the data-parallel replicas.
+        stage: this rank's stage.
+        virtual: virtual stages per rank.
+        split: whether stages are split over tp ranks.
+        tied: whether weights are tied across stages.
+
+    Raises:
+        StrategyError: naming the values and a fix.
+    """
+    if dp < 2:
+        raise StrategyError(f"sharding='fsdp' with dp={dp}: FSDP shards over the "
+                            "data-parallel replicas, and one replica holds everything anyway; "
+                            "pass dp=2 or more, or sharding=None")
+    if virtual > 1:
+        raise StrategyError(f"sharding='fsdp' with virtual_stages={virtual}: a rank's "
+                            "virtual stages share one module, which FSDP cannot gather per "
+                            "stage; pass virtual_stages=1, or sharding='optimizer'")
+    if tied:
+        raise StrategyError("sharding='fsdp' with weights tied across pipeline stages (a "
+                            "shared embedding): their gradients are summed over whole "
+                            "tensors, which FSDP has cut; pass sharding='optimizer', or a "
+                            "split that keeps the tied layers in one stage")
+    problems = [fsdp_problem(graph.named_parameters(), dp, j) for j, graph in enumerate(graphs)]
+    if split:  # a slice has fewer rows than its tensor: every rank's own, exchanged
+        import torch.distributed as dist
+
+        mine = fsdp_problem(held.named_parameters(), dp, stage)
+        everyone: list[str | None] = [None] * dist.get_world_size()
+        with communicating("exchanging whether FSDP can cut every tensor-parallel slice"):
+            dist.all_gather_object(everyone, mine)
+        problems += everyone
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise StrategyError(problem)
+
+
+def tp_dp_device_mesh(tp_group: Any, dp_group: Any, ranks: Sequence[Sequence[int]],
+                      device_type: str) -> Any:
+    """The two-dimensional ``(tp, dp)`` ``DeviceMesh`` of one stage over its existing
+    groups: ``ranks[t][r]`` is the global rank of tp rank ``t`` in replica ``r``. A tensor
+    cut by tensor parallelism along ``d`` and each slice again by FSDP along dim 0 is the
+    ``DTensor`` of placements ``[Shard(d), Shard(0)]`` on it (cut left to right)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group([tp_group, dp_group], device_type, mesh=torch.tensor(ranks),
+                                 mesh_dim_names=(f"tp_{tp_group.group_name}",
+                                                 f"dp_{dp_group.group_name}"))
 
 
 def _most_replicas(rows: int) -> int:
@@ -145,23 +214,49 @@ class FsdpGradients:
 
     def local_grads(self) -> list[torch.Tensor]:
         """This replica's shards of the gradients (each element on one replica)."""
-        return [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        return [local_shard(p.grad) for p in self.module.parameters() if p.grad is not None]
 
     def close(self) -> None:
         """Nothing to remove: FSDP's hooks stay with the module."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard (FSDP's), a plain tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
 
 
+def cut_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (shaped like ``like``) as ``like`` holds it: FSDP's
+    shard of it when ``like`` is a DTensor (no communication: every rank has ``tensor``),
+    else ``tensor`` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return tensor
+    return distribute_tensor(tensor.to(like.dtype), like.device_mesh, like.placements,
+                             src_data_rank=None)
+
+
+def cut_whole_entries(state_dict: dict[str, Any], held: Mapping[str, torch.Tensor],
+                      prefix: str) -> None:
+    """Replace, in ``state_dict`` (a ``load_state_dict`` argument, keys ``prefix + key``),
+    each whole tensor of an entry ``held`` as FSDP's DTensor by this replica's shard: FSDP
+    loads DTensors only."""
+    for key, like in held.items():
+        value = state_dict.get(prefix + key)
+        if isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
+            state_dict[prefix + key] = cut_like(value, like)
+
+
 def load_whole_into_fsdp(path: str | os.PathLike[str], stage: nn.Module, *,
                          optimizer: Any = None, model_keys: Collection[str] | None = None,
-                         strict: bool = True) -> dict[str, Any]:
+                         strict: bool = True, shards: ShardState | None = None
+                         ) -> dict[str, Any]:
     """Fill an FSDP stage from a whole-model file (a ``state_dict()`` saved with
     ``torch.save`` or as safetensors, or a one-file checkpoint): every replica cuts its
-    shard out of each whole tensor, one tensor at a time.
+    shard out of each whole tensor, one tensor at a time (of a stage split over tp ranks,
+    ``shards``, out of its tp slice).
 
     Returns:
         The file's ``extra`` values (a checkpoint's step count).
@@ -171,7 +266,7 @@ def load_whole_into_fsdp(path: str | os.PathLike[str], stage: nn.Module, *,
             keys the model lacks, or an optimizer state to restore (FSDP's is resumed from
             a checkpoint folder).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     if optimizer is not None:
         raise CheckpointError(f"{path} is one file; with sharding='fsdp' the optimizer state "
@@ -188,13 +283,13 @@ def load_whole_into_fsdp(path: str | os.PathLike[str], stage: nn.Module, *,
     with torch.no_grad():
         for key, value in own.items():
             whole = data["model"][key]
+            if shards is not None and key in shards.shardings:
+                whole = shards.split({key: whole})[key]
             if tuple(whole.shape) != tuple(value.shape):
                 raise CheckpointError(f"{path} holds {key} of shape {tuple(whole.shape)} but "
                                       f"this stage's is {tuple(value.shape)}")
             if isinstance(value, DTensor):
-                mine = distribute_tensor(whole.to(value.dtype), value.device_mesh,
-                                         value.placements, src_data_rank=None)
-                value.to_local().copy_(mine.to_local())
+                value.to_local().copy_(local_shard(cut_like(whole, value)))
             else:
                 value.copy_(whole)
     return dict(data.get("extra") or {})

@@ -46,9 +46,12 @@ from partitioner.runtime.distributed.failure import Watchdog
 from partitioner.runtime.distributed.fsdp import (
     FsdpGradients,
     axis_device_mesh,
-    fsdp_problem,
+    check_fsdp,
+    cut_whole_entries,
     load_whole_into_fsdp,
+    local_shard,
     shard_stage_fsdp,
+    tp_dp_device_mesh,
 )
 from partitioner.runtime.distributed.mesh import Coords, Mesh
 from partitioner.runtime.distributed.p2p import PipeLinks
@@ -179,7 +182,9 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     # The 1/dp of the replica average rides on the loss weights: the all-reduce just sums.
     reducer: GradReducer | ShardedGradients | FsdpGradients | None = None
     if settings.sharding == "fsdp":
-        _check_fsdp(graphs, mesh, settings, shards is not None, bool(ties))
+        check_fsdp(graphs, held, dp=shape.dp, stage=j, virtual=settings.virtual,
+                   split=shards is not None, tied=bool(ties))
+        # After the tp cut, as torchtitan: each tp slice is sharded over its dp group.
         reducer = shard_stage_fsdp(held, axis_device_mesh(mesh.group("dp"), mesh.ranks("dp"),
                                                           device.type, "dp"))
     elif settings.optimizer_sharding:
@@ -207,40 +212,6 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
                             sharded=reducer if isinstance(reducer, ShardedGradients) else None,
                             fsdp=reducer if isinstance(reducer, FsdpGradients) else None,
                             deferred=deferred)
-
-
-def _check_fsdp(graphs: Sequence[fx.GraphModule], mesh: Mesh, settings: RunSettings,
-                split: bool, tied: bool) -> None:
-    """Refuse what ``sharding="fsdp"`` cannot run (see design 004, "Sharding by torch"),
-    from what every rank knows alike (every stage's graph), so all ranks refuse together.
-
-    Raises:
-        StrategyError: naming the values and a fix.
-    """
-    shape = mesh.shape
-    if shape.dp < 2:
-        raise StrategyError(f"sharding='fsdp' with dp={shape.dp}: FSDP shards over the "
-                            "data-parallel replicas, and one replica holds everything anyway; "
-                            "pass dp=2 or more, or sharding=None")
-    if split:
-        raise StrategyError(
-            f"sharding='fsdp' with tp={shape.tp}: the tensor-parallel runtime holds each "
-            "rank's slices as plain tensors with collectives of its own, which FSDP would "
-            "turn into DTensors it cannot gather or checkpoint; pass tp=1 with "
-            "sharding='fsdp', or sharding='optimizer' with tp > 1")
-    if settings.virtual > 1:
-        raise StrategyError(f"sharding='fsdp' with virtual_stages={settings.virtual}: a "
-                            "rank's virtual stages share one module, which FSDP cannot gather "
-                            "per stage; pass virtual_stages=1, or sharding='optimizer'")
-    if tied:
-        raise StrategyError("sharding='fsdp' with weights tied across pipeline stages (a "
-                            "shared embedding): their gradients are summed over whole "
-                            "tensors, which FSDP has cut; pass sharding='optimizer', or a "
-                            "split that keeps the tied layers in one stage")
-    for j, graph in enumerate(graphs):
-        problem = fsdp_problem(graph.named_parameters(), shape.dp, j)
-        if problem is not None:
-            raise StrategyError(problem)
 
 
 def sharding_problem(dp: int) -> str:
@@ -525,18 +496,42 @@ class DistributedModel(ModelWrapper):
                                 model_keys=keys, aliases=self._aliases(), strict=strict)
         if self._fsdp is not None:
             return load_whole_into_fsdp(path, self.stage, optimizer=optimizer,
-                                        model_keys=keys, strict=strict)
+                                        model_keys=keys, strict=strict, shards=self._shards)
         return load_checkpoint(path, self.stage, optimizer=optimizer, shards=self._shards,
                                model_keys=keys, strict=strict)
 
     def _tp_layout(self) -> TpLayout | None:
-        """How this rank's tensor-parallel slices are DTensors (sharded checkpoints)."""
+        """How this rank's tensor-parallel slices (cut again by FSDP) are DTensors."""
         if self._shards is None:
             return None
         if getattr(self, "_tp_mesh", None) is None:
-            self._tp_mesh = axis_device_mesh(self.mesh.group("tp"), self.mesh.ranks("tp"),
-                                             self.pipeline.runner.device.type, "tp")
+            kind, ranks = self.pipeline.runner.device.type, self.mesh.ranks("tp")
+            self._tp_mesh = axis_device_mesh(self.mesh.group("tp"), ranks, kind, "tp")
+            if self._fsdp is not None:  # the replicas of each tp rank, by tp rank
+                self._tp_mesh = tp_dp_device_mesh(
+                    self.mesh.group("tp"), self.mesh.group("dp"),
+                    [self.mesh.shape.line("dp", rank) for rank in ranks], kind)
         return TpLayout(self._shards, self._tp_mesh)
+
+    def _whole_shards(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """With FSDP, the tp slices' shards as DTensors of the whole tensors
+        (:meth:`TpLayout.whole_entries`); without, the slices gathered."""
+        layout = self._tp_layout()
+        if self._fsdp is None or layout is None:
+            return super()._whole_shards(entries)
+        return layout.whole_entries(entries)
+
+    def _cut_shards(self, entries: dict[str, Any]) -> dict[str, Any]:
+        layout = self._tp_layout()
+        if self._fsdp is None or layout is None:
+            return super()._cut_shards(entries)
+        return layout.cut_entries(entries, self.stage.state_dict())
+
+    def _state_from_original(self, state_dict: dict[str, Any], prefix: str,
+                             missing_keys: list[str]) -> None:
+        super()._state_from_original(state_dict, prefix, missing_keys)
+        if self._fsdp is not None:  # FSDP loads DTensors only
+            cut_whole_entries(state_dict, self.stage.state_dict(), f"{prefix}{self.inner}.")
 
     def _aliases(self) -> dict[str, list[str]]:
         """The model's other keys of each tensor (tied weights), by key."""
@@ -577,10 +572,9 @@ class DistributedModel(ModelWrapper):
         all its slices, a weight tied across stages on its first stage."""
         if self._sharded is not None:  # each element of the slices counts on one rank
             return self._sharded.norm_grads()
-        if self._fsdp is not None:  # so does each element of FSDP's shards (no ties, no tp)
-            return [g.detach() for g in self._fsdp.local_grads()]
+        # FSDP's shards (no ties): each element on one replica, a tp slice's on its tp rank.
         split = self._shards.shardings if self._shards is not None else {}
-        return [p.grad.detach() for name, p in self.stage.named_parameters()
+        return [local_shard(p.grad).detach() for name, p in self.stage.named_parameters()
                 if p.grad is not None and name not in self._norm_skip
                 and (name in split or self.mesh.shard == 0)]
 

@@ -6,10 +6,12 @@ model's keys, its optimizer state under the parameters' names. Nothing is gather
 rank. The replicas of a stage hold the same plain tensors, and DCP writes each once; an
 FSDP stage's parameters and optimizer state are ``DTensor`` s (each replica writes its
 shard); a tensor-parallel rank's slice is written as a ``DTensor`` over the stage's ``tp``
-group (a fused, blocked entry such as a qkv projection is gathered within that group and
-written whole). DCP records where every piece lies in the whole tensor, so
-``dpm.load(folder, optimizer)`` reads, on each rank of any other mesh, just the pieces its
-own stage (or shard) needs: a checkpoint saved at ``pp=2`` loads at ``dp=2`` or ``tp=2``.
+group, and with FSDP over tp slices FSDP's shard of the slice as a ``DTensor`` over the
+stage's ``(tp, dp)`` mesh (:class:`TpLayout`; a fused, blocked entry such as a qkv
+projection is gathered within those groups and written whole). DCP records where every
+piece lies in the whole tensor, so ``dpm.load(folder, optimizer)`` reads, on each rank of
+any other mesh, just the pieces its own stage (or shard) needs: a checkpoint saved at
+``pp=2`` loads at ``dp=2`` or ``tp=2``.
 
 Keys: ``model/<state-dict key>``, ``optim/<parameter>/<state key>`` (``exp_avg``,
 ``step``, ...), ``group/<parameter>`` (its group's hyperparameters), ``extra`` (steps, plan).
@@ -39,6 +41,7 @@ from torch import nn
 
 from partitioner.errors import CheckpointError
 from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.distributed.fsdp import cut_like
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.runtime.tensor_parallel.sharding import shard_tensor
 
@@ -53,7 +56,10 @@ class TpLayout:
 
     Args:
         shards: the stage's split entries (by state-dict key).
-        mesh: a one-dimensional ``DeviceMesh`` over the stage replica's ``tp`` group.
+        mesh: a one-dimensional ``DeviceMesh`` over the stage replica's ``tp`` group, or
+            with ``sharding="fsdp"`` the stage's ``(tp, dp)`` mesh: each slice is then
+            FSDP's ``DTensor`` over the dp group, and its shard a piece of the whole tensor
+            cut twice (``partitioner.runtime.distributed.fsdp.tp_dp_device_mesh``).
     """
 
     def __init__(self, shards: ShardState, mesh: Any) -> None:
@@ -66,16 +72,65 @@ class TpLayout:
         return sharding is not None and sharding.blocks is not None
 
     def wrap(self, key: str, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (this rank's slice of ``key``, or a state shaped like it) as a DTensor."""
-        from torch.distributed.tensor import DTensor, Shard
+        """``local`` (this rank's slice of ``key``, or a state shaped like it; FSDP's DTensor
+        of it) as a DTensor of the whole tensor, sharing ``local``'s storage."""
+        from torch.distributed.tensor import DTensor, Placement, Shard
 
         sharding = self.shards.shardings[key]
         assert sharding.dim is not None
         shape = list(local.shape)
         shape[sharding.dim] *= sharding.tp
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self.mesh, [Shard(sharding.dim)], run_check=False,
+        placements: list[Placement] = [Shard(sharding.dim)]
+        if isinstance(local, DTensor):  # cut by tp, then by FSDP over the replicas
+            placements += list(local.placements)
+            local = local.to_local()
+        return DTensor.from_local(local, self.mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=stride)
+
+    def whole(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of ``key`` from this rank's slice (FSDP's shard of it gathered
+        first; collective over the stage's tp, and dp, groups)."""
+        return self.shards.gather({key: _full(local)})[key]
+
+    def unwrap(self, loaded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a DTensor :meth:`wrap` made, as ``like`` holds it: a plain
+        slice, or FSDP's DTensor over the replicas."""
+        return _like(_local(loaded), like)
+
+    def whole_entries(self, entries: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict's split entries of an FSDP stage as DTensors of the whole tensors
+        (:meth:`wrap`: nothing gathered); a blocked one, not one DTensor, gathered whole
+        (collective, in the same order on every rank)."""
+        return {k: self.whole(k, v) if self.blocked(k) else self.wrap(k, v)
+                for k, v in sorted(entries.items())}
+
+    def cut_entries(self, entries: Mapping[str, torch.Tensor],
+                    held: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Split entries given whole (or as :meth:`whole_entries` made them) as this rank
+        holds them (``held``: its stage's state dict)."""
+        return {k: self.unwrap(v, held[k]) if hasattr(v, "to_local") and not self.blocked(k)
+                else self.cut(k, _full(v), held[k]) for k, v in entries.items()}
+
+    def cut(self, key: str, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the whole tensor ``whole`` of ``key``, as ``like`` holds it."""
+        piece = shard_tensor(whole, self.shards.shardings[key], self.shards.rank)
+        return cut_like(piece, like)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
+
+
+def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as the local shard of a DTensor placed as ``like`` (if it is one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def _save_planner() -> Any:
@@ -125,10 +180,7 @@ def _stage_entries(stage: nn.Module, tp: TpLayout | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in state.items():
         if tp is not None and key in tp.shards.shardings:
-            if tp.blocked(key):
-                value = tp.shards.gather({key: value})[key]
-            else:
-                value = tp.wrap(key, value)
+            value = tp.whole(key, value) if tp.blocked(key) else tp.wrap(key, value)
         out[MODEL + key] = value
     return out
 
@@ -162,8 +214,7 @@ def _tp_value(name: str, value: Any, params: Mapping[str, torch.Tensor],
     parameter's slice becomes the whole tensor's DTensor (or, blocked, the gathered whole)."""
     if isinstance(value, torch.Tensor) and tp is not None \
             and name in tp.shards.shardings and value.shape == params[name].shape:
-        return (tp.shards.gather({name: value})[name] if tp.blocked(name)
-                else tp.wrap(name, value))
+        return tp.whole(name, value) if tp.blocked(name) else tp.wrap(name, value)
     return value
 
 
@@ -325,10 +376,10 @@ def _install_optimizer(optimizer: Any, stage: nn.Module, loaded: Mapping[str, An
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and tp is not None and name in \
                     tp.shards.shardings and not tp.blocked(name):
-                state[key] = _local(value) if value.dim() else value
-            elif isinstance(value, torch.Tensor) and tp is not None and tp.blocked(name) \
-                    and value.shape != params[name].shape:
-                state[key] = shard_tensor(value, tp.shards.shardings[name], tp.shards.rank)
+                state[key] = tp.unwrap(value, params[name]) if value.dim() else value
+            elif isinstance(value, torch.Tensor) and value.dim() and tp is not None \
+                    and tp.blocked(name) and value.shape != params[name].shape:
+                state[key] = tp.cut(name, value, params[name])
         named[name] = state
     if hasattr(optimizer, "load_named_state"):  # our sharded optimizer cuts its slices
         group = next((v for k, v in loaded.items() if k.startswith(GROUP) and
@@ -384,7 +435,7 @@ def load_sharded(path: str | os.PathLike[str], stage: nn.Module, *, optimizer: A
         dcp.load(targets, checkpoint_id=str(path), planner=_load_planner())
         for value, key, whole in cuts:
             assert tp is not None
-            value.copy_(shard_tensor(whole, tp.shards.shardings[key], tp.shards.rank))
+            _local(value).copy_(_local(tp.cut(key, whole, value)))
     if optimizer is not None:
         _install_optimizer(optimizer, stage, targets, tp)
     return dict(targets[EXTRA] or {})
