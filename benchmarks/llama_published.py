@@ -2,11 +2,13 @@
 
 For each row of ``tests/llama_published.py`` (torchtitan's Llama 3.1 8B and 70B tables, the
 Llama 3 paper's 405B pretraining on 8,192 and 16,384 GPUs), the published mesh is planned
-by the planner on the ``H100-SXM`` preset with no memory reserve, and predicted tokens per
+by the planner on its GPUs' preset (``H100-HBM2e-500W`` for torchtitan's Grand Teton
+H100s, ``H100-SXM`` for the Llama 3 paper's) with no memory reserve, and predicted tokens per
 second per GPU and peak memory are printed beside the published ones. ``implied MAMF`` is
-the matmul efficiency (the preset's is 0.801, Stas Bekman's measured H100 SXM figure) that
-would make the prediction exact if the step were all products: where a row is off, it says
-how fast the run's GPUs actually multiplied.
+the matmul efficiency of the products (the presets' is 0.801, Stas Bekman's measured H100
+SXM figure) that would make the prediction exact, everything else (attention, element-wise
+traffic, communication) as modelled: the step is planned again with half the efficiency and
+taken as ``A + B / efficiency`` between the two.
 
 By default the model is not captured (the analytic path after the capture, as the tests
 run it, a few seconds a row). ``--capture`` runs ``make_plan`` itself on a
@@ -24,6 +26,7 @@ import argparse
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +38,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from llama_published import ROWS, SEQ, SHAPES, Row, planned  # noqa: E402
 
 from partitioner import Cluster, make_plan  # noqa: E402
-from partitioner.cost.devices import DEVICES  # noqa: E402
 from partitioner.plans.plan import Plan  # noqa: E402
 
 GIB = 2**30
@@ -55,9 +57,22 @@ def captured_plan(row: Row) -> Plan:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
         tokens = torch.randint(0, shape.vocab, (row.batch, SEQ))
-    return make_plan(model, Cluster.preset("H100-SXM", nodes=max(1, row.gpus // 8)),
+    return make_plan(model, Cluster.preset(row.device, nodes=max(1, row.gpus // 8)),
                      example_inputs=(tokens,), mesh=row.mesh, precision="bf16",
                      memory_reserve=0.0, checkpoint=row.checkpoint)
+
+
+def implied_mamf(row: Row, step: float) -> float:
+    """The products' matmul efficiency that makes the step the published one: the row is
+    planned again at half its preset's efficiency and the step taken as ``A + B / eff``."""
+    cluster = Cluster.preset(row.device, nodes=max(1, row.gpus // 8))
+    eff = cluster.device.matmul_efficiency
+    half = replace(cluster, device=replace(cluster.device, matmul_efficiency=eff / 2))
+    slow = planned(row, half).predicted_step_time
+    assert slow is not None
+    b = (slow - step) / (2 / eff - 1 / eff)
+    published = row.batch * SEQ / row.published_tokens / row.gpus
+    return b / (published - (step - b / eff))
 
 
 def report(row: Row, capture: bool) -> float:
@@ -69,12 +84,14 @@ def report(row: Row, capture: bool) -> float:
     assert plan.predicted_step_time is not None
     tokens = row.batch * SEQ / plan.predicted_step_time / row.gpus
     ratio = tokens / row.published_tokens
-    mamf = DEVICES["H100-SXM"].matmul_efficiency / ratio
+    # make_plan costs the element-wise steps fused (it is not told how the model will run).
+    mamf = implied_mamf(replace(row, fused=True) if capture else row, plan.predicted_step_time)
     llama = next((n for n in plan.notes if n.startswith("costed as Llama")), "captured costs")
     run = llama.split("(")[1].split(")")[0] if "(" in llama else llama
     memory = f"{row.memory_gib:g}" if row.memory_gib is not None else "--"
     mesh = f"dp{row.mesh.dp} pp{row.mesh.pp} tp{row.mesh.tp}"
-    print(f"| {row.name} | {row.source} | {mesh} | {row.batch} | {run} | {record['label']} "
+    row_source = f"{row.source}, {row.device}"
+    print(f"| {row.name} | {row_source} | {mesh} | {row.batch} | {run} | {record['label']} "
           f"| {row.published_tokens:,.0f} | {tokens:,.0f} | {ratio:.2f} | {mamf:.2f} "
           f"| {memory} | {record['peak_memory'] / GIB:.1f} | {seconds:.0f} s |")
     return ratio
@@ -86,8 +103,8 @@ def main() -> None:
                         help="run make_plan on meta-built LlamaForCausalLM models")
     parser.add_argument("--rows", default="", help="only rows whose name contains this")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, python {platform.python_version()}; H100-SXM preset "
-          "(80 GiB, 8 per node, NVLink 4, NDR InfiniBand), no memory reserve, "
+    print(f"torch {torch.__version__}, python {platform.python_version()}; each row's preset "
+          "(8 per node, NVLink 4, NDR InfiniBand), no memory reserve, "
           f"{'make_plan on meta models' if args.capture else 'analytic (after the capture)'}"
           "\n")
     print("| row | source | mesh | batch | costed as | planned | published tokens/s/GPU "

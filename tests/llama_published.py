@@ -60,6 +60,8 @@ class Row:
         tokens: published tokens per second per GPU (``None`` when given as TFLOP/s).
         tflops: published TFLOP/s per GPU (``None`` when given as tokens).
         memory_gib: published peak memory per GPU (``None``: not published).
+        device: the preset of the run's GPUs (``partitioner.cost.devices.DEVICES``).
+        fused: whether the element-wise steps ran fused (``torch.compile``) or eagerly.
     """
 
     name: str
@@ -71,6 +73,8 @@ class Row:
     tokens: float | None = None
     tflops: float | None = None
     memory_gib: float | None = None
+    device: str = "H100-SXM"
+    fused: bool = True
 
     @property
     def gpus(self) -> int:
@@ -89,13 +93,19 @@ class Row:
 _TITAN = "torchtitan llama3_h100_202412"
 _ASYNC = "torchtitan asyncTP_llama3_h100_2025-06 (vanilla TP, bf16)"
 _PAPER = "Llama 3 paper, Table 4"
+_TETON = "H100-HBM2e-500W"
 ROWS = (
-    Row("8B FSDP8 eager", _TITAN, "8B", Mesh(dp=8), 16, None, 5762, memory_gib=82.4),
-    Row("8B FSDP8 compile", _TITAN, "8B", Mesh(dp=8), 16, None, 6667, memory_gib=77.0),
-    Row("8B FSDP128 eager", _TITAN, "8B", Mesh(dp=128), 256, None, 5605, memory_gib=67.0),
-    Row("8B FSDP128 compile", _TITAN, "8B", Mesh(dp=128), 256, None, 6514, memory_gib=62.0),
-    Row("8B FSDP8 TP8", _ASYNC, "8B", Mesh(dp=8, tp=8), 96, None, 4378),
-    Row("70B FSDP32 TP8", _ASYNC, "70B", Mesh(dp=32, tp=8), 512, "always", 597.3),
+    Row("8B FSDP8 eager", _TITAN, "8B", Mesh(dp=8), 16, None, 5762, memory_gib=82.4,
+        device=_TETON, fused=False),
+    Row("8B FSDP8 compile", _TITAN, "8B", Mesh(dp=8), 16, None, 6667, memory_gib=77.0,
+        device=_TETON),
+    Row("8B FSDP128 eager", _TITAN, "8B", Mesh(dp=128), 256, None, 5605, memory_gib=67.0,
+        device=_TETON, fused=False),
+    Row("8B FSDP128 compile", _TITAN, "8B", Mesh(dp=128), 256, None, 6514, memory_gib=62.0,
+        device=_TETON),
+    Row("8B FSDP8 TP8", _ASYNC, "8B", Mesh(dp=8, tp=8), 96, None, 4378, device=_TETON),
+    Row("70B FSDP32 TP8", _ASYNC, "70B", Mesh(dp=32, tp=8), 512, "always", 597.3,
+        device=_TETON),
     Row("405B 8,192 GPUs", _PAPER, "405B", Mesh(dp=64, pp=16, tp=8), 2048, None,
         tflops=430),
     Row("405B 16,384 GPUs", _PAPER, "405B", Mesh(dp=128, pp=16, tp=8), 2048, None,
@@ -133,11 +143,11 @@ def planned(row: Row, cluster: Cluster | None = None, reserve: float = 0.0) -> P
     """The plan of ``row``'s mesh, as ``make_plan`` makes it once the model is captured."""
     shape = SHAPES[row.model]
     nodes = max(1, row.gpus // 8)
-    cluster = cluster or Cluster.preset("H100-SXM", nodes=nodes)
+    cluster = cluster or Cluster.preset(row.device, nodes=nodes)
     names = captured_names(shape)
     captured = captured_workload(shape, row.batch)
     variants = llama_variants(LlamaModel(shape, "flash"), names, captured, tp=row.mesh.tp,
-                              recompute=recompute_modes(row.checkpoint))
+                              recompute=recompute_modes(row.checkpoint), fused=row.fused)
     return first_fitting([(w, "never") for w in variants],
                          lambda w, ckpt: given_mesh_plan(w, names, cluster, row.mesh,
                                                          checkpoint=ckpt, reserve=reserve))

@@ -13,6 +13,9 @@ Time of one op on a :class:`~partitioner.cost.devices.DeviceSpec` (roofline):
   where ``rate`` is the device's achievable-efficiency curve (small products reach less of
   the peak), plus repacking its weights on CPUs; its backward is two products of the same
   size (input and weight gradients) plus writing the weight gradient;
+* a fused attention kernel (``"attention"``) of ``f`` FLOPs takes ``f / attention_rate(f)``
+  (FlashAttention-2 reaches 35% of an H100's peak where products reach 80%), its backward
+  :data:`ATTENTION_BACKWARD` times that;
 * a memory-bound op (element-wise, normalisation, softmax, copies) takes ``m / bw``, its
   backward ``backward`` times that; views move nothing;
 * each op launch adds ``op_overhead``;
@@ -55,9 +58,15 @@ from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
            "workload_from_graph", "op_times", "phase_times", "layer_time", "shared_work",
-           "OP_KINDS"]
+           "OP_KINDS", "ATTENTION_BACKWARD"]
 
-OP_KINDS = ("matmul", "memory")
+OP_KINDS = ("matmul", "attention", "memory")
+
+ATTENTION_BACKWARD = 2.5
+"""A fused attention kernel's backward FLOPs over its forward's: FlashAttention's backward
+recomputes the scores and does five products to the forward's two, and its benchmarks count
+it as 2.5 forwards (``flops()`` in flash-attention's ``benchmarks/benchmark_flash_attention.py``),
+the count :attr:`~partitioner.cost.devices.DeviceSpec.attention_efficiency` is measured by."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,9 @@ class Op:
     """One operation of a layer: its forward cost per sample.
 
     Attributes:
-        kind: ``"matmul"`` (matrix products, convolutions, attention) or ``"memory"``.
+        kind: ``"matmul"`` (matrix products, convolutions, unfused attention),
+            ``"attention"`` (a fused attention kernel: FlashAttention's products and softmax,
+            at the device's ``attention_rate``) or ``"memory"``.
         flops: forward FLOPs per sample.
         bytes: activation bytes read and written per sample in the forward.
         weight_read: parameter bytes read per call, whatever the number of samples.
@@ -119,6 +130,10 @@ class LayerCost:
         time_scale: measured over predicted time (``calibrate=True``); scales every phase.
         param_tensors: how many parameter tensors it holds (an optimizer's fixed cost is
             per tensor).
+        replays_forward: the layer keeps its input only and replays its forward at the
+            start of its backward (per-layer full activation checkpointing, as Megatron and
+            torchtitan run it): its backward costs a forward more, tensor-parallel
+            collectives included (``partitioner.planning.predict.layer_profile``).
     """
 
     name: str
@@ -133,6 +148,7 @@ class LayerCost:
     signature: str = ""
     time_scale: float = 1.0
     param_tensors: int = 0
+    replays_forward: bool = False
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
@@ -249,7 +265,12 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
     weights = op.weight_read / share
     grads = op.weight_grad / share * (1 + 3 * accumulate)
     bandwidth, overhead = spec.achievable_bandwidth, spec.op_overhead
-    if op.kind == "matmul":
+    if op.kind == "attention":
+        # One fused kernel each way, the backward doing ATTENTION_BACKWARD times the FLOPs.
+        product = flops / spec.attention_rate(flops, dtype) if flops else 0.0
+        forward = max(product, traffic / bandwidth) + overhead
+        backward = ATTENTION_BACKWARD * max(product, traffic / bandwidth) + overhead
+    elif op.kind == "matmul":
         product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
         pack = weights / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
         forward = max(product, (traffic + weights) / bandwidth) + pack + overhead
@@ -271,7 +292,8 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
 
 def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
                 dtype: str = "fp32", accumulate: float = 0.0) -> tuple[float, float]:
-    """Seconds of a layer's forward and backward for a micro-batch of ``samples``.
+    """Seconds of a layer's forward and backward for a micro-batch of ``samples``; the
+    backward of a layer that ``replays_forward`` includes its replayed forward.
 
     Tensor-parallel communication is not included (see :mod:`partitioner.cost.comm`).
     """
@@ -280,6 +302,8 @@ def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
         f, b = op_times(op, spec, samples, tp, dtype, accumulate)
         forward += f
         backward += b
+    if layer.replays_forward:
+        backward += forward
     return forward * layer.time_scale, backward * layer.time_scale
 
 
@@ -307,8 +331,9 @@ def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
     width = len(spec.shared_speedup)
     out = [0.0] * width
     for op in layer.ops:
-        seconds = sum(op_times(op, spec, samples, tp, dtype)) * layer.time_scale
-        size = op.flops * samples / (tp if op.split else 1) if op.kind == "matmul" else 0.0
+        forward, backward = op_times(op, spec, samples, tp, dtype)
+        seconds = (forward * (1 + layer.replays_forward) + backward) * layer.time_scale
+        size = op.flops * samples / (tp if op.split else 1) if op.kind != "memory" else 0.0
         for n in range(1, width + 1):
             out[n - 1] += seconds / spec.speedup(n, size)
     return tuple(out)

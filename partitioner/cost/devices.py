@@ -10,8 +10,9 @@ fraction of it large matrix products reach and how that fraction falls for small
 size and bandwidth, and a fixed cost per operation. A :class:`LinkSpec` is an alpha-beta link
 (latency, bandwidth). A :class:`Cluster` is ``nodes x devices_per_node`` devices with a link
 inside a node and NICs between nodes, for planning beyond this machine. Presets for V100,
-A100-40GB/80GB, H100-SXM and H200 come from public datasheets (:data:`DEVICES`); the CPU spec
-is measured by a short calibration (``partitioner.cost.measure.measure_cpu``).
+A100-40GB/80GB, H100-SXM, H100-HBM2e-500W and H200 come from public datasheets
+(:data:`DEVICES`); the CPU spec is measured by a short calibration
+(``partitioner.cost.measure.measure_cpu``).
 
 Example:
     >>> parse_devices(["cpu", "cpu"])
@@ -107,6 +108,8 @@ class DeviceSpec:
         optimizer_tensor_overhead: seconds the optimizer spends per parameter tensor beyond
             the bytes it streams (``torch.optim.Adam``'s loop: kernel calls and Python per
             tensor); 0 for the presets (GPU optimizers run fused or multi-tensor).
+        attention_efficiency: fraction of peak a fused attention kernel (FlashAttention-2 in
+            torch's SDPA) reaches on its causal FLOPs, forward and backward; 0: as products.
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -130,6 +133,7 @@ class DeviceSpec:
     thread_latency: float = 0.0
     replica_overhead: float = 0.0
     optimizer_tensor_overhead: float = 0.0
+    attention_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -151,7 +155,7 @@ class DeviceSpec:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
         for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
                      "fresh_bandwidth", "fresh_threshold", "thread_latency",
-                     "replica_overhead", "optimizer_tensor_overhead"):
+                     "replica_overhead", "optimizer_tensor_overhead", "attention_efficiency"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0
@@ -171,6 +175,18 @@ class DeviceSpec:
         """Achievable FLOP/s of one matrix product of ``flops`` FLOPs."""
         size = max(flops, 1.0)
         return self.flops(dtype) * self.matmul_efficiency * size / (size + self.matmul_half_flops)
+
+    def attention_rate(self, flops: float, dtype: str = "fp32") -> float:
+        """Achievable FLOP/s of one fused attention kernel of ``flops`` FLOPs (forward and
+        backward alike): :meth:`matmul_rate`'s curve at ``attention_efficiency``.
+
+        Example:
+            >>> spec = DEVICES["H100-SXM"]
+            >>> round(spec.attention_rate(1e15, "bf16") / spec.matmul_rate(1e15, "bf16"), 3)
+            0.437
+        """
+        efficiency = self.attention_efficiency or self.matmul_efficiency
+        return self.matmul_rate(flops, dtype) * efficiency / self.matmul_efficiency
 
     def fresh_time(self, nbytes: float) -> float:
         """Seconds of first-touching a newly allocated tensor of ``nbytes`` (0 when the
@@ -302,6 +318,14 @@ _GiB = float(2**30)
 # NVIDIA's developer forum thread "Trouble to reach peak bandwidth of A100", which cites a
 # GTC talk's ~90% as the best any kernel reached); 0.85 for the fused element-wise kernels
 # of training, a little under that best case. op_overhead: 5 us per kernel, an assumption.
+# attention_efficiency: FlashAttention-2 (torch SDPA's bf16 causal kernel) reaches "only 35%
+# utilization on the H100 GPU" (FlashAttention-3, Shah et al. 2024, arXiv:2407.08608).
+# H100-HBM2e-500W: torchtitan's Grand Teton H100s ("96GB HBM2e with 2.4 TB/sec", "the default
+# 500W power limit", benchmarks/llama3_h100_202412_torchtitan.md); their peak "is between SXM
+# and NVL, and we don't know its exact value", so SXM's peak and 700 W MAMF: an upper bound.
+_HOPPER_FLOPS = {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12,
+                 "fp32": 66.9e12, "fp64": 66.9e12}
+_FA2_HOPPER = 0.35
 DEVICES: dict[str, DeviceSpec] = {
     "V100": DeviceSpec("V100", {"fp16": 125e12, "bf16": 15.7e12, "fp32": 15.7e12,
                                 "fp64": 7.8e12}, 32 * _GiB, 0.9e12, 0.80, 125e12 * 5e-6,
@@ -312,12 +336,13 @@ DEVICES: dict[str, DeviceSpec] = {
     "A100-80GB": DeviceSpec("A100-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12,
                                           "fp32": 19.5e12, "fp64": 19.5e12}, 80 * _GiB,
                             2.039e12, 0.859, 312e12 * 5e-6, 0.85, 5e-6),
-    "H100-SXM": DeviceSpec("H100-SXM", {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12,
-                                        "tf32": 494.5e12, "fp32": 66.9e12, "fp64": 66.9e12},
-                           80 * _GiB, 3.35e12, 0.801, 989e12 * 5e-6, 0.85, 5e-6),
-    "H200": DeviceSpec("H200", {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12,
-                                "tf32": 494.5e12, "fp32": 66.9e12, "fp64": 66.9e12},
-                       141e9, 4.8e12, 0.801, 989e12 * 5e-6, 0.85, 5e-6),
+    "H100-SXM": DeviceSpec("H100-SXM", _HOPPER_FLOPS, 80 * _GiB, 3.35e12, 0.801,
+                           989e12 * 5e-6, 0.85, 5e-6, attention_efficiency=_FA2_HOPPER),
+    "H100-HBM2e-500W": DeviceSpec("H100-HBM2e-500W", _HOPPER_FLOPS, 96 * _GiB, 2.4e12,
+                                  0.801, 989e12 * 5e-6, 0.85, 5e-6,
+                                  attention_efficiency=_FA2_HOPPER),
+    "H200": DeviceSpec("H200", _HOPPER_FLOPS, 141e9, 4.8e12, 0.801, 989e12 * 5e-6, 0.85, 5e-6,
+                       attention_efficiency=_FA2_HOPPER),
 }
 """Presets from public datasheets, by name."""
 
@@ -357,7 +382,7 @@ LINKS: dict[str, LinkSpec] = {
 
 _PRESET_LINKS = {"V100": ("nvlink2", "ib-hdr"), "A100-40GB": ("nvlink3", "ib-hdr"),
                  "A100-80GB": ("nvlink3", "ib-hdr"), "H100-SXM": ("nvlink4", "ib-ndr"),
-                 "H200": ("nvlink4", "ib-ndr")}
+                 "H100-HBM2e-500W": ("nvlink4", "ib-ndr"), "H200": ("nvlink4", "ib-ndr")}
 
 
 @dataclass(frozen=True)

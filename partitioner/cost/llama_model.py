@@ -125,7 +125,7 @@ def llama_layers(names: Sequence[str], shape: LlamaShape, shaped: Workload,
 
 
 def llama_variants(model: LlamaModel, names: Sequence[str], captured: Workload, *,
-                   tp: int, recompute: Sequence[str]) -> list[Workload]:
+                   tp: int, recompute: Sequence[str], fused: bool = True) -> list[Workload]:
     """The Llama workloads of ``captured`` (already at the run's precision), one per mode
     of ``recompute``, in order; empty when the layers are not a Llama model's.
 
@@ -135,6 +135,8 @@ def llama_variants(model: LlamaModel, names: Sequence[str], captured: Workload, 
         captured: the workload costed from the graph.
         tp: the tensor-parallel degree whose split of the k and v projections is costed.
         recompute: modes of ``partitioner.cost.transformer_model.RECOMPUTES``.
+        fused: the element-wise steps fused (``torch.compile``), or eager PyTorch's
+            kernels (``LlamaRun.fused``).
     """
     shape, attention = model.shape, model.attention
     low = captured.dtype in ("bf16", "fp16")
@@ -142,7 +144,8 @@ def llama_variants(model: LlamaModel, names: Sequence[str], captured: Workload, 
     tp = tp if shape.heads % tp == 0 else 1
     found = []
     for mode in recompute:
-        run = LlamaRun(sequence_parallel=True, attention=attention, recompute=mode)
+        run = LlamaRun(sequence_parallel=True, attention=attention, recompute=mode,
+                       fused=fused)
         shaped = llama_workload(shape, captured.batch, tp, e, mixed_precision=low, run=run,
                                 fsdp=True)
         layers = llama_layers(names, shape, shaped, captured)

@@ -51,10 +51,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from partitioner.cost.cost import CostModelError, LayerCost, Op, Workload
+from partitioner.cost.llama_elementwise import llama_elementwise
 
 __all__ = ["GPTShape", "gpt_workload", "megatron_flops", "megatron_boundaries", "LlamaShape",
-           "LlamaTPComm", "LlamaRun", "llama_workload", "ATTENTIONS", "RECOMPUTES",
-           "FULL_RECOMPUTE_SCALE"]
+           "LlamaTPComm", "LlamaRun", "llama_workload", "ATTENTIONS", "RECOMPUTES"]
 
 
 @dataclass(frozen=True)
@@ -352,19 +352,16 @@ ATTENTIONS = ("eager", "flash")
 probabilities to memory and keeps the probabilities for the backward (transformers' eager
 path); ``"flash"`` is one fused causal kernel (FlashAttention-2, Dao 2023, as torch's SDPA
 runs it): no score matrix in memory or kept, and blocks above the causal diagonal skipped,
-so its two products do half the nominal ``4 s^2 h`` FLOPs."""
+so its two products do half the nominal ``4 s^2 h`` FLOPs, at the device's attention rate
+(an ``"attention"`` op of ``partitioner.cost.cost``)."""
 
 RECOMPUTES = ("none", "full")
 """Per-layer activation recomputation of a Llama workload: ``"none"`` keeps every decoder
 layer's activations; ``"full"`` keeps each layer's input only and replays its forward in the
-backward (Megatron's and torchtitan's full activation checkpointing, one layer at a time).
-Korthikanti et al.'s *selective* recomputation (the attention core's ``s^2`` activations
-recomputed) is what ``attention="flash"`` does inside its kernel."""
-
-FULL_RECOMPUTE_SCALE = 4 / 3
-"""A layer's time with its forward replayed over its time without: products dominate a
-decoder layer, and a product's backward is two products (``op_times``), so one more forward
-adds a third."""
+backward (Megatron's and torchtitan's full activation checkpointing, one layer at a time:
+``LayerCost.replays_forward``, its collectives included). Korthikanti et al.'s *selective*
+recomputation (the attention core's ``s^2`` activations recomputed) is what
+``attention="flash"`` does inside its kernel."""
 
 
 @dataclass(frozen=True)
@@ -380,6 +377,9 @@ class LlamaRun:
             a reduce-scatter then an all-gather), so the layer's communication is unchanged.
         attention: one of :data:`ATTENTIONS`.
         recompute: one of :data:`RECOMPUTES`.
+        fused: each element-wise step one kernel (``torch.compile``, fused kernels), or
+            eager PyTorch's kernels, the norms and rotary in fp32 (``False``; bytes of
+            :mod:`partitioner.cost.llama_elementwise`).
 
     Raises:
         CostModelError: an unknown attention or recompute mode.
@@ -388,6 +388,7 @@ class LlamaRun:
     sequence_parallel: bool = False
     attention: str = "eager"
     recompute: str = "none"
+    fused: bool = True
 
     def __post_init__(self) -> None:
         problems = [f"{name}={value!r} (use one of {known})" for name, value, known in
@@ -399,7 +400,8 @@ class LlamaRun:
     def label(self) -> str:
         """A short description, e.g. ``"sp, flash, full recompute"``."""
         parts = ["sp"] if self.sequence_parallel else []
-        return ", ".join([*parts, self.attention, f"{self.recompute} recompute"])
+        eager = [] if self.fused else ["eager element-wise"]
+        return ", ".join([*parts, self.attention, f"{self.recompute} recompute", *eager])
 
 
 def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
@@ -408,28 +410,30 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
     sh, sp = s * h, run.sequence_parallel
     flash = run.attention == "flash"
     scores = 0 if flash else a * s * s
-    core = 0.5 if flash else 1.0  # a causal fused kernel skips the upper triangle
-    norm = Op("memory", bytes=2 * e * sh, weight_read=e * h, weight_grad=e * h, split=sp)
-    add = Op("memory", bytes=3 * e * sh, split=sp)
-    softmax = () if flash else (Op("memory", bytes=2 * e * scores, split=True),)
+    step = llama_elementwise(h, g, i, e, run.fused)
+    norm = Op("memory", bytes=s * step.norm, weight_read=e * h, weight_grad=e * h, split=sp)
+    add = Op("memory", bytes=s * step.residual, split=sp)
+    # A causal fused kernel skips the upper triangle: half of the two products' 4 s^2 h.
+    core = (Op("attention", 2 * s * sh, e * 4 * sh, split=True),) if flash else (
+        Op("matmul", 2 * s * sh, e * (2 * sh + scores), split=True),
+        Op("memory", bytes=2 * e * scores, split=True),  # mask and softmax
+        Op("matmul", 2 * s * sh, e * (scores + 2 * sh), split=True))
     ops = (
         norm,
         Op("matmul", 2 * sh * h, e * 2 * sh, e * h * h, e * h * h, split=True),  # q
         Op("matmul", 4 * sh * g, e * (sh + 2 * s * g), 2 * e * h * g, 2 * e * h * g,
            split=kv_split),  # k, v
-        Op("memory", bytes=3 * e * sh, split=True),  # rotary on q
-        Op("memory", bytes=3 * e * s * g, split=kv_split),  # rotary on k
+        Op("memory", bytes=s * step.rotary_q, split=True),
+        Op("memory", bytes=s * step.rotary_k, split=kv_split),
         Op("memory", bytes=4 * e * sh, split=kv_split),  # repeat k, v to the query heads
-        Op("matmul", core * 2 * s * sh, e * (2 * sh + scores), split=True),
-        *softmax,  # mask and softmax
-        Op("matmul", core * 2 * s * sh, e * (scores + 2 * sh), split=True),
+        *core,
         Op("memory", bytes=2 * e * sh, split=True),  # heads back to (s, h)
         Op("matmul", 2 * sh * h, 2 * e * sh, e * h * h, e * h * h, split=True),  # o
         add,
         norm,
         Op("matmul", 4 * sh * i, e * (sh + 2 * s * i), 2 * e * h * i, 2 * e * h * i,
            split=True),  # gate, up
-        Op("memory", bytes=4 * e * s * i, split=True),  # silu(gate) * up
+        Op("memory", bytes=s * step.swiglu, split=True),  # silu(gate) * up
         Op("matmul", 2 * sh * i, e * (s * i + sh), e * h * i, e * h * i, split=True),  # down
         add,
     )
@@ -441,15 +445,16 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
     # tensors split. Full recomputation keeps the layer's input only.
     whole = 4 * e * sh
     split = e * (4 * sh + 4 * s * i + scores)
-    if run.recompute == "full":
+    full = run.recompute == "full"
+    if full:
         whole, split = e * sh, 0
     if sp:
         whole, split = 0, whole + split
-    scale = FULL_RECOMPUTE_SCALE if run.recompute == "full" else 1.0
-    tag = f"{sp:d}{run.attention[0]}{run.recompute[0]}"
+    tag = f"{sp:d}{run.attention[0]}{run.recompute[0]}{run.fused:d}"
     return LayerCost("block", ops, e * shape.layer_parameters, 0, whole + split,
                      split_params, split, e * sh, 2,
-                     f"llama-block-{s}-{h}-{a}-{g}-{i}-{e}-{kv_split}-{tag}", scale)
+                     f"llama-block-{s}-{h}-{a}-{g}-{i}-{e}-{kv_split}-{tag}",
+                     replays_forward=full)
 
 
 def llama_workload(shape: LlamaShape, batch: int, tp: int = 1, element_bytes: int = 2,

@@ -261,7 +261,8 @@ def replayed(checkpoint: str, chunks: int) -> int:
 
 def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
                   chunks: int = 1, rank: int = 0) -> list[tuple[float, float]]:
-    """Per layer, (forward, backward) seconds on one TP rank, all-reduces included.
+    """Per layer, (forward, backward) seconds on one TP rank, all-reduces included (twice
+    in the backward of a layer that ``replays_forward``).
 
     With ``chunks`` micro-batches all but the first backward accumulate weight gradients.
     """
@@ -275,7 +276,8 @@ def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
                                workload.dtype, (chunks - 1) / chunks)
             comm = layer.tp_all_reduces * all_reduce_time(layer.output_bytes * samples, tp,
                                                            link) if tp > 1 else 0.0
-            cache[layer.signature] = (f + comm, b + comm)
+            # A replayed forward all-reduces again (torchtitan's full checkpointing does).
+            cache[layer.signature] = (f + comm, b + comm * (1 + layer.replays_forward))
         out.append(cache[layer.signature])
     return out
 

@@ -41,6 +41,27 @@ def test_a_large_matmul_is_compute_bound() -> None:
     assert backward == pytest.approx(2 * forward)
 
 
+def test_a_fused_attention_kernel_runs_at_the_attention_rate() -> None:
+    # FlashAttention-2 reaches 35% of peak where products reach 80%; its backward does 2.5
+    # times its forward's FLOPs (flash-attention's benchmark count).
+    gpu = replace(GPU, attention_efficiency=0.35)
+    op = Op("attention", flops=1e9, bytes=1e3)
+    forward, backward = op_times(op, gpu, 1000)  # 1 TFLOP
+    rate = 0.35 * 100e12 * 1e12 / (1e12 + 1e9)
+    assert forward == pytest.approx(1e12 / rate + 1e-5)
+    assert backward == pytest.approx(2.5 * 1e12 / rate + 1e-5)
+    product = op_times(replace(op, kind="matmul"), gpu, 1000)[0]
+    assert forward / product == pytest.approx(0.8 / 0.35, rel=1e-3)  # overheads aside
+    assert op_times(op, GPU, 1000)[0] == pytest.approx(product)  # no figure: as a product
+
+
+def test_a_replayed_forward_is_charged_to_the_backward() -> None:
+    ops = (Op("matmul", flops=1e9), Op("memory", bytes=1e6))
+    kept, replayed = LayerCost("l", ops), LayerCost("l", ops, replays_forward=True)
+    forward, backward = phase_times(kept, GPU, 100)
+    assert phase_times(replayed, GPU, 100) == pytest.approx((forward, backward + forward))
+
+
 def test_a_memory_bound_op_moves_its_bytes() -> None:
     forward, backward = op_times(Op("memory", bytes=1e6, backward=2.0), GPU, 1000)
     assert forward == pytest.approx(1e9 / 1e12 + 1e-5)

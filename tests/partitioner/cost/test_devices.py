@@ -31,7 +31,29 @@ def test_presets_carry_datasheet_figures() -> None:
     assert h100.flops("bf16") == 989e12 and h100.memory_bandwidth == 3.35e12
     assert DEVICES["H200"].memory_bytes == 141e9 and DEVICES["H200"].memory_bandwidth == 4.8e12
     assert DEVICES["V100"].flops("fp16") == 125e12
-    assert set(DEVICES) == {"V100", "A100-40GB", "A100-80GB", "H100-SXM", "H200"}
+    assert set(DEVICES) == {"V100", "A100-40GB", "A100-80GB", "H100-SXM", "H100-HBM2e-500W",
+                            "H200"}
+
+
+def test_grand_teton_preset_is_torchtitans_published_part() -> None:
+    # torchtitan's benchmark files: 96GB HBM2e at 2.4 TB/s, 500 W; the peak is not published,
+    # so the SXM datasheet's (an upper bound) and its measured MAMF stay.
+    teton, sxm = DEVICES["H100-HBM2e-500W"], DEVICES["H100-SXM"]
+    assert (teton.memory_bytes, teton.memory_bandwidth) == (96 * 2**30, 2.4e12)
+    assert teton.matmul_rate(1e15, "bf16") == sxm.matmul_rate(1e15, "bf16")
+    assert teton.attention_efficiency == sxm.attention_efficiency == 0.35
+    assert Cluster.preset("H100-HBM2e-500W", nodes=2).inter_node == LINKS["ib-ndr"]
+
+
+def test_attention_rate_is_the_product_curve_at_the_attention_efficiency() -> None:
+    spec = DeviceSpec("d", {"bf16": 100e12}, 1e9, 1e12, matmul_efficiency=0.8,
+                      matmul_half_flops=1e9, attention_efficiency=0.35)
+    assert spec.attention_rate(1e15, "bf16") == pytest.approx(0.35 * 100e12, rel=1e-5)
+    assert spec.attention_rate(1e9, "bf16") == pytest.approx(0.35 / 2 * 100e12)
+    unset = replace(spec, attention_efficiency=0.0)
+    assert unset.attention_rate(1e12, "bf16") == unset.matmul_rate(1e12, "bf16")
+    with pytest.raises(DeviceError, match="attention_efficiency=-0.1"):
+        replace(spec, attention_efficiency=-0.1)
 
 
 def test_unknown_dtype_falls_back_to_fp32_peak() -> None:

@@ -12,9 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import partitioner.cost.transformer_model
 from partitioner import PartitionError
-from partitioner.cost.cost import CostModelError
+from partitioner.cost.cost import CostModelError, phase_times
+from partitioner.cost.devices import DEVICES
 from partitioner.cost.transformer_model import (
-    FULL_RECOMPUTE_SCALE,
     GPTShape,
     LlamaRun,
     LlamaShape,
@@ -159,7 +159,12 @@ def test_full_recomputation_keeps_each_layers_input_and_replays_its_forward() ->
     run = LlamaRun(True, "flash", "full")
     block = llama_workload(LLAMA3_8B, 1, tp=8, run=run).layers[1]
     assert block.activation_bytes == e * s * h and block.activations_on(8) == e * s * h / 8
-    assert block.time_scale == FULL_RECOMPUTE_SCALE == pytest.approx(4 / 3)
+    assert block.replays_forward and block.time_scale == 1.0
+    kept = llama_workload(LLAMA3_8B, 1, tp=8, run=LlamaRun(True, "flash")).layers[1]
+    assert not kept.replays_forward
+    spec = DEVICES["H100-SXM"]
+    forward, backward = phase_times(block, spec, 2, 8, "bf16")
+    assert (forward, backward - forward) == pytest.approx(phase_times(kept, spec, 2, 8, "bf16"))
     assert run.label() == "sp, flash, full recompute"
     with pytest.raises(CostModelError, match=r"recompute='some' \(use one of"):
         LlamaRun(recompute="some")

@@ -164,3 +164,21 @@ def test_adam_faults_in_its_temporaries_for_large_weights() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.planning.predict).failed == 0
+
+
+def test_a_replayed_forward_all_reduces_again() -> None:
+    """Full per-layer checkpointing replays the forward's tensor-parallel all-reduces in the
+    backward (torchtitan's and Megatron's full activation checkpointing do)."""
+    from partitioner.cost.comm import all_reduce_time
+    from partitioner.planning.predict import layer_profile
+
+    layer = LayerCost("l", (Op("matmul", flops=1e9, split=True),), param_bytes=8.0,
+                      split_param_bytes=8.0, output_bytes=1e6, tp_all_reduces=2)
+    cluster = Cluster.preset("H100-SXM")
+    kept = layer_profile(Workload((layer,), (0.0, 0.0), 8), cluster, 8, 8)[0]
+    replayed_layer = replace(layer, replays_forward=True, signature="replayed")
+    again = layer_profile(Workload((replayed_layer,), (0.0, 0.0), 8), cluster, 8, 8)[0]
+    comm = 2 * all_reduce_time(8e6, 8, cluster.group_link(range(8)))
+    forward_ops = kept[0] - comm
+    assert comm > 0 and again[0] == pytest.approx(kept[0])
+    assert again[1] == pytest.approx(kept[1] + forward_ops + comm)  # the forward, again
