@@ -364,8 +364,9 @@ def _chosen(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, .
     """Rank 0's search for this world (tuned when asked), on every rank."""
     assert call.auto is not None
     running, opts = call.running, call.options
-    auto = replace(call.auto, precision=call.precision, optimizer_sharding=False
-                   if call.sharding == "fsdp" else opts.sharding.optimizer)
+    zero = False if call.sharding == "fsdp" else opts.sharding.optimizer
+    auto = replace(call.auto, precision=call.precision, optimizer_sharding=zero,
+                   sequence_parallel=opts.sequence_parallel)
     auto.degrees.check(info.world_size)
     chosen = choose_plan(model, inputs, kwargs, auto, info.device)
     if call.count:
@@ -403,8 +404,7 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
     chunks, schedule, checkpoint = run_settings(model, given, chunks, schedule, checkpoint,
                                                 fixed.balance, fixed.split_points)
     virtual = virtual_stages_of(given, virtual_stages, schedule, shape, chunks, fixed.balance)
-    # Asked for, or recorded in the plan given (which then runs as it was saved); with
-    # virtual stages tp > 1 is refused above (virtual_stages_of).
+    # Asked for, or recorded in the given plan (run as saved); tp > 1 has no virtual stages.
     sequence = opts.sequence_parallel or (given is not None and given.sequence_parallel)
     balance = given.balance if given is not None and shape.tp > 1 else fixed.balance
     request = PlanRequest.make([info.device.type] * (shape.pp * virtual), "pipeline",
@@ -413,7 +413,7 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
                                split_points=fixed.split_points,
                                memory_limit=fixed.memory_limit, precision=call.precision)
     made, analysis, shard_plan = _agreed_plan(model, given, request, shape, virtual,
-                                              fixed.rules)
+                                              fixed.rules, sequence)
     if given is not None:
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
     made = on_mesh(replace(made, schedule=schedule, precision=call.precision,
@@ -425,14 +425,14 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
 
 
 def _agreed_plan(model: nn.Module, given: Plan | None, request: PlanRequest, shape: Mesh,
-                 virtual: int, rules: Mapping[str, str] | None
+                 virtual: int, rules: Mapping[str, str] | None, sequence: bool = False
                  ) -> tuple[Plan, Analysis, ShardPlan | None]:
     """:func:`_agree_on_split_plan` for ``tp > 1``, else :func:`_agree_on_plan` (a model
     too small for ``pp x virtual`` stages named as such)."""
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=given is None and not request.fixes_split)
     if shape.tp > 1:
-        return _agree_on_split_plan(model, analysis, given, request, shape, rules)
+        return _agree_on_split_plan(model, analysis, given, request, shape, rules, sequence)
     try:
         made = _agree_on_plan(model, analysis, given, request)
     except StageCountError as error:
@@ -460,8 +460,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     check_same_plan(*plan_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     real = call.materializer(info.device) if call.materializer is not None else None
-    # Initialized on first use, unless load() fills it first (runtime/deferred_init.py),
-    # a tensor-parallel rank's slices too; a sharded stage is copied from initialized tensors.
+    # Put off until first use, or skipped for what load() fills (runtime/deferred_init.py).
     deferred = (DeferredInit(real) if real is not None and call.sharding != "fsdp"
                 and not sharded else None)
     source = deferred if deferred is not None else real
@@ -523,8 +522,8 @@ def _rank0_plan(made: Plan) -> Plan:
 
 
 def _agree_on_split_plan(model: nn.Module, analysis: Analysis, given: Plan | None,
-                         request: PlanRequest,
-                         shape: Mesh, rules: Mapping[str, str] | None
+                         request: PlanRequest, shape: Mesh,
+                         rules: Mapping[str, str] | None, sequence: bool = False
                          ) -> tuple[Plan, Analysis, ShardPlan]:
     """The plan every rank runs when stages are split over ``tp`` ranks, with the capture
     (layers merged so that no stage boundary cuts a column/row pair) and the shard plan.
@@ -538,7 +537,8 @@ def _agree_on_split_plan(model: nn.Module, analysis: Analysis, given: Plan | Non
     groups, parsed = device_groups([[d] * shape.tp for d in request.devices],
                                    dict(rules) if rules else shape.tp)
     if given is None:
-        setup = plan_groups(model, groups, parsed, request, analysis=analysis)
+        setup = plan_groups(model, groups, parsed, request, analysis=analysis,
+                            sequence_parallel=sequence)
         made = setup.plan if request.fixes_split else _rank0_plan(setup.plan)
         return made, setup.analysis, setup.shard_plan
     merged, split = split_layers(analysis, model, shape.tp, parsed)

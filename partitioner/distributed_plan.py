@@ -33,6 +33,7 @@ from partitioner.analysis import Analysis, analyze
 from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
 from partitioner.cost.machine import cpu_spec
 from partitioner.cost.precision_cost import precision_workload
+from partitioner.cost.sequence_cost import sequence_parallel_workload
 from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
@@ -93,6 +94,8 @@ class AutoOptions:
         precision: the compute precision the search costs (``partitioner.cost.precision_cost``).
         optimizer_sharding: ZeRO-1 fixed on or off; ``None``: chosen only when no
             configuration fits memory without it.
+        sequence_parallel: tensor-parallel configurations are costed with sequence
+            parallelism (``partitioner.cost.sequence_cost``), as they will run.
     """
 
     degrees: Degrees
@@ -105,6 +108,7 @@ class AutoOptions:
     rules: Mapping[str, str] | None = None
     precision: str = "fp32"
     optimizer_sharding: bool | None = None
+    sequence_parallel: bool = False
 
 
 def describe_cluster(cluster: Cluster | str | None) -> str | None:
@@ -227,6 +231,8 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     reserve = DEFAULT_RESERVE if options.memory_reserve is None else options.memory_reserve
     capacity = capacity_of(cluster, reserve, limit)
     workload = analysis.workload
+    if options.sequence_parallel:
+        workload = sequence_parallel_workload(workload)
 
     asked = SearchSpace(chunks=request.chunks, checkpoint=request.checkpoint,
                         schedules=(options.schedule,) if options.schedule else None)
@@ -263,14 +269,18 @@ def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: 
     mesh = plan.mesh
     merged, split = split_layers(analysis, model, mesh.tp,
                                  TensorParallelRules.parse(options.rules))
-    assert merged.workload is not None, "a costed analysis stays costed when merged"
+    workload = merged.workload
+    assert workload is not None, "a costed analysis stays costed when merged"
+    if options.sequence_parallel:
+        workload = sequence_parallel_workload(workload)
+        merged = replace(merged, workload=workload)
     chosen = SearchSpace(chunks=plan.chunks, checkpoint=plan.checkpoint,
                          schedules=(plan.schedule,),
                          optimizer_sharding=plan.optimizer_sharding)
-    result = search_world(precision_workload(merged.workload, options.precision), cluster,
+    result = search_world(precision_workload(workload, options.precision), cluster,
                           Degrees(mesh.pp, mesh.dp, mesh.tp), chosen, capacity=capacity)
     cut = world_plan(result, merged.layer_names, cluster, capture=plan.capture,
-                     notes=merged.workload.notes)
+                     notes=workload.notes)
     return replace(cut, candidates=plan.candidates, notes=plan.notes,
                    predicted_step_time=plan.predicted_step_time,
                    predicted_bubble=plan.predicted_bubble,

@@ -48,6 +48,7 @@ from partitioner.build import (
     first_names,
 )
 from partitioner.cost.devices import parse_devices
+from partitioner.cost.sequence_cost import sequence_parallel_workload
 from partitioner.errors import DeviceError, ExampleInputsError, MemoryLimitError, ScheduleError
 from partitioner.passes.private_rng import route_dropout, route_module_randomness
 from partitioner.passes.tensor_parallel.sequence_parallel import (
@@ -112,7 +113,8 @@ def device_groups(devices: Any, tensor_parallel: TensorParallelOption
 
 
 def plan_tensor_parallel(model: nn.Module, devices: Any, tensor_parallel: TensorParallelOption,
-                         request: PlanRequest | None = None, **fields: Any
+                         request: PlanRequest | None = None, *,
+                         sequence_parallel: bool = False, **fields: Any
                          ) -> TensorParallelSetup:
     """Capture, choose the shardings and plan the stages (``partition``'s first half).
 
@@ -123,7 +125,9 @@ def plan_tensor_parallel(model: nn.Module, devices: Any, tensor_parallel: Tensor
         request: the planning options (``partitioner.request.PlanRequest``; its devices
             are replaced by each group's first). ``fields`` are the same options as
             ``PlanRequest.make``'s keywords (``strategy=``, ``example_inputs=``,
-            ``chunks=``, ...), for a caller without a request; not both.
+            ``chunks=``, ...), for a caller without a request; not both. Besides them,
+            ``sequence_parallel=True`` costs the split layers as sequence parallelism runs
+            them (:func:`plan_groups`).
 
     ``strategy="auto"`` searches the micro-batches, checkpoint mode and stage split for the
     groups (``partitioner.planning.planner.tensor_parallel_plan``); ``"pipeline"`` plans
@@ -146,7 +150,8 @@ def plan_tensor_parallel(model: nn.Module, devices: Any, tensor_parallel: Tensor
     if not search:
         stages = stages.with_changes(chunks=stages.chunks or 1,
                                      checkpoint=stages.checkpoint or EXCEPT_LAST)
-    return plan_groups(model, groups, rules, stages, search=search)
+    return plan_groups(model, groups, rules, stages, search=search,
+                       sequence_parallel=sequence_parallel)
 
 
 def stage_request(groups: Sequence[Sequence[torch.device]], request: PlanRequest | None,
@@ -178,7 +183,8 @@ def stage_request(groups: Sequence[Sequence[torch.device]], request: PlanRequest
 
 def plan_groups(model: nn.Module, groups: list[list[torch.device]],
                 rules: TensorParallelRules, request: PlanRequest, *,
-                search: bool = False, analysis: Analysis | None = None) -> TensorParallelSetup:
+                search: bool = False, analysis: Analysis | None = None,
+                sequence_parallel: bool = False) -> TensorParallelSetup:
     """:func:`plan_tensor_parallel` for device groups and a request already validated.
 
     Args:
@@ -190,12 +196,18 @@ def plan_groups(model: nn.Module, groups: list[list[torch.device]],
             (``strategy="auto"``) instead of planning ``request``'s pipeline.
         analysis: the model already captured from ``request``'s example inputs (default:
             captured here).
+        sequence_parallel: cost the split layers as sequence parallelism runs them
+            (``partitioner.cost.sequence_cost``): the plan's memory and time are those of
+            the run that uses it.
     """
     if analysis is None:
         analysis = analyze(model, request.example_inputs, request.kwargs, need_costs=False)
     merged, split = split_layers(analysis, model, len(groups[0]), rules)
+    if sequence_parallel and merged.workload is not None:
+        merged = dataclasses.replace(merged, workload=sequence_parallel_workload(
+            merged.workload))
     made = tensor_parallel_plan(merged, request, groups) if search else \
-        plan_request(merged, request)
+        plan_request(merged, request, groups=groups)
     plan = tensor_parallel_record(made, model, merged, request, split.shard_plan, groups)
     return TensorParallelSetup(merged, plan, split.shard_plan, groups, split.layer_names,
                                request)
@@ -222,7 +234,8 @@ def partition_tensor_parallel(model: nn.Module, devices: Any,
         ExampleInputsError: without ``example_inputs`` (shapes decide the splits).
         PartitionError: a subclass naming the offending value and a fix.
     """
-    setup = plan_tensor_parallel(model, devices, tensor_parallel, request, **fields)
+    setup = plan_tensor_parallel(model, devices, tensor_parallel, request,
+                                 sequence_parallel=sequence_parallel, **fields)
     if sequence_parallel:  # recorded: the plan, saved and applied again, runs it too
         setup = dataclasses.replace(setup, plan=dataclasses.replace(
             setup.plan, sequence_parallel=True))

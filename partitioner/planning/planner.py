@@ -77,12 +77,15 @@ VIRTUAL_CHOICES = (4, 3, 2)
 
 
 def plan_request(analysis: Analysis, request: PlanRequest, *,
-                 tp_degrees: Sequence[int] | None = None) -> Plan:
+                 tp_degrees: Sequence[int] | None = None,
+                 groups: Sequence[Sequence[Any]] | None = None) -> Plan:
     """The plan for an analysed model: the split ``request`` fixes, or the planner's.
 
     Without costs (no example inputs) the split must be fixed (``balance=`` or
     ``split_points=``) and the plan carries no predictions. ``tp_degrees`` limits the
-    tensor-parallel degrees ``"auto"`` may choose (:func:`shardable_degrees`).
+    tensor-parallel degrees ``"auto"`` may choose (:func:`shardable_degrees`). ``groups``
+    (one list of devices per stage, one device per tensor-parallel rank; ``request`` names
+    each group's first) costs a fixed pipeline's stages split over their groups.
 
     Raises:
         StageCountError: more devices than layers.
@@ -110,13 +113,15 @@ def plan_request(analysis: Analysis, request: PlanRequest, *,
     if analysis.workload is None:
         assert cuts is not None, "analysis without costs for a split the planner chooses"
         return _uncosted_plan(analysis, request, strategy, cuts)
-    return _costed_plan(analysis, request, strategy, cuts, tp_degrees)
+    return _costed_plan(analysis, request, strategy, cuts, tp_degrees, groups)
 
 
 def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
-                 cuts: tuple[int, ...] | None, tp_degrees: Sequence[int] | None) -> Plan:
+                 cuts: tuple[int, ...] | None, tp_degrees: Sequence[int] | None,
+                 groups: Sequence[Sequence[Any]] | None = None) -> Plan:
     from partitioner.cost.measure import calibrate_layers
-    cluster = request.cluster or local_cluster(list(request.devices))
+    cluster = request.cluster or local_cluster(
+        list(request.devices) if groups is None else [d for g in groups for d in g])
     assert analysis.workload is not None
     workload = precision_workload(analysis.workload, request.precision)
     if request.calibrate:
@@ -158,7 +163,8 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
         plan = pipeline_plan(workload, analysis.layer_names, cluster, strategy=strategy,
                              chunks=chunks, checkpoint=request.checkpoint or EXCEPT_LAST,
                              boundaries=cuts, capacity=limit, capture=method,
-                             schedule=schedule, virtual=virtual, reserve=reserve)
+                             schedule=schedule, virtual=virtual, reserve=reserve,
+                             tp=len(groups[0]) if groups else 1)
     return _check_host_memory(replace(plan, precision=request.precision), cluster)
 
 
@@ -449,19 +455,22 @@ def pipeline_plan(workload: Workload, names: Sequence[str], cluster: Cluster, *,
                   strategy: str = "pipeline", chunks: int = 1, checkpoint: str = "except_last",
                   boundaries: Sequence[int] | None = None, capacity: float | None = None,
                   optimizer: str = "adam", capture: str = "fx", schedule: str = GPIPE,
-                  virtual: int = 1, reserve: float = MEMORY_RESERVE) -> Plan:
+                  virtual: int = 1, reserve: float = MEMORY_RESERVE, tp: int = 1) -> Plan:
     """A plan over every device with ``schedule``: the optimal split, or ``boundaries``.
 
     Args:
         capacity: bytes of each device (default: its memory); plans use ``1 - reserve``
             of it.
         virtual: model chunks per device (``schedule="interleaved"``).
+        tp: each stage's layers split over ``tp`` consecutive devices (``cluster.size / tp``
+            stages).
 
     Raises:
         MemoryLimitError: no split fits (only when the split is the planner's to choose).
         ConfigError: the counts do not suit the schedule (the message says how).
     """
-    config = Config(1, 1, cluster.size, chunks, schedule, virtual, checkpoint, optimizer)
+    config = Config(1, tp, cluster.size // tp, chunks, schedule, virtual, checkpoint,
+                    optimizer)
     memory = capacity if capacity is not None else cluster.spec(0).memory_bytes
     prediction = predict(workload, cluster, config, boundaries, usable_memory(memory, reserve))
     if prediction.reason:

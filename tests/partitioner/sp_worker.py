@@ -114,7 +114,8 @@ def _run(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
            "nodes": {k: targets[k] for k in ("reduce_scatter_to_sp", "all_gather_from_sp",
                                               "reduce_from_tp", "gather_from_tp")},
            "counts": dict(counts), "stage": dpm.stage_index, "output_made_by": made_by,
-           "kept_bytes": kept.bytes}
+           "kept_bytes": kept.bytes,
+           "predicted_memory": dpm.plan.stages[dpm.stage_index].predicted_memory}
     dist.barrier()
     dpm.close()
     return out

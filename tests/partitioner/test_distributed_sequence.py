@@ -63,6 +63,8 @@ def test_sequence_parallel_rank_graphs_hold_sequence_shards(world: Any) -> None:
         assert sp["norm_rows"] == ([SEQ // TP] if sp["stage"] == 0 else [SEQ // TP, SEQ])
         assert sp["output_made_by"] == ["gather_from_tp"]
         assert sp["kept_bytes"] < tp["kept_bytes"]  # activations kept for the backward
+        # ... and the plan says so: costed as it runs (partitioner/cost/sequence_cost.py)
+        assert sp["predicted_memory"] < tp["predicted_memory"]
 
 
 @pytest.mark.slow

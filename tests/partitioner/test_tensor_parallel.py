@@ -295,3 +295,23 @@ def test_degree_one_is_the_unsplit_model() -> None:
     assert pm.plan.shard_specs == {} and pm.plan.mesh.tp == 1
     torch.testing.assert_close(pm(x), model(x))
     pm.close()
+
+
+def test_a_fixed_tensor_parallel_pipeline_is_costed_split() -> None:
+    """strategy='pipeline' with tensor_parallel=2 costs each stage's layers split over its
+    two ranks, as the search does (before, the stage was costed whole: every parameter,
+    activation and FLOP on each rank)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    plans = {}
+    for strategy in ("pipeline", "auto"):
+        pm = partition(model, ["cpu"] * 2, tensor_parallel=2, example_inputs=(x,), chunks=1,
+                       checkpoint="never", strategy=strategy)
+        plans[strategy] = pm.plan
+        pm.close()
+    fixed, searched = plans["pipeline"].stages[0], plans["auto"].stages[0]
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert fixed.param_bytes < 0.6 * whole
+    assert (fixed.param_bytes, fixed.predicted_memory, fixed.predicted_time) == \
+        (searched.param_bytes, searched.predicted_memory, searched.predicted_time)

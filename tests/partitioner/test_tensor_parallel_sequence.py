@@ -127,3 +127,26 @@ def test_the_plan_records_sequence_parallelism_and_a_saved_plan_runs_it(tmp_path
 def test_a_plan_with_sequence_parallelism_and_no_tensor_parallel_ranks_is_invalid() -> None:
     with pytest.raises(PlanFormatError, match="sequence_parallel is true but the mesh has tp=1"):
         Plan("pipeline", ("cpu",), (Stage(0, "cpu", ("fc",)),), sequence_parallel=True)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "pipeline"])
+def test_the_plan_costs_sequence_parallelism_as_it_runs(strategy: str) -> None:
+    """The plan's memory and time are those of the run: each split block keeps its
+    activations divided by tp and runs its norms on s / tp tokens
+    (partitioner/cost/sequence_cost.py), with the split searched or fixed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(64, 4), Block(64, 4))
+    x = torch.randn(8, 64, 64)
+    kwargs: dict[str, Any] = dict(tensor_parallel=2, example_inputs=(x,), chunks=1,
+                                  checkpoint="never", strategy=strategy)
+    plain = partition(model, ["cpu"] * 2, **kwargs)
+    sp = partition(model, ["cpu"] * 2, sequence_parallel=True, **kwargs)
+    try:
+        assert sp.plan.sequence_parallel and not plain.plan.sequence_parallel
+        ours, theirs = sp.plan.stages[0], plain.plan.stages[0]
+        assert ours.predicted_memory < theirs.predicted_memory
+        assert ours.predicted_time < theirs.predicted_time
+        assert any("sequence parallel" in note for note in sp.plan.notes)
+    finally:
+        sp.close()
+        plain.close()
