@@ -9,7 +9,11 @@ contender in a fresh world of processes (so peaks do not mix):
 - ``fsdp2``: torch's ``fully_shard`` on every Linear, then on the root (torchtitan's way);
 - ``ours``: ``partition_distributed(model, pp=1, dp=W)`` and Adam (no sharding);
 - ``ours-fsdp``: the same with ``sharding="fsdp"``;
-- ``ours-optim``: the same with ``optimizer_sharding=True`` (our ZeRO-1).
+- ``ours-optim``: the same with ``optimizer_sharding=True`` (our ZeRO-1);
+- ``ours-tp2``, ``ours-tp2-fsdp`` (asked for by name): ``partition_distributed(model, pp=1,
+  dp=W/2, tp=2)``, every Linear pair split over two ranks, without sharding and with
+  ``sharding="fsdp"`` (each tp slice cut again over its replicas); a replica's two ranks
+  take ``2 x --batch`` rows, so the global batch is the other contenders'.
 
 Per contender and rank it reports:
 
@@ -34,6 +38,7 @@ Run:
     python benchmarks/sharding_vs_torch.py                        # 2 and 4 ranks
     python benchmarks/sharding_vs_torch.py --ranks 2 --steps 5 --width 1024
     python benchmarks/sharding_vs_torch.py --contenders ddp zero ours-optim --repeats 3
+    python benchmarks/sharding_vs_torch.py --ranks 4 --contenders ddp ours-tp2 ours-tp2-fsdp
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 CONTENDERS = ("ddp", "zero", "fsdp2", "ours", "ours-fsdp", "ours-optim")
+TP_CONTENDERS = ("ours-tp2", "ours-tp2-fsdp")  # run when named: tp=2 x dp=W/2
 Step = Callable[[], float]
 
 
@@ -70,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
-                        choices=CONTENDERS)
+                        choices=CONTENDERS + TP_CONTENDERS)
     parser.add_argument("--width", type=int, default=1792)
     parser.add_argument("--layers", type=int, default=8, help="Linear layers")
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
@@ -162,8 +168,10 @@ def ours(name: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, worl
          ) -> tuple[Step, Callable[[], int]]:
     from partitioner.distributed import partition_distributed
 
-    sharding = {"ours": None, "ours-fsdp": "fsdp", "ours-optim": "optimizer"}[name]
-    dpm = partition_distributed(model, (x,), pp=1, dp=world, sharding=sharding)
+    sharding = {"ours": None, "ours-fsdp": "fsdp", "ours-optim": "optimizer",
+                "ours-tp2": None, "ours-tp2-fsdp": "fsdp"}[name]
+    tp = 2 if name in TP_CONTENDERS else 1
+    dpm = partition_distributed(model, (x,), pp=1, dp=world // tp, tp=tp, sharding=sharding)
     opt: Any = dpm.make_optimizer(torch.optim.Adam, lr=1e-4)
 
     def step() -> float:
@@ -188,7 +196,8 @@ def contender(rank: int, name: str, args: argparse.Namespace, world: int) -> dic
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # restart the kernel's peak (VmHWM)
     model = make_model(args.width, args.layers)
-    x, y = batch(rank, world, args.batch, args.width)
+    tp = 2 if name in TP_CONTENDERS else 1  # a replica's tp ranks share its rows
+    x, y = batch(rank // tp, world // tp, args.batch * tp, args.width)
     step, count = build(name, model, x, y, world)
     times, losses = [], []
     for k in range(args.warmup + args.steps):
@@ -239,7 +248,7 @@ def main() -> None:
           f"{torch.__version__}; load at start {os.getloadavg()[0]:.2f}")
     for world in args.ranks:
         print(f"\n{world} ranks (gloo, one thread each)")
-        print(f"{'contender':<11} {'state MB':>9} {'peak RSS MB':>12} {'step s':>8} "
+        print(f"{'contender':<13} {'state MB':>9} {'peak RSS MB':>12} {'step s':>8} "
               f"{'vs ddp':>7} {'first loss':>12}  steps s per round")
         # Round-robin: each round runs every contender once, so a burst of other load
         # falls on all of them rather than on whichever ran then.
@@ -256,7 +265,7 @@ def main() -> None:
             anchor = seconds if name == "ddp" else anchor
             ratio = f"{seconds / anchor:7.2f}" if anchor else f"{'-':>7}"
             loss = statistics.mean(r["first_loss"] for r in runs[0])  # ours: already the mean
-            print(f"{name:<11} {state:>9.1f} {peak:>12.1f} {seconds:>8.3f} {ratio} "
+            print(f"{name:<13} {state:>9.1f} {peak:>12.1f} {seconds:>8.3f} {ratio} "
                   f"{loss:>12.6f}  {' '.join(f'{t:.3f}' for t in times)}", flush=True)
     print(f"\nload at end {os.getloadavg()[0]:.2f} (state and peak RSS: the largest rank's "
           "in any round; step s: the median over rounds of rank 0's median step)")

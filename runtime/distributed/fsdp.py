@@ -20,6 +20,11 @@ gradients, as data parallelism does; what is sharded is what persists across ste
 (parameters, gradients, optimizer state). The stage is one FSDP unit: its graph calls no
 submodules whose hooks could gather layer by layer (``docs/design/004-distributed.md``).
 
+On gloo, FSDP's all-gather and reduce-scatter run in place (:class:`InPlaceAllGather`, one
+broadcast per replica; :class:`InPlaceReduceScatter`, an all-reduce of FSDP's input
+buffer): gloo's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` copy the whole
+buffer, a transient the size of the stage's slice, and are slower (``docs/benchmarks.md``).
+
 With tensor parallelism (``tp >= 2``) the stage is a tensor-parallel rank's graph, its
 parameters that rank's slices as plain tensors; FSDP cuts each slice again over the ranks
 holding the same stage and the same tp rank (the ``dp`` group), as torchtitan applies
@@ -53,7 +58,7 @@ from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
 __all__ = ["FsdpGradients", "shard_stage_fsdp", "fsdp_problem", "axis_device_mesh",
            "load_whole_into_fsdp", "check_fsdp", "tp_dp_device_mesh", "cut_like",
-           "cut_whole_entries", "local_shard"]
+           "cut_whole_entries", "local_shard", "InPlaceAllGather", "InPlaceReduceScatter"]
 
 
 def fsdp_problem(named: Iterable[tuple[str, nn.Parameter]], dp: int, stage: int) -> str | None:
@@ -165,7 +170,49 @@ def shard_stage_fsdp(stage: nn.Module, device_mesh: Any) -> FsdpGradients:
     module: Any = stage
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
+    if device_mesh.get_group().name() == "gloo":
+        module.set_custom_all_gather(InPlaceAllGather())
+        module.set_custom_reduce_scatter(InPlaceReduceScatter())
     return FsdpGradients(module)
+
+
+class InPlaceAllGather:
+    """FSDP's all-gather as one ``broadcast`` per replica into the output's rows: gloo's
+    ``all_gather_into_tensor`` copies the whole buffer (a transient the size of the
+    gathered stage), a broadcast does not. FSDP has copied each replica's shard into its
+    row of the output already."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        import torch.distributed as dist
+
+        rows = output_tensor.view(group.size(), -1)
+        mine = rows[group.rank()]
+        if input_tensor.data_ptr() != mine.data_ptr():
+            mine.copy_(input_tensor)
+        for r in range(group.size()):
+            dist.broadcast(rows[r], src=dist.get_global_rank(group, r), group=group)
+
+
+class InPlaceReduceScatter:
+    """FSDP's reduce-scatter as an in-place ``all_reduce`` of its input and a copy of this
+    replica's row: gloo's ``reduce_scatter_tensor`` copies the whole buffer, and is slower
+    than its all-reduce (``docs/benchmarks.md``, "Data-parallel sharding")."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 op: Any, async_op: bool = False) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
 
 
 class FsdpGradients:

@@ -114,9 +114,11 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def scenario_equal(args: dict[str, Any]) -> None:
-    """Three clipped AdamW steps: FSDP over tp slices, plain tp x dp, the whole model."""
+    """Three clipped AdamW steps: FSDP over tp slices, plain tp x dp (both with sequence
+    parallelism with ``"sp"``), the whole model."""
     model, data = build(), batches(3)
-    options = dict(pp=args.get("pp", 1), dp=2, tp=2, chunks=2, failure=POLICY)
+    options = dict(pp=args.get("pp", 1), dp=2, tp=2, chunks=2, failure=POLICY,
+                   sequence_parallel=args.get("sp", False))
     example = (data[0][0][:BATCH // 2],)
     plain = partition_distributed(copy.deepcopy(model), example, **options)
     sharded = partition_distributed(copy.deepcopy(model), example, **options, sharding="fsdp")

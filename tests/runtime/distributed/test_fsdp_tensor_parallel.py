@@ -28,12 +28,15 @@ def _records(scenario: str, args: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "pp"), MESHES, ids=IDS)
-def test_fsdp_over_tp_slices_trains_like_tp_and_the_whole_model(model: str, pp: int) -> None:
+@pytest.mark.parametrize(("model", "pp", "sp"), [(*m, False) for m in MESHES] + [("gpt", 1, True)],
+                         ids=[*IDS, "tp2xdp2-sequence-parallel"])
+def test_fsdp_over_tp_slices_trains_like_tp_and_the_whole_model(model: str, pp: int,
+                                                                 sp: bool) -> None:
     """Three clipped AdamW steps in float64: the losses, gradient norms and weights equal
     tp x dp without sharding and the unpartitioned model; each rank holds half of its tp
-    slice's parameters, gradients and optimizer state."""
-    records = _records("equal", {"model": model, "pp": pp})
+    slice's parameters, gradients and optimizer state. With sequence parallelism too: the
+    graph's sums of the norms' weight gradients run on FSDP's gathered slices."""
+    records = _records("equal", {"model": model, "pp": pp, "sp": sp})
     assert sorted({(r["stage"], r["shard"]) for r in records}) == \
         [(j, t) for j in range(pp) for t in range(2)]
     for r in records:
