@@ -88,6 +88,9 @@ class Op:
         count: how many identical ops this entry stands for.
         out_bytes: bytes per sample of its output (a new tensor every call; part of
             ``bytes``, whose rest is its inputs).
+        replay: the share of its forward run again in the backward (per-layer activation
+            checkpointing: 1 under full recomputation; a selective policy replays what it
+            did not save): added to its backward by :func:`phase_times`.
     """
 
     kind: str
@@ -99,11 +102,12 @@ class Op:
     backward: float = 1.5
     count: int = 1
     out_bytes: float = 0.0
+    replay: float = 0.0
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
-                    ("flops", "bytes", "weight_read", "weight_grad", "backward", "out_bytes")
-                    if not getattr(self, k) >= 0]
+                    ("flops", "bytes", "weight_read", "weight_grad", "backward", "out_bytes",
+                     "replay") if not getattr(self, k) >= 0]
         if self.kind not in OP_KINDS:
             problems.append(f"kind={self.kind!r} (use one of {OP_KINDS})")
         if self.count < 1:
@@ -130,10 +134,10 @@ class LayerCost:
         time_scale: measured over predicted time (``calibrate=True``); scales every phase.
         param_tensors: how many parameter tensors it holds (an optimizer's fixed cost is
             per tensor).
-        replays_forward: the layer keeps its input only and replays its forward at the
-            start of its backward (per-layer full activation checkpointing, as Megatron and
-            torchtitan run it): its backward costs a forward more, tensor-parallel
-            collectives included (``partitioner.planning.predict.layer_profile``).
+        replayed_all_reduces: of its forward's ``tp_all_reduces``, how many run again in
+            its backward when its ops replay their forward (``Op.replay``): all of them
+            under full recomputation, the all-gathers' half under a policy that saves the
+            reduce-scatters (``partitioner.planning.predict.layer_profile``).
     """
 
     name: str
@@ -148,12 +152,13 @@ class LayerCost:
     signature: str = ""
     time_scale: float = 1.0
     param_tensors: int = 0
-    replays_forward: bool = False
+    replayed_all_reduces: float = 0.0
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
                     ("param_bytes", "buffer_bytes", "activation_bytes", "split_param_bytes",
-                     "split_activation_bytes", "output_bytes", "tp_all_reduces")
+                     "split_activation_bytes", "output_bytes", "tp_all_reduces",
+                     "replayed_all_reduces")
                     if not getattr(self, k) >= 0]
         if not self.time_scale > 0:
             problems.append(f"time_scale={self.time_scale!r}")
@@ -293,7 +298,7 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
 def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
                 dtype: str = "fp32", accumulate: float = 0.0) -> tuple[float, float]:
     """Seconds of a layer's forward and backward for a micro-batch of ``samples``; the
-    backward of a layer that ``replays_forward`` includes its replayed forward.
+    backward includes what each op replays of its forward (``Op.replay``).
 
     Tensor-parallel communication is not included (see :mod:`partitioner.cost.comm`).
     """
@@ -301,9 +306,7 @@ def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
     for op in layer.ops:
         f, b = op_times(op, spec, samples, tp, dtype, accumulate)
         forward += f
-        backward += b
-    if layer.replays_forward:
-        backward += forward
+        backward += b + f * op.replay
     return forward * layer.time_scale, backward * layer.time_scale
 
 
@@ -332,7 +335,7 @@ def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
     out = [0.0] * width
     for op in layer.ops:
         forward, backward = op_times(op, spec, samples, tp, dtype)
-        seconds = (forward * (1 + layer.replays_forward) + backward) * layer.time_scale
+        seconds = (forward * (1 + op.replay) + backward) * layer.time_scale
         size = op.flops * samples / (tp if op.split else 1) if op.kind != "memory" else 0.0
         for n in range(1, width + 1):
             out[n - 1] += seconds / spec.speedup(n, size)

@@ -355,13 +355,21 @@ runs it): no score matrix in memory or kept, and blocks above the causal diagona
 so its two products do half the nominal ``4 s^2 h`` FLOPs, at the device's attention rate
 (an ``"attention"`` op of ``partitioner.cost.cost``)."""
 
-RECOMPUTES = ("none", "full")
-"""Per-layer activation recomputation of a Llama workload: ``"none"`` keeps every decoder
-layer's activations; ``"full"`` keeps each layer's input only and replays its forward in the
-backward (Megatron's and torchtitan's full activation checkpointing, one layer at a time:
-``LayerCost.replays_forward``, its collectives included). Korthikanti et al.'s *selective*
-recomputation (the attention core's ``s^2`` activations recomputed) is what
-``attention="flash"`` does inside its kernel."""
+RECOMPUTES = ("none", "selective", "full")
+"""Per-layer activation recomputation of a Llama workload (``Op.replay`` of each op, and the
+all-reduces a replay runs again, ``LayerCost.replayed_all_reduces``):
+
+* ``"none"`` keeps every decoder layer's activations;
+* ``"selective"`` is torchtitan's per-op policy (``selective_ac_option = "op"``, the default
+  of its Llama configs: ``_save_list`` in ``parallelize_llama.py`` at commit 9dec370): the
+  outputs of every other ``mm`` of a layer (q, v, gate and down), of the fused attention and
+  of the reduce-scatters are kept; k, o, up, every element-wise step and the all-gathers are
+  replayed;
+* ``"full"`` keeps each layer's input only and replays its whole forward, its collectives
+  included (Megatron's and torchtitan's full activation checkpointing, a layer at a time).
+
+Korthikanti et al.'s selective recomputation (the attention core's ``s^2`` activations) is
+what ``attention="flash"`` does inside its kernel."""
 
 
 @dataclass(frozen=True)
@@ -418,7 +426,7 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
         Op("matmul", 2 * s * sh, e * (2 * sh + scores), split=True),
         Op("memory", bytes=2 * e * scores, split=True),  # mask and softmax
         Op("matmul", 2 * s * sh, e * (scores + 2 * sh), split=True))
-    ops = (
+    plain = (
         norm,
         Op("matmul", 2 * sh * h, e * 2 * sh, e * h * h, e * h * h, split=True),  # q
         Op("matmul", 4 * sh * g, e * (sh + 2 * s * g), 2 * e * h * g, 2 * e * h * g,
@@ -437,6 +445,8 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
         Op("matmul", 2 * sh * i, e * (s * i + sh), e * h * i, e * h * i, split=True),  # down
         add,
     )
+    ops = tuple(replace(op, replay=share) for op, share in
+                zip(plain, _replayed(run.recompute, flash, len(core)), strict=True))
     kv = 2 * h * g
     split_params = e * (2 * h * h + 3 * h * i + (kv if kv_split else 0))
     # Kept for the backward: both norms' inputs and outputs (whole, or split by sequence
@@ -445,16 +455,41 @@ def _llama_block(shape: LlamaShape, e: int, kv_split: bool,
     # tensors split. Full recomputation keeps the layer's input only.
     whole = 4 * e * sh
     split = e * (4 * sh + 4 * s * i + scores)
-    full = run.recompute == "full"
-    if full:
+    if run.recompute == "full":
         whole, split = e * sh, 0
     if sp:
         whole, split = 0, whole + split
+    if run.recompute == "selective":
+        # Kept: q, v, the attention's output and gate's split; down's output whole (its
+        # (s, h) partial sums under SP); the layer's input whole, or split under SP with
+        # the reduce-scatter's output.
+        whole = e * sh if sp else 2 * e * sh
+        split = e * ((4 if sp else 2) * sh + s * g + s * i)
     tag = f"{sp:d}{run.attention[0]}{run.recompute[0]}{run.fused:d}"
     return LayerCost("block", ops, e * shape.layer_parameters, 0, whole + split,
                      split_params, split, e * sh, 2,
                      f"llama-block-{s}-{h}-{a}-{g}-{i}-{e}-{kv_split}-{tag}",
-                     replays_forward=full)
+                     replayed_all_reduces=_REPLAYED_ALL_REDUCES[run.recompute])
+
+
+# Of the layer's two all-reduces (as reduce-scatter + all-gather under SP), those a replay
+# runs again: torchtitan's selective policy keeps the reduce-scatters' outputs.
+_REPLAYED_ALL_REDUCES = {"none": 0.0, "selective": 1.0, "full": 2.0}
+
+
+def _replayed(recompute: str, flash: bool, core: int) -> tuple[float, ...]:
+    """``Op.replay`` of each op of :func:`_llama_block`, in order, for ``recompute``.
+
+    torchtitan's selective policy counts the layer's ``mm`` calls (q 1, k 2, v 3, o 4, gate
+    5, up 6, down 7; the attention's are not ``mm``) and replays the even ones: half of the
+    k, v op and of the gate, up op, all of o.
+    """
+    if recompute != "selective":
+        return (1.0 if recompute == "full" else 0.0,) * (14 + core)
+    products = (0.0, 0.5)  # q, then k and v
+    core_shares = (0.0,) if flash else (1.0, 1.0, 1.0)  # eager attention: bmm, not mm
+    return (1.0, *products, 1.0, 1.0, 1.0, *core_shares, 1.0, 1.0, 1.0, 1.0, 0.5, 1.0,
+            0.0, 1.0)
 
 
 def llama_workload(shape: LlamaShape, batch: int, tp: int = 1, element_bytes: int = 2,

@@ -7,19 +7,20 @@ and per-layer recomputation. Recomputation is a property of the workload (each l
 its input and replays its forward), so the search runs with ``checkpoint="never"`` (no
 whole-stage replay on top) and the modes are tried in order:
 
-====================  =======================================
+====================  ===============================================================
 ``checkpoint=``       Llama recomputation tried
-====================  =======================================
-``None``              none, then full if nothing fits
+====================  ===============================================================
+``None``              none, then selective (torchtitan's per-op policy), then full,
+                      the first that fits
 ``"never"``           none
 any other             full (every layer replayed)
-====================  =======================================
+====================  ===============================================================
 
 On this machine's devices the captured costs stay (they are what the runtimes here run).
 
 Example:
     >>> recompute_modes(None), recompute_modes("always")
-    (('none', 'full'), ('full',))
+    (('none', 'selective', 'full'), ('full',))
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ __all__ = ["recompute_modes", "workload_variants", "first_fitting"]
 def recompute_modes(checkpoint: str | None) -> tuple[str, ...]:
     """The per-layer recomputation modes to try for ``checkpoint=`` (see the table)."""
     if checkpoint is None:
-        return ("none", "full")
+        return ("none", "selective", "full")
     return ("none",) if checkpoint == NEVER else ("full",)
 
 

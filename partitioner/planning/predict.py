@@ -261,8 +261,8 @@ def replayed(checkpoint: str, chunks: int) -> int:
 
 def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
                   chunks: int = 1, rank: int = 0) -> list[tuple[float, float]]:
-    """Per layer, (forward, backward) seconds on one TP rank, all-reduces included (twice
-    in the backward of a layer that ``replays_forward``).
+    """Per layer, (forward, backward) seconds on one TP rank, all-reduces included (in the
+    backward also those its replayed forward runs again, ``replayed_all_reduces``).
 
     With ``chunks`` micro-batches all but the first backward accumulate weight gradients.
     """
@@ -274,10 +274,11 @@ def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
         if layer.signature not in cache:
             f, b = phase_times(layer, spec, samples, tp if layer.splittable else 1,
                                workload.dtype, (chunks - 1) / chunks)
-            comm = layer.tp_all_reduces * all_reduce_time(layer.output_bytes * samples, tp,
-                                                           link) if tp > 1 else 0.0
-            # A replayed forward all-reduces again (torchtitan's full checkpointing does).
-            cache[layer.signature] = (f + comm, b + comm * (1 + layer.replays_forward))
+            one = all_reduce_time(layer.output_bytes * samples, tp, link) if tp > 1 else 0.0
+            # A replayed forward all-reduces again (torchtitan's checkpointing does).
+            cache[layer.signature] = (f + layer.tp_all_reduces * one,
+                                      b + (layer.tp_all_reduces + layer.replayed_all_reduces)
+                                      * one)
         out.append(cache[layer.signature])
     return out
 

@@ -57,9 +57,15 @@ def test_a_fused_attention_kernel_runs_at_the_attention_rate() -> None:
 
 def test_a_replayed_forward_is_charged_to_the_backward() -> None:
     ops = (Op("matmul", flops=1e9), Op("memory", bytes=1e6))
-    kept, replayed = LayerCost("l", ops), LayerCost("l", ops, replays_forward=True)
+    kept = LayerCost("l", ops)
+    replayed = LayerCost("l", tuple(replace(op, replay=1.0) for op in ops))
     forward, backward = phase_times(kept, GPU, 100)
     assert phase_times(replayed, GPU, 100) == pytest.approx((forward, backward + forward))
+    half = LayerCost("l", (replace(ops[0], replay=0.5), ops[1]))
+    product = op_times(ops[0], GPU, 100)[0]
+    assert phase_times(half, GPU, 100) == pytest.approx((forward, backward + product / 2))
+    with pytest.raises(CostModelError, match="replay=-1"):
+        Op("matmul", replay=-1)
 
 
 def test_a_memory_bound_op_moves_its_bytes() -> None:

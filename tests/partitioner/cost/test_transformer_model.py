@@ -159,15 +159,40 @@ def test_full_recomputation_keeps_each_layers_input_and_replays_its_forward() ->
     run = LlamaRun(True, "flash", "full")
     block = llama_workload(LLAMA3_8B, 1, tp=8, run=run).layers[1]
     assert block.activation_bytes == e * s * h and block.activations_on(8) == e * s * h / 8
-    assert block.replays_forward and block.time_scale == 1.0
+    assert all(op.replay == 1.0 for op in block.ops) and block.time_scale == 1.0
+    assert block.replayed_all_reduces == block.tp_all_reduces == 2
     kept = llama_workload(LLAMA3_8B, 1, tp=8, run=LlamaRun(True, "flash")).layers[1]
-    assert not kept.replays_forward
+    assert not any(op.replay for op in kept.ops) and kept.replayed_all_reduces == 0
     spec = DEVICES["H100-SXM"]
     forward, backward = phase_times(block, spec, 2, 8, "bf16")
     assert (forward, backward - forward) == pytest.approx(phase_times(kept, spec, 2, 8, "bf16"))
     assert run.label() == "sp, flash, full recompute"
     with pytest.raises(CostModelError, match=r"recompute='some' \(use one of"):
         LlamaRun(recompute="some")
+
+
+def test_selective_recomputation_is_torchtitans_per_op_policy() -> None:
+    """torchtitan's op policy keeps every odd mm of a layer (q, v, gate, down), the
+    attention's and the reduce-scatters' outputs; replays k, o, up, every element-wise step
+    and the all-gathers."""
+    e, s, h, g, i = 2, LLAMA3_8B.seq, 4096, 1024, 14336
+    run = LlamaRun(False, "flash", "selective")
+    block = llama_workload(LLAMA3_8B, 1, run=run).layers[1]
+    products = [op for op in block.ops if op.kind == "matmul"]  # q, kv, o, gate-up, down
+    assert [op.replay for op in products] == [0.0, 0.5, 1.0, 0.5, 0.0]
+    assert all(op.replay == 1.0 for op in block.ops if op.kind == "memory")
+    assert [op.replay for op in block.ops if op.kind == "attention"] == [0.0]
+    replayed = sum(op.flops * op.replay for op in products)
+    assert replayed == 2 * s * h * (g + h + i)  # k, o, up
+    # Kept: the input, q, v, the attention's output, gate's and down's outputs.
+    assert block.activation_bytes == e * s * (4 * h + g + i)
+    assert block.replayed_all_reduces == 1.0  # the all-gathers, half of two all-reduces
+    full = llama_workload(LLAMA3_8B, 1, run=LlamaRun(False, "flash", "full")).layers[1]
+    none = llama_workload(LLAMA3_8B, 1, run=LlamaRun(False, "flash")).layers[1]
+    assert full.activation_bytes < block.activation_bytes < none.activation_bytes
+    spec = DEVICES["H100-SXM"]
+    times = [phase_times(layer, spec, 2, 1, "bf16")[1] for layer in (none, block, full)]
+    assert times[0] < times[1] < times[2]
 
 
 def test_fsdp_divides_parameters_gradients_and_optimizer_state_by_dp() -> None:

@@ -133,8 +133,8 @@ def test_this_machine_keeps_the_captured_costs() -> None:
     assert workload_variants(analysis, request, here,
                              captured) == [(captured, None)]
     found = workload_variants(analysis, request, Cluster.preset("H100-SXM"), captured)
-    assert [w.fsdp for w, _ in found] == [True, True]
-    assert [c for _, c in found] == ["never", "never"]
+    assert [w.fsdp for w, _ in found] == [True, True, True]
+    assert [c for _, c in found] == ["never", "never", "never"]
 
 
 def test_make_plan_recomputes_every_layer_when_asked() -> None:

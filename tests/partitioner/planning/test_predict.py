@@ -176,7 +176,8 @@ def test_a_replayed_forward_all_reduces_again() -> None:
                       split_param_bytes=8.0, output_bytes=1e6, tp_all_reduces=2)
     cluster = Cluster.preset("H100-SXM")
     kept = layer_profile(Workload((layer,), (0.0, 0.0), 8), cluster, 8, 8)[0]
-    replayed_layer = replace(layer, replays_forward=True, signature="replayed")
+    replayed_layer = replace(layer, ops=(replace(layer.ops[0], replay=1.0),),
+                             replayed_all_reduces=2.0, signature="replayed")
     again = layer_profile(Workload((replayed_layer,), (0.0, 0.0), 8), cluster, 8, 8)[0]
     comm = 2 * all_reduce_time(8e6, 8, cluster.group_link(range(8)))
     forward_ops = kept[0] - comm
