@@ -4,7 +4,9 @@ Index letters as in ``partitioner.runtime.schedule``: ``i`` micro-batch, ``j`` s
 stages, ``m`` micro-batches, ``v`` virtual stages per stage. Each function checks its
 counts, returns one tuple of :class:`~partitioner.runtime.action.Action` s per stage, and
 knows nothing of models or devices; ``partitioner.runtime.schedule_registry`` names them
-and says which runtime executes which.
+and says which runtime executes which. The V's time and memory hooks sit beside its
+generator (:func:`v_shape_fill`, :func:`v_shape_peak`: counts of the simulation it is built
+by, which the search asks for without needing the lists).
 
 GPipe and 1F1B have the same bubble, ``(P-1)/(m+P-1)`` for equal stages. They differ in
 memory: GPipe keeps the activations of all ``m`` micro-batches alive until the drain,
@@ -43,12 +45,15 @@ Example:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Action, Phase, Schedule
 from partitioner.runtime.placement import Placement, stages_on
 from partitioner.runtime.schedule import check_counts
 
-__all__ = ["gpipe", "interleaved", "one_f_one_b", "zero_bubble", "v_shape", "zigzag"]
+__all__ = ["gpipe", "interleaved", "one_f_one_b", "zero_bubble", "v_shape", "v_shape_fill",
+           "v_shape_peak", "zigzag"]
 
 
 def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
@@ -298,6 +303,39 @@ def v_shape(n_stages: int, n_microbatches: int, virtual: int) -> Schedule:
     return _VShape(n_stages, n_microbatches, virtual).run()
 
 
+@lru_cache(maxsize=4096)
+def _v_counts(p: int, m: int, v: int) -> tuple[float, tuple[int, ...]]:
+    simulation = _VShape(p, m, v)
+    simulation.run(record=False)  # the counts only: no lists of actions to build
+    return simulation.ticks / 3 - m * v, tuple(simulation.peak)
+
+
+def v_shape_fill(n_stages: int, n_microbatches: int, virtual: int) -> float:
+    """The V's fill and drain (its registry time hook): chunk times, a forward and a
+    backward of one virtual stage, that :func:`v_shape` takes beyond each device's ``m v``
+    of work, at the unit times it is built with (one simulation, cached: what
+    ``clock_ticks`` would count, without building and replaying the lists twice).
+
+    Example:
+        >>> v_shape_fill(4, 1, 2), v_shape_fill(4, 8, 2)  # one micro-batch: the whole path
+        (6.0, 3.0)
+    """
+    check_counts(n_stages, n_microbatches, virtual)
+    return _v_counts(n_stages, n_microbatches, virtual)[0]
+
+
+def v_shape_peak(n_stages: int, n_microbatches: int, stage: int, virtual: int) -> int:
+    """The chunk-micro-batches device ``j`` of :func:`v_shape` holds at most (its registry
+    memory hook, ``partitioner.runtime.schedule.in_flight`` of one cached simulation).
+
+    Example:
+        >>> [v_shape_peak(4, 8, j, 2) for j in range(4)]  # the last device holds the most
+        [13, 14, 15, 16]
+    """
+    check_counts(n_stages, n_microbatches, virtual)
+    return _v_counts(n_stages, n_microbatches, virtual)[1][stage]
+
+
 class _VShape:
     """The unit-time simulation :func:`v_shape` builds its order from."""
 
@@ -308,19 +346,27 @@ class _VShape:
         self.next = {Phase.FORWARD: [0] * self.total, Phase.BACKWARD: [0] * self.total}
         self.end = {phase: [[-1] * m for _ in range(self.total)] for phase in self.next}
         self.actions: list[list[Action]] = [[] for _ in range(p)]
+        #: Per device, the most chunk-micro-batches in flight (``in_flight`` of the lists).
+        self.peak = [0] * p
 
-    def run(self) -> Schedule:
-        busy, tick = [0] * self.p, 0
+    def run(self, record: bool = True) -> Schedule:
+        busy, tick, live = [0] * self.p, 0, [0] * self.p
         while any(n < self.m for n in self.next[Phase.BACKWARD]):
             for j in range(self.p):
                 chosen = self.choice(j, tick) if busy[j] <= tick else None
                 if chosen is not None:
                     k, phase = chosen
                     i = self.next[phase][k]
-                    self.actions[j].append(Action(k, phase, i))
+                    if record:
+                        self.actions[j].append(Action(k, phase, i))
+                    live[j] += 1 if phase is Phase.FORWARD else -1
+                    self.peak[j] = max(self.peak[j], live[j])
                     busy[j] = self.end[phase][k][i] = tick + (1 if phase is Phase.FORWARD else 2)
                     self.next[phase][k] += 1
-            tick += 1
+            # What a device may start changes only when an action ends: skip to the next end.
+            tick = min((b for b in busy if b > tick), default=tick + 1)
+        #: The makespan in ticks (a forward 1, a backward 2), what ``clock_ticks`` replays.
+        self.ticks = max(busy)
         return tuple(tuple(actions) for actions in self.actions)
 
     def done(self, phase: Phase, k: int, i: int, tick: int) -> bool:

@@ -45,6 +45,8 @@ from partitioner.runtime.schedule_generators import (
     interleaved,
     one_f_one_b,
     v_shape,
+    v_shape_fill,
+    v_shape_peak,
     zero_bubble,
     zigzag,
 )
@@ -180,14 +182,17 @@ def critical_path_bound(p: int, m: int, v: int, forward: Sequence[float],
 
 def v_bound(p: int, m: int, v: int, forward: Sequence[float], backward: Sequence[float],
             share: float) -> float:
-    """The predictor's own pipeline time for the V, from its counted fill and drain
-    (:meth:`ScheduleKind.fill_drain`) over stages as even as the work allows: ``m v``
-    chunk times of each device's work plus the fill, ``1 / (P v)`` of the work each. The
-    predictor's stages are no faster than their layers and its busiest device no less busy
-    than the average, so this never exceeds a prediction; at least the critical path
-    (:func:`critical_path_bound`), since the fill counts the one micro-batch's path."""
+    """The predictor's own pipeline time for the V over stages as even as the work allows,
+    ``(fill + m v)`` chunk times of ``1 / (P v)`` of the work each, with the fill at its
+    least: device ``P - 1`` waits ``P - 1`` forwards for its first input, and after its
+    last backward the gradients still go down ``P - 1`` stages (``P - 1`` chunk times at
+    ``B = 2F``, the predictor's), and one micro-batch's path is every chunk in turn
+    (``v (P - m)`` when ``m < P``). The counted fill is never less and the predictor's
+    busiest device is no less busy than the average, so this never exceeds a prediction;
+    it costs no simulation (the search bounds every configuration before it predicts any).
+    """
     work = sum(f + b for f, b in zip(forward, backward))
-    return (SCHEDULES[V_SHAPE].fill_drain(p, m, v) + m * v) * work / (p * v)
+    return (max(p - 1, v * (p - m)) + m * v) * work / (p * v)
 
 
 @dataclass(frozen=True)
@@ -320,7 +325,7 @@ SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({kind.name: kind for ki
                  peak=lambda p, m, j, v: min(p - j, m), hidden=weight_halves_hidden,
                  bound=split_bound),
     ScheduleKind(V_SHAPE, v_shape, virtual=True, runtimes=_BOTH,
-                 placement=zigzag, fill=None, bound=v_bound),
+                 placement=zigzag, peak=v_shape_peak, fill=v_shape_fill, bound=v_bound),
 )})
 """Every schedule by name, in the order messages list them."""
 

@@ -4,6 +4,8 @@ peak) as the predictor, the simulator and ``strategy="auto"`` read them
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from partitioner.cost.devices import Cluster
@@ -26,10 +28,26 @@ DEEP = gpt_workload(GPTShape(24, 1024, 16, 1024, 50304), batch=64)
 
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 1, 2), (2, 4, 3), (4, 8, 2), (4, 16, 3)])
 def test_its_fill_is_counted_from_its_own_order(p: int, m: int, v: int) -> None:
+    kind = schedule_kind(V_SHAPE)
     ticks = len(clock_ticks(make_schedule(V_SHAPE, p, m, v), 1.0, 2.0))
-    assert schedule_kind(V_SHAPE).fill_drain(p, m, v) == ticks / 3 - m * v
+    assert kind.fill_drain(p, m, v) == ticks / 3 - m * v
+    assert replace(kind, fill=None).fill_drain(p, m, v) == kind.fill_drain(p, m, v)
     # One micro-batch walks every chunk in turn: the fill is the rest of the devices' work.
-    assert schedule_kind(V_SHAPE).fill_drain(p, 1, v) == (p - 1) * v
+    assert kind.fill_drain(p, 1, v) == (p - 1) * v
+
+
+def test_its_bound_takes_the_fill_at_its_least() -> None:
+    # Device P - 1 waits P - 1 forwards, and the gradients of its last backward go down
+    # P - 1 stages; one micro-batch's path is every chunk: what v_bound assumes.
+    forward, backward = [1.0] * 12, [2.0] * 12
+    for p in (2, 3, 4, 6):
+        for m in (1, 2, 3, 5, 8, 13):
+            for v in (2, 3, 4):
+                fill = schedule_kind(V_SHAPE).fill_drain(p, m, v)
+                assert max(p - 1, v * (p - m)) <= fill, (p, m, v)
+                even = (fill + m * v) * 36 / (p * v)  # the predictor's, equal stages
+                bound = schedule_kind(V_SHAPE).bound(p, m, v, forward, backward, 0.5)
+                assert bound <= even * (1 + 1e-12)
 
 
 def test_the_predictor_reads_its_placement() -> None:
