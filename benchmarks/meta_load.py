@@ -137,7 +137,8 @@ def main() -> None:
         del whole
         print(f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, vocab "
               f"{args.vocab}: {params / 1e6:.0f} M parameters ({params * 4 / 2**20:.0f} MiB "
-              f"fp32); pp=2 x tp={args.tp} on {2 * args.tp} gloo ranks; torch {torch.__version__}; load at start "
+              f"fp32); pp=2 x tp={args.tp} on {2 * args.tp} gloo ranks; "
+              f"torch {torch.__version__}; load at start "
               f"{os.getloadavg()[0]:.2f}")
         print(f"{'contender':<9} {'rank':>4} {'partition s':>11} {'init s':>7} {'load s':>7} "
               f"{'step s':>7} {'ready s':>8} {'init_fn calls':>13} {'loss':>9}")

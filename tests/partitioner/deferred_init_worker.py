@@ -1,10 +1,9 @@
 """One rank of the deferred-initialization tests: ``python deferred_init_worker.py <json>``.
 
 Builds :func:`meta_models.build_scaled` on the meta device, partitions it over the world
-(``pp``, ``tp``: default a 2-stage pipeline) with an ``init_fn`` that records the modules it fills, builds the optimizer, then
-(``weights`` given) loads the
-whole model's state dict or (no weights) reads the stage's state dict first. Trains
-``steps`` SGD steps. Prints ``RESULT {json}``: the modules initialized at each point, the
+(``pp``, ``tp``: default a 2-stage pipeline) with an ``init_fn`` that records the modules
+it fills, builds the optimizer, then (``weights`` given) loads the whole model's state dict
+or (no weights) reads the stage's state dict first. Trains ``steps`` SGD steps. Prints ``RESULT {json}``: the modules initialized at each point, the
 state dict it held before training, the losses.
 """
 
