@@ -3,8 +3,9 @@
 Builds :func:`meta_models.build_scaled` on the meta device, partitions it over the world
 (``pp``, ``tp``: default a 2-stage pipeline) with an ``init_fn`` that records the modules
 it fills, builds the optimizer, then (``weights`` given) loads the whole model's state dict
-or (no weights) reads the stage's state dict first. Trains ``steps`` SGD steps. Prints ``RESULT {json}``: the modules initialized at each point, the
-state dict it held before training, the losses.
+or (no weights) reads the stage's state dict first. Trains ``steps`` SGD steps. Prints
+``RESULT {json}``: the modules initialized at each point, the state dict it held before
+training, the losses.
 """
 
 from __future__ import annotations
