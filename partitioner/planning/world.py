@@ -250,7 +250,9 @@ def search_world(workload: Workload, cluster: Cluster, degrees: Degrees = Degree
                  budget: float | None = 5.0, check: Check | None = None) -> SearchResult:
     """The fastest configuration of ``workload`` that the multi-process runtime runs on
     ``cluster``, with the ``degrees`` given and the other choices ``space`` fixes
-    (micro-batches, checkpoint mode, schedules, optimizer sharding).
+    (micro-batches, checkpoint mode, schedules, optimizer sharding). Without ``space``
+    everything is searched, optimizer sharding included (``optimizer_sharding=None``:
+    ``partition_distributed`` may shard the state over its replicas, one process may not).
 
     Without fixed degrees this is :func:`partitioner.planning.auto.search`; with them, the
     configurations of those degrees are predicted one by one (fewer: no bound needed).
