@@ -24,7 +24,7 @@ from torch import nn
 
 from partitioner.analysis import Analysis, build_stage_graphs, output_rows, recapture
 from partitioner.errors import DeviceError, PrecisionError, StrategyError
-from partitioner.passes.fuse_weight_grads import fuse_weight_grads
+from partitioner.passes.fuse_weight_grads import fuse_weight_grads, fusion_threshold
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.sequence_parallel import (
     sequence_parallel as apply_sequence_parallel,
@@ -217,11 +217,13 @@ def _local_stage_graphs(analysis: Analysis, plan: Plan,
                         materializer: MaterializerFactory | None = None
                         ) -> list[fx.GraphModule]:
     """Stage graphs for the one-process runtime: Linear weight gradients added in place
-    (``passes/fuse_weight_grads.py``; small micro-batches make the separate gradient tensor
-    and its accumulation a large share of a Linear's backward)."""
+    where that pays (``passes/fuse_weight_grads.py``: small micro-batches make the separate
+    gradient tensor and its accumulation a large share of a large Linear's backward, and a
+    split backward queues them; with one micro-batch a step the fusion only costs)."""
     graphs = build_stage_graphs(analysis, plan, materializer)
-    for graph in graphs:
-        fuse_weight_grads(graph)
+    for graph, stage in zip(graphs, plan.stages):
+        device_type = torch.device(stage.device).type
+        fuse_weight_grads(graph, fusion_threshold(plan.chunks, plan.schedule, device_type))
         route_module_randomness(graph)
     return graphs
 

@@ -58,6 +58,7 @@ from partitioner.distributed_plan import (
 )
 from partitioner.errors import StageCountError, StrategyError, TuneError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
+from partitioner.passes.fuse_weight_grads import fusion_threshold
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
@@ -163,10 +164,9 @@ def partition_distributed(
         failure: the watchdog's timings (see
         ``partitioner.runtime.distributed.failure.FailurePolicy``).
         fuse_weight_grads: add Linear layers' weight gradients into ``.grad`` in place, one
-            product per micro-batch instead of a new tensor plus a sum
-            (``partitioner.runtime.fused_linear``; Linear modules with hooks, and weights with
-            tensor
-            hooks, are left to autograd).
+            product per micro-batch instead of a new tensor plus a sum, where that pays
+            (``partitioner.passes.fuse_weight_grads.fusion_threshold``; Linear modules with
+            hooks, and weights with tensor hooks, are left to autograd).
         backend: ``"gloo"`` or ``"nccl"`` if torch.distributed must be started.
         strategy: ``"auto"``: search the mesh sizes not given (``pp``, ``dp``, ``tp``), the
             schedule, ``chunks`` and ``checkpoint`` not given, for this world's devices
@@ -473,9 +473,9 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
         stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,
                                     info.device, source, made.sequence_parallel)
         stages = {ranks.stage: stage}
-    if running.fuse_weight_grads:
-        for graph in stages.values():
-            fuse_linear_grads(graph)
+    fusing = fusion_threshold(made.chunks, made.schedule, info.device.type)
+    for graph in stages.values() if running.fuse_weight_grads else ():
+        fuse_linear_grads(graph, fusing)
     captured = planned.analysis.captured
     return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
                     ranks, info.device, settings,

@@ -103,11 +103,19 @@ class LocalPipeline:
             orders :meth:`step`. ``pm(x)`` then ``loss.backward()`` runs all forwards, then
             all backwards (GPipe's order over the virtual stages), whatever the schedule.
         virtual: virtual stages per device ``v`` (``"interleaved"``: 2 or more).
-        threads: intra-op threads of each CPU worker. By default they follow the schedule:
-            an action gets the caller's intra-op threads divided by the number of CPU stages
-            busy at its time in the schedule's clock ticks (:func:`thread_plan`), so a stage
-            alone in the fill or drain uses every thread and stages computing together
-            share them instead of oversubscribing the cores.
+        threads: intra-op threads of each CPU worker. By default (``None``) the caller's
+            intra-op threads divided among the CPU workers (``shared_threads``), fixed for
+            the pipeline's life, so stages computing together share the cores instead of
+            oversubscribing them. ``"schedule"``: they follow the schedule instead, an
+            action getting the caller's threads divided by the CPU stages busy at its time
+            in the schedule's clock ticks (:func:`thread_plan`), so a stage alone in the fill
+            or drain uses every thread. That is not the default: a worker thread that once
+            ran with several intra-op threads keeps its OpenMP team for its life, and GNU
+            OpenMP (torch's CPU wheels) then counts more threads than cores and makes every
+            team in the process sleep at its barriers instead of spinning. Every parallel op
+            of the process, the caller's optimizer step and the stages' own, ran 2-3x slower
+            on the 2-core CI machine while the pipeline lived (``docs/benchmarks.md``, "OpenMP
+            teams"), more than a lone stage gains from the second thread.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the stages compute under autocast
             to it and :meth:`step` computes the loss in fp32
             (``partitioner.runtime.precision``).
@@ -119,7 +127,7 @@ class LocalPipeline:
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], devices: Sequence[torch.device],
-                 chunks: int = 1, checkpoint: str = "never", threads: int | None = None,
+                 chunks: int = 1, checkpoint: str = "never", threads: int | str | None = None,
                  schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32",
                  output_rows: Sequence[OutputHint] | None = None) -> None:
         self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
@@ -142,11 +150,15 @@ class LocalPipeline:
         self.runners = [StageRunner(k, gm, self.devices[self.placement[k]], precision=precision)
                         for k, gm in enumerate(stages)]
         _mark_shared_parameters(stages)
+        if threads is not None and threads != "schedule" and not (
+                isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+            raise ValueError(f"threads={threads!r}; pass a positive count, \"schedule\" or "
+                             "None (the caller's threads shared among the CPU workers)")
         self.threads = threads
         self._budget = torch.get_num_threads()
         self._default = thread_default()
         self._plans: dict[tuple[str, int], dict[Action, int]] = {}
-        start = shared_threads(self.devices) if threads is None else threads
+        start = shared_threads(self.devices) if not isinstance(threads, int) else threads
         self.workers = [Worker(d, start if d.type == "cpu" else None) for d in self.devices]
         #: (action, start, end) in seconds since the pipeline was made, for every action the
         #: last forward and backward (or step) ran (what ``viz`` draws as a measured timeline).
@@ -190,7 +202,7 @@ class LocalPipeline:
 
     def _threads_for(self, key: str, schedule: Schedule) -> dict[Action, int]:
         """Intra-op threads per action (empty: fixed per worker)."""
-        if self.threads is not None:
+        if self.threads != "schedule":
             return {}
         n = 1 + max(a.microbatch for actions in schedule for a in actions)
         if (key, n) not in self._plans:

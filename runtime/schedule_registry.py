@@ -33,11 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
+from functools import cache, lru_cache
 from types import MappingProxyType
 
 from partitioner.errors import ScheduleError
-from partitioner.runtime.action import Schedule
+from partitioner.runtime.action import Phase, Schedule
 from partitioner.runtime.placement import Placement, looped
 from partitioner.runtime.schedule import clock_ticks, count_problems, in_flight
 from partitioner.runtime.schedule_generators import (
@@ -297,8 +297,21 @@ class ScheduleKind:
         """Whether ``runtime`` executes this schedule."""
         return runtime in self.runtimes
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether its backwards are split into input (``I``) and weight (``W``) halves
+        (what needs Linear weight gradients queued rather than run: ``fused_linear``)."""
+        return _splits(self)
+
 
 @lru_cache(maxsize=256)
+@cache
+def _splits(kind: ScheduleKind) -> bool:
+    virtual = 2 if kind.virtual else 1
+    return any(action.phase is Phase.INPUT for actions in kind.build(2, 2, virtual)
+               for action in actions)
+
+
 def _counted_peaks(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
                    ) -> tuple[int, ...]:
     return in_flight(kind.build(n_stages, n_microbatches, virtual))

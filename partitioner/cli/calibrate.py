@@ -96,8 +96,12 @@ def spec_lines(spec: DeviceSpec) -> list[str]:
                      "us per step of a collective between threads"),
              _figure("replica overhead", spec.replica_overhead * 1e6,
                      "us per replica per step (one process)"),
+             _figure("replica per tensor", spec.replica_tensor_overhead * 1e6,
+                     "us per parameter tensor per replica past the first"),
              _figure("optimizer per tensor", spec.optimizer_tensor_overhead * 1e6,
                      "us per parameter tensor (Adam)"),
+             _figure("lone worker", spec.worker_speed * 100,
+                     "% of all threads' speed (a stage computing alone)"),
              _figure("memory", spec.memory_bytes / 2**30, "GiB")]
     if spec.shared_speedup:
         workers = ", ".join(str(n) for n in range(1, len(spec.shared_speedup) + 1))

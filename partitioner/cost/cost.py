@@ -317,7 +317,8 @@ def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
     Returns:
         For ``n = 1 .. len(spec.shared_speedup)`` busy devices, the layer's seconds divided
         by what ``n`` devices gain when each of its ops is on all of them at once
-        (``spec.speedup(n, flops)``: small products gain most, memory-bound ops least). Entry
+        (``spec.speedup(n, flops)``: small products gain most, memory-bound ops least; the
+        ops' fixed launch costs, taken in turn under the interpreter's lock, gain none). Entry
         0 is the layer's time alone; ``entry[0] / entry[n - 1]`` is the layer's gain.
         Empty for devices with their own compute.
 
@@ -336,9 +337,13 @@ def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
     for op in layer.ops:
         forward, backward = op_times(op, spec, samples, tp, dtype)
         seconds = (forward * (1 + op.replay) + backward) * layer.time_scale
+        # The fixed cost of each launch (Python and the dispatcher, under the interpreter's
+        # lock) gains nothing from the other workers: they take turns at it.
+        launches = op.count * ((3 if op.kind == "matmul" else 2) + op.replay)
+        fixed = min(launches * spec.op_overhead * layer.time_scale, seconds)
         size = op.flops * samples / (tp if op.split else 1) if op.kind != "memory" else 0.0
         for n in range(1, width + 1):
-            out[n - 1] += seconds / spec.speedup(n, size)
+            out[n - 1] += (seconds - fixed) / spec.speedup(n, size) + fixed
     return tuple(out)
 
 

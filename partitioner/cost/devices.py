@@ -32,25 +32,12 @@ from typing import Any
 
 import torch
 
+from partitioner.cost.dtypes import dtype_name
 from partitioner.errors import DeviceError
 from partitioner.runtime import device as accelerators
 
 __all__ = ["DeviceSpec", "LinkSpec", "Cluster", "DEVICES", "LINKS", "parse_devices",
            "interpolate_speedup", "link_bandwidth", "dtype_name", "REFERENCE_CPU"]
-
-_DTYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16",
-           torch.float16: "fp16"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name peak FLOP/s are keyed by: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp64"``.
-
-    Example:
-        >>> dtype_name(torch.bfloat16)
-        'bf16'
-    """
-    return _DTYPES.get(dtype, "fp32")
-
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -105,6 +92,11 @@ class DeviceSpec:
         replica_overhead: seconds one data-parallel replica in one process adds to a
             training step beyond its compute (the split, the hand-offs to and from its
             worker thread, the gradient sum and weight check); 0 for the presets.
+        replica_tensor_overhead: seconds each replica beyond the first adds per parameter
+            tensor (its weight check and gradient sum: ops and their Python); 0: none.
+        worker_speed: for devices sharing one host's cores, how fast a stage worker alone
+            computes (with its fixed share of the threads, ``runtime/local.py``) against
+            one device with all of them; 1.0: as fast (the presets).
         optimizer_tensor_overhead: seconds the optimizer spends per parameter tensor beyond
             the bytes it streams (``torch.optim.Adam``'s loop: kernel calls and Python per
             tensor); 0 for the presets (GPU optimizers run fused or multi-tensor).
@@ -133,6 +125,8 @@ class DeviceSpec:
     thread_latency: float = 0.0
     replica_overhead: float = 0.0
     optimizer_tensor_overhead: float = 0.0
+    replica_tensor_overhead: float = 0.0
+    worker_speed: float = 1.0
     attention_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
@@ -150,12 +144,13 @@ class DeviceSpec:
         for name in ("memory_bytes", "memory_bandwidth", "matmul_half_flops"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be > 0")
-        for name in ("matmul_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "memory_efficiency", "worker_speed"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
         for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
                      "fresh_bandwidth", "fresh_threshold", "thread_latency",
-                     "replica_overhead", "optimizer_tensor_overhead", "attention_efficiency"):
+                     "replica_overhead", "optimizer_tensor_overhead", "attention_efficiency",
+                     "replica_tensor_overhead"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0

@@ -59,6 +59,7 @@ from partitioner.cost.memory import optimizer_traffic
 from partitioner.cost.runtime_paths import (
     optimizer_tensor_seconds,
     replica_step_seconds,
+    replica_tensor_seconds,
     thread_collective_seconds,
 )
 from partitioner.errors import CalibrationError
@@ -109,12 +110,13 @@ def _op_overhead() -> float:
 
 
 @contextmanager
-def _together(work: Callable[[], None], n: int) -> Iterator[Callable[[], None]]:
+def _together(work: Callable[[], None], n: int, share: int | None = None
+              ) -> Iterator[Callable[[], None]]:
     """``work`` on ``n`` stage workers at once, each with the intra-op threads the pipeline
-    runtime gives it (``partitioner.runtime.worker.shared_threads``: the caller's threads
-    shared)."""
+    runtime gives it when ``share`` workers share the host (default ``n``;
+    ``partitioner.runtime.worker.shared_threads``: the caller's threads shared)."""
     cpu = torch.device("cpu")
-    workers = [Worker(cpu, shared_threads([cpu] * n)) for _ in range(n)]
+    workers = [Worker(cpu, shared_threads([cpu] * (share or n))) for _ in range(n)]
 
     def run() -> None:
         for future in [w.submit(work) for w in workers]:
@@ -222,7 +224,8 @@ _PHASES = 7  # what _timings reports to its progress bar
 _COUNTS = {2: "two", 3: "three", 4: "four"}
 TIMING_KEYS = ("overhead", "few", "some", "many", "bf16_some", "fp16_few", "small", "add",
                "fill", "fresh", "adam",
-               "action", "collective", "replica", "adam_tensor", "alone", *_COUNTS.values(),
+               "action", "collective", "replica", "adam_tensor", "replica_tensor", "alone",
+               "single", *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
 """What one calibration run times (:func:`_timings`), each in seconds."""
@@ -254,7 +257,7 @@ def _timings(progress: Progress) -> dict[str, float]:
     progress.step("optimizer step")
     found["action"] = _action_overhead()
     found.update(collective=thread_collective_seconds(2), replica=replica_step_seconds(),
-                 adam_tensor=optimizer_tensor_seconds())
+                 adam_tensor=optimizer_tensor_seconds(), replica_tensor=replica_tensor_seconds())
     progress.step("pipeline actions, thread collectives and replicas")
     # What stages computing at once get done: products of 8 to 1024 rows with weights
     # streamed from memory (the smaller, the more sharing gains), and element-wise streams
@@ -266,7 +269,7 @@ def _timings(progress: Progress) -> dict[str, float]:
             local.x, local.y = torch.ones(_COPY), torch.ones(_COPY)
         for _ in range(4):
             local.y.add_(local.x)
-    found.update(_shared_timings(_products(some, weights[:16]), (2, 3, 4)))
+    found.update(_shared_timings(_products(some, weights[:16]), (2, 3, 4), single=True))
     progress.step("stages sharing the cores")
     for k, (suffix, work) in enumerate( (("_few", _products(few, weights[:16])),
                          ("_many", _products(many, weights[:4])),
@@ -319,13 +322,17 @@ def _products(rows: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], N
 
 
 def _shared_timings(work: Callable[[], None], counts: Sequence[int],
-                    rounds: int = 3) -> dict[str, float]:
-    """The median time of ``work`` alone, and on ``n`` stage workers at once for each count,
-    over ``rounds`` rounds."""
+                    rounds: int = 3, single: bool = False) -> dict[str, float]:
+    """The median time of ``work`` alone, and on ``n`` stage workers at once for each count
+    (and on one worker with a two-worker share of the threads, ``single``), over ``rounds``
+    rounds."""
     work()
     times: dict[str, list[float]] = {"alone": [], **{_COUNTS[n]: [] for n in counts}}
     with ExitStack() as stack:
         teams = {_COUNTS[n]: stack.enter_context(_together(work, n)) for n in counts}
+        if single:  # one worker with the threads it has when two share the host
+            times["single"] = []
+            teams["single"] = stack.enter_context(_together(work, 1, share=2))
         for run in teams.values():
             run()  # each worker's first call (the element-wise stream allocates there)
         for _ in range(rounds):  # alone and together in turn: load drifting skews neither
@@ -462,7 +469,9 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
                       fresh, threshold or 0.0,
                       # A two-rank all-reduce between threads is a ring of 2 steps.
                       thread_latency=t["collective"] / 2, replica_overhead=t["replica"],
-                      optimizer_tensor_overhead=t["adam_tensor"])
+                      optimizer_tensor_overhead=t["adam_tensor"],
+                      replica_tensor_overhead=t["replica_tensor"],
+                      worker_speed=min(t["alone"] / t["single"], 1.0))
 
 
 def _total_memory() -> float:

@@ -12,7 +12,8 @@ time (``partitioner.cost.measure`` runs them in each calibration):
 * data-parallel replicas (``runtime/replicas.py``) split the batch, hand each share to a
   worker thread, run the backward there, add the copies' gradients into the master's and
   compare and copy the weights back before the next call: a fixed cost per replica and per
-  step besides the bytes.
+  step, and one per parameter tensor (a comparison, a copy, a sum: each an op and its
+  Python), besides the bytes.
 
 The optimizer has a fixed cost per parameter tensor too (``torch.optim.Adam``'s loop over
 the tensors: about ten kernel calls and Python bookkeeping each), which for a model of many
@@ -24,6 +25,8 @@ Example:
     >>> thread_collective_seconds(rounds=20) > 0
     True
     >>> replica_step_seconds(rounds=5) >= 0
+    True
+    >>> replica_tensor_seconds(layers=4, rounds=3) > 0
     True
 """
 
@@ -38,12 +41,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from partitioner.runtime.replica_copy import GraphReplica
+from partitioner.runtime.replica_copy import GraphReplica, ReplicaTensors
 from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.collectives import ThreadCommunicator, ThreadGroup
 from partitioner.runtime.worker import Worker, shared_threads
 
-__all__ = ["thread_collective_seconds", "replica_step_seconds", "optimizer_tensor_seconds"]
+__all__ = ["thread_collective_seconds", "replica_step_seconds", "replica_tensor_seconds",
+           "optimizer_tensor_seconds"]
 
 
 def thread_collective_seconds(ranks: int = 2, rounds: int = 200) -> float:
@@ -129,6 +133,30 @@ def replica_step_seconds(rounds: int = 30) -> float:
         return max(statistics.median(together[3:]) - statistics.median(alone[3:]), 0.0) / 2
     finally:
         pm.close()
+
+
+def replica_tensor_seconds(layers: int = 32, rounds: int = 20) -> float:
+    """Seconds two replicas add per parameter tensor to a step, beyond the bytes: the weight
+    check before the call (a comparison, and a copy when the optimizer changed the master)
+    and the gradient sum after it, each one op and its Python per tensor (the median of
+    ``rounds`` steps over ``2 * layers`` tiny tensors, divided by their count)."""
+    torch.manual_seed(0)
+    master = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    copy = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    tensors = ReplicaTensors(master, [copy])
+    params = list(master.parameters())
+    times = []
+    for _ in range(rounds + 3):
+        with torch.no_grad():
+            for p in params:  # what an optimizer step does between two calls
+                p.add_(1e-3)
+        for p, q in zip(params, copy.parameters()):
+            p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+        start = time.perf_counter()
+        tensors.refresh()
+        tensors.sum_grads()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) / len(params)
 
 
 def optimizer_tensor_seconds(tensors: int = 32, rounds: int = 20) -> float:

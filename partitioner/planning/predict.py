@@ -186,7 +186,10 @@ class StageProfile:
     sharing: tuple[float, ...] = ()
 
     def speedup(self, spec: DeviceSpec, n: float) -> float:
-        """What ``n`` devices busy with this stage's kind of work gain over one."""
+        """Gain of ``n`` busy devices over one with all threads (below 2: from a lone worker's)."""
+        table = self.sharing or spec.shared_speedup
+        if n < 2 and spec.worker_speed < 1 and len(table) > 1:
+            return spec.worker_speed + max(n - 1, 0.0) * (table[1] - spec.worker_speed)
         return interpolate_speedup(self.sharing, n) if self.sharing else spec.speedup(n)
 
 
@@ -525,10 +528,11 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     spec = cluster.spec(0)
     shared = bool(spec.shared_speedup) and cluster.is_local
     if shared and config.devices > 1:
-        # Devices sharing the host's cores: in the steady state the slowest device is always
-        # busy and device j a share w_j / w_max of the time, in every replica and shard, so
-        # n = dp * tp * sum of the shares compete, each stage gaining what its kind of work
-        # gains (small products more than large).
+        # Devices sharing the host's cores: the fill and drain run one worker per replica
+        # and shard. In the steady state device j is busy w_j / w_max of the time in every
+        # replica and shard: n = dp * tp * sum of the shares compete, each stage gaining
+        # what its kind of work gains (small products more than large).
+        edges *= config.dp * config.tp / stages[0].speedup(spec, config.dp * config.tp)
         busy = config.dp * config.tp * sum(per_device) / max(per_device)
         slowed = sum(w / s.speedup(spec, busy) for w, s in zip(work, stages))
         steady *= busy * slowed / sum(work) if sum(work) > 0 else 1.0
@@ -558,9 +562,11 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         grads = sum(s.grad_bytes for s in mine)
         if config.dp > 1 and cluster.is_local:
             # Replicas in one process: the copies' sums and weight checks, plus each
-            # replica's fixed cost per step (split, hand-offs, per-tensor ops), measured.
+            # replica's fixed cost per step (split, hand-offs) and per tensor, measured.
             reduce = replica_sync_time(grads, params, config.dp, cluster.intra_node.bandwidth) \
-                + (config.dp * cluster.spec(j).replica_overhead if j == 0 else 0.0)
+                + (config.dp * cluster.spec(j).replica_overhead + (config.dp - 1) * sum(
+                    lay.param_tensors for lay in workload.layers)
+                   * cluster.spec(j).replica_tensor_overhead if j == 0 else 0.0)
         else:
             # FSDP gathers the parameters twice and reduce-scatters the gradients.
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \

@@ -134,7 +134,7 @@ class _Simulation:
         self.where = schedule_kind(c.schedule).place(c.pp, c.virtual)
         self.replay_below = replayed(c.checkpoint, c.chunks)
         spec = cluster.spec(0)
-        shared = cluster.is_local and bool(spec.shared_speedup) and c.pp > 1
+        shared = cluster.is_local and bool(spec.shared_speedup) and c.devices > 1
         self.shared = shared
         # One process steps each tensor-parallel shard of a stage, one after another (and
         # the replicas' master only); ranks of a cluster step their own at once.
@@ -165,8 +165,12 @@ class _Simulation:
 
     def gain(self, j: int, n: int) -> float:
         """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
-        (on a shared host only compute runs there; the optimizers step after it)."""
-        return self.stages[self.tags[j][1].stage].speedup(self.spec, n)
+        (on a shared host only compute runs there; the optimizers step after it). Every
+        replica and tensor-parallel shard of the pipeline computes alike at the same time on
+        the same cores: ``n`` busy devices are ``n dp tp`` busy workers, each progressing at
+        ``speedup(n dp tp) / (n dp tp)``."""
+        copies = self.config.dp * self.config.tp
+        return self.stages[self.tags[j][1].stage].speedup(self.spec, n * copies) / copies
 
     def push(self, time: float, kind: str, payload: Any) -> None:
         self.seq += 1

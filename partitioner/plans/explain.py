@@ -153,8 +153,9 @@ def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
     if others and winner.get("measured_step_time") is None:  # tuned: the tuned line says
         text += _against(winner, others[0])
     if _shares_host(winner) and winner["config"]["pp"] > 1:
-        text += ("; the devices share this machine's cores, so the bubble is not idle "
-                 "hardware: while a stage waits, the busy ones get its cores")
+        text += ("; the devices share this machine's cores: each stage's worker keeps its "
+                 "share of the threads, so a stage computing alone in the fill or drain runs "
+                 "on its share")
     faster = [(label, why, bound) for label, why, bound in info.get("excluded", [])
               if bound < winner["step_time"]]
     if faster:

@@ -108,9 +108,11 @@ def test_a_replicas_plan_round_trips(inputs: bool, tmp_path: Path) -> None:
     assert make_plan(model, None, plan=path, **given) == saved
 
 
-# A CPU whose replicas cost nothing beyond their compute: auto then picks replicas for a
-# small model (with the reference CPU's measured cost per replica it picks tp=2).
-_FREE_REPLICAS = replace(REFERENCE_CPU, replica_overhead=0.0, thread_latency=0.0)
+# A CPU whose replicas cost nothing beyond their compute, on cores that two workers share
+# without losing speed: auto then picks replicas for a small model (with the reference CPU's
+# measured cost per replica, and its sharing gains, it picks a pipeline).
+_FREE_REPLICAS = replace(REFERENCE_CPU, replica_overhead=0.0, thread_latency=0.0,
+                         shared_speedup=(1.0, 2.0, 2.0, 2.0), shared_sizes=())
 
 
 def test_a_fresh_replicas_choice_of_auto_round_trips(tmp_path: Path) -> None:

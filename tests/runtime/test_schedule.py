@@ -561,3 +561,9 @@ def test_each_runtime_publishes_what_it_runs_besides_schedules() -> None:
     assert CAPABILITIES[Runtime.MULTI_PROCESS].optimizer_sharding
     assert not CAPABILITIES[Runtime.ONE_PROCESS].optimizer_sharding
     assert not any(c.virtual_with_tp for c in CAPABILITIES.values())
+
+
+def test_the_registry_says_which_schedules_split_their_backwards() -> None:
+    from partitioner.runtime.schedule_registry import SCHEDULES
+    split = {name for name, kind in SCHEDULES.items() if kind.splits_backward}
+    assert split == {"zero_bubble"}

@@ -116,7 +116,8 @@ def test_thread_plan_shares_the_budget_among_stages_busy_together() -> None:
 def test_pipeline_actions_run_with_the_planned_threads(four_threads: None) -> None:
     seen: list[tuple[str, int]] = []
     stages = [_Probe(seen, "0"), _Probe(seen, "1")]
-    pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=3)  # type: ignore[arg-type]
+    pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=3,  # type: ignore[arg-type]
+                         threads="schedule")
     fresh = _fresh_thread_count()
     try:
         pipe.run([torch.randn(6, 8)])[0].sum().backward()
@@ -126,3 +127,25 @@ def test_pipeline_actions_run_with_the_planned_threads(four_threads: None) -> No
     assert forwards == [4, 2, 2]  # 0F0 alone, then alongside stage 1
     assert [n for name, n in seen if name == "1F"] == [2, 2, 4]  # 1F2: stage 0 done
     assert torch.get_num_threads() == 4 and _fresh_thread_count() == fresh
+
+
+def test_by_default_every_action_keeps_its_workers_share(four_threads: None) -> None:
+    # A worker that once ran with more threads keeps an OpenMP team, which slows every
+    # parallel op of the process (runtime/local.py, ``threads``): the default never varies.
+    seen: list[tuple[str, int]] = []
+    stages = [_Probe(seen, "0"), _Probe(seen, "1")]
+    pipe = LocalPipeline(stages, [torch.device("cpu")] * 2, chunks=3)  # type: ignore[arg-type]
+    try:
+        pipe.run([torch.randn(6, 8)])[0].sum().backward()
+    finally:
+        pipe.close()
+    assert {n for _, n in seen} == {2}
+    assert torch.get_num_threads() == 4
+
+
+@pytest.mark.parametrize("threads", [0, -1, "alone", 1.5, True])
+def test_a_thread_count_that_is_not_a_positive_int_or_schedule_is_refused(threads: object
+                                                                          ) -> None:
+    stages = [fx.symbolic_trace(_Stage()) for _ in range(2)]
+    with pytest.raises(ValueError, match="threads="):
+        LocalPipeline(stages, [torch.device("cpu")] * 2, threads=threads)  # type: ignore[arg-type]

@@ -204,3 +204,17 @@ def test_layer_costs_infers_the_batch() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.cost.cost).failed == 0
+
+
+def test_the_fixed_launch_costs_gain_nothing_from_sharing_a_host() -> None:
+    # Workers of one process take turns at each op's launch (Python, the dispatcher): only
+    # the op's work gains what the host's cores share.
+    from partitioner.cost.cost import shared_work
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, op_overhead=1e-3,
+                     shared_speedup=(1.0, 2.0))
+    tiny = LayerCost("tiny", (Op("memory", bytes=1.0),))  # nearly all launch cost
+    big = LayerCost("big", (Op("memory", bytes=1e9),))  # nearly all work
+    alone, two = shared_work(tiny, cpu, 1)
+    assert alone / two == pytest.approx(1.0, abs=1e-3)
+    alone, two = shared_work(big, cpu, 1)
+    assert alone / two == pytest.approx(2.0, rel=0.02)  # 0.2 s of work, 2 ms of launches

@@ -78,6 +78,8 @@ def test_measured_cpu_spec_is_valid(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         # glibc maps tensors of 32 MiB and more afresh: first touch costs, measured.
         assert spec.fresh_threshold == 32 * 2**20 and spec.fresh_bandwidth > 1e8
     assert spec.action_overhead >= 0.0
+    # A lone stage worker keeps its share of the threads: timed, at most the whole's speed.
+    assert 0.0 < spec.worker_speed <= 1.0 and spec.replica_tensor_overhead > 0.0
     for row in spec.shared_sizes:
         assert row[1] == 1.0 and all(1 / n <= s <= n for n, s in enumerate(row[1:], start=1))
 

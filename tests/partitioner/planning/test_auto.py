@@ -256,8 +256,8 @@ def test_explain_says_when_the_runner_up_ties() -> None:
 def test_explain_says_cpu_devices_share_the_cores() -> None:
     from partitioner.planning.auto import records
     here, there = _local(4), Cluster.preset("A100-80GB")
-    assert "share this machine's cores" in explain(records(search(GPT, here), here))
-    assert "share this machine's cores" not in explain(records(search(GPT, there), there))
+    assert "share this machine's cores" in explain(records(search(GPT, here, pp=4), here))
+    assert "share this machine's cores" not in explain(records(search(GPT, there, pp=4), there))
 
 
 def test_cpu_stages_needing_more_than_the_machine_are_noted_and_warned() -> None:

@@ -183,3 +183,32 @@ def test_a_replayed_forward_all_reduces_again() -> None:
     forward_ops = kept[0] - comm
     assert comm > 0 and again[0] == pytest.approx(kept[0])
     assert again[1] == pytest.approx(kept[1] + forward_ops + comm)  # the forward, again
+
+
+def test_replicas_in_one_process_pay_per_parameter_tensor() -> None:
+    # Each replica past the first checks and sums every parameter tensor (runtime/
+    # replica_copy.py): measured per tensor, charged per tensor and replica.
+    layer = LayerCost("fc", (Op("matmul", flops=1e6, weight_read=4096),), param_bytes=4096,
+                      param_tensors=2)
+    work = Workload((layer,) * 10, (1e3,) * 11, batch=8)
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1.0, 1.5))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    costly = Cluster(replace(cpu, replica_tensor_overhead=1e-3), devices_per_node=2,
+                     local=("cpu", "cpu"))
+    config = Config(dp=2, pp=1)
+    extra = predict(work, costly, config).dp_times[0] - predict(work, host, config).dp_times[0]
+    assert extra == pytest.approx(20 * 1e-3)  # 10 layers x 2 tensors x 1 replica past one
+    assert predict(work, costly, Config(dp=1, pp=2)).dp_times == (0.0, 0.0)
+
+
+def test_a_lone_workers_speed_slows_the_fill_and_drain_of_a_shared_host() -> None:
+    work = _products(1e6)
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, shared_speedup=(1.0, 2.0))
+    whole = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    share = Cluster(replace(cpu, worker_speed=0.5), devices_per_node=2, local=("cpu", "cpu"))
+    config = Config(pp=2, chunks=2)
+    assert predict(work, share, config).pipeline_time > predict(work, whole, config).pipeline_time
+    # A device of its own (no sharing) is not slowed.
+    own = Cluster(replace(cpu, shared_speedup=(), worker_speed=0.5), devices_per_node=2)
+    plain = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    assert predict(work, own, config).pipeline_time == predict(work, plain, config).pipeline_time

@@ -207,3 +207,39 @@ def test_devices_sharing_a_host_are_stepped_one_after_another_at_the_end() -> No
     assert separate.step_time == pytest.approx(5 * 3.0 + 0.5)  # device 0's backward ends last
     steps = [(start, end) for label, start, end in shared.transfers if "optimizer" in label]
     assert steps == [pytest.approx((15.0, 15.5)), pytest.approx((15.5, 15.75))]
+
+
+def test_a_lone_stage_computes_at_its_workers_share_of_the_threads() -> None:
+    # Workers keep a fixed share of the threads (runtime/local.py): a stage alone in the
+    # fill or drain computes at the spec's worker_speed, not at the whole machine's speed.
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 2.0))
+    whole = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    share = Cluster(replace(cpu, worker_speed=0.5), devices_per_node=2, local=("cpu", "cpu"))
+    prediction = _equal_stages(Config(pp=2, chunks=1))  # 1 s + 2 s a stage, never together
+    assert simulate(prediction, whole).pipeline_time == pytest.approx(2 * 3.0)
+    assert simulate(prediction, share).pipeline_time == pytest.approx(2 * 3.0 / 0.5)
+    # 8 micro-batches: the steady state (both busy) keeps the calibrated 2x of two workers;
+    # only the fill and drain, where one stage computes alone, take longer.
+    steady = _equal_stages(Config(pp=2, chunks=8))
+    fast, slow = simulate(steady, whole).pipeline_time, simulate(steady, share).pipeline_time
+    assert fast == pytest.approx(9 * 3.0)
+    assert fast + 3.0 <= slow <= fast + 2 * 3.0 / 0.5 < 2 * 8 * 3.0
+
+
+def test_replicas_and_shards_in_one_process_share_the_hosts_compute() -> None:
+    # dp=2 replicas of one stage are two busy workers on one host: on cores two workers
+    # share without gain, each progresses at half speed (they used to be simulated at the
+    # whole machine's speed each).
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 1.0))
+    host = Cluster(cpu, devices_per_node=2, local=("cpu", "cpu"))
+    own = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
+    for config in (Config(dp=2, pp=1, chunks=1), Config(tp=2, pp=1, chunks=1)):
+        prediction = _equal_stages(config)
+        assert simulate(prediction, own).pipeline_time == pytest.approx(3.0)
+        assert simulate(prediction, host).pipeline_time == pytest.approx(2 * 3.0)
+    # Two replicas of a 2-stage pipeline: 4 workers, 2 busy per replica in the steady state.
+    cpu4 = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 1.0, 1.0, 1.0))
+    host4 = Cluster(cpu4, devices_per_node=4, local=("cpu",) * 4)
+    alone = simulate(_equal_stages(Config(pp=2, chunks=8)), host4).pipeline_time
+    assert simulate(_equal_stages(Config(dp=2, pp=2, chunks=8)), host4).pipeline_time \
+        == pytest.approx(2 * alone, rel=0.05)
