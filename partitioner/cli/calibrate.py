@@ -100,6 +100,8 @@ def spec_lines(spec: DeviceSpec) -> list[str]:
                      "us per parameter tensor per replica past the first"),
              _figure("optimizer per tensor", spec.optimizer_tensor_overhead * 1e6,
                      "us per parameter tensor (Adam)"),
+             _figure("fused Linear", spec.fused_linear_overhead * 1e6,
+                     "us per Linear's forward and backward through fused_linear"),
              _figure("lone worker", spec.worker_speed * 100,
                      "% of all threads' speed (a stage computing alone)"),
              _figure("memory", spec.memory_bytes / 2**30, "GiB")]

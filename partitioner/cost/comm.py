@@ -33,7 +33,7 @@ from partitioner.cost.devices import Cluster, LinkSpec
 from partitioner.errors import CommError
 
 __all__ = ["CommError", "COLLECTIVES", "p2p_time", "all_reduce_time", "all_gather_time",
-           "reduce_scatter_time", "collective_time"]
+           "reduce_scatter_time", "collective_time", "replica_sync_time"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -128,3 +128,21 @@ def collective_time(kind: str, nbytes: float, ranks: Sequence[int], cluster: Clu
     if not ranks:
         raise CommError("ranks is empty; a collective needs at least one rank")
     return _TIMES[kind](nbytes, len(ranks), cluster.group_link(ranks))
+
+
+def replica_sync_time(grad_bytes: float, param_bytes: float, dp: int, bandwidth: float
+                      ) -> float:
+    """Seconds to sum ``dp`` replicas' gradients and copy the weights back to each, in one
+    process (``runtime/replicas.py``): copies over the host's memory bandwidth, after the
+    backward (nothing overlaps them).
+
+    The sum reads every replica's gradients and writes one; the broadcast reads the weights
+    and writes ``dp - 1`` copies, each ``dp - 1`` times a read and a write.
+
+    Example:
+        >>> replica_sync_time(1e9, 1e9, 2, 10e9)  # (3 + 2) GB at 10 GB/s
+        0.5
+    """
+    if dp <= 1 or bandwidth <= 0:
+        return 0.0
+    return ((dp + 1) * grad_bytes + 2 * (dp - 1) * param_bytes) / bandwidth

@@ -58,6 +58,7 @@ from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
            "workload_from_graph", "op_times", "phase_times", "layer_time", "shared_work",
+           "split_backward_overhead",
            "OP_KINDS", "ATTENTION_BACKWARD"]
 
 OP_KINDS = ("matmul", "attention", "memory")
@@ -345,6 +346,16 @@ def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
         for n in range(1, width + 1):
             out[n - 1] += (seconds - fixed) / spec.speedup(n, size) + fixed
     return tuple(out)
+
+
+def split_backward_overhead(layers: Sequence[LayerCost], spec: DeviceSpec) -> float:
+    """Seconds a schedule that splits its backwards (``I`` and ``W``) adds to a stage's
+    backward of one micro-batch: the ``W`` action's own runtime cost, and every product with
+    a weight gradient run through ``fused_linear`` (whose queue the ``W`` action runs).
+    Convolutions count too (they are not fused): the costs do not tell them apart."""
+    products = sum(op.count for layer in layers for op in layer.ops
+                   if op.kind == "matmul" and op.weight_grad > 0)
+    return spec.action_overhead + products * spec.fused_linear_overhead
 
 
 def layer_time(layer: LayerCost, spec: DeviceSpec, samples: float, *, tp: int = 1,

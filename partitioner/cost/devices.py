@@ -94,6 +94,8 @@ class DeviceSpec:
             worker thread, the gradient sum and weight check); 0 for the presets.
         replica_tensor_overhead: seconds each replica beyond the first adds per parameter
             tensor (its weight check and gradient sum: ops and their Python); 0: none.
+        fused_linear_overhead: seconds a Linear through ``fused_linear`` (a Python autograd
+            function) adds to its forward and backward; 0: none (the presets).
         worker_speed: for devices sharing one host's cores, how fast a stage worker alone
             computes (with its fixed share of the threads, ``runtime/local.py``) against
             one device with all of them; 1.0: as fast (the presets).
@@ -127,6 +129,7 @@ class DeviceSpec:
     optimizer_tensor_overhead: float = 0.0
     replica_tensor_overhead: float = 0.0
     worker_speed: float = 1.0
+    fused_linear_overhead: float = 0.0
     attention_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
@@ -150,7 +153,7 @@ class DeviceSpec:
         for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
                      "fresh_bandwidth", "fresh_threshold", "thread_latency",
                      "replica_overhead", "optimizer_tensor_overhead", "attention_efficiency",
-                     "replica_tensor_overhead"):
+                     "replica_tensor_overhead", "fused_linear_overhead"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0

@@ -57,6 +57,7 @@ from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.memory import optimizer_traffic
 from partitioner.cost.runtime_paths import (
+    fused_linear_seconds,
     optimizer_tensor_seconds,
     replica_step_seconds,
     replica_tensor_seconds,
@@ -225,7 +226,7 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 TIMING_KEYS = ("overhead", "few", "some", "many", "bf16_some", "fp16_few", "small", "add",
                "fill", "fresh", "adam",
                "action", "collective", "replica", "adam_tensor", "replica_tensor", "alone",
-               "single", *_COUNTS.values(),
+               "single", "fused", *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
 """What one calibration run times (:func:`_timings`), each in seconds."""
@@ -257,7 +258,8 @@ def _timings(progress: Progress) -> dict[str, float]:
     progress.step("optimizer step")
     found["action"] = _action_overhead()
     found.update(collective=thread_collective_seconds(2), replica=replica_step_seconds(),
-                 adam_tensor=optimizer_tensor_seconds(), replica_tensor=replica_tensor_seconds())
+                 adam_tensor=optimizer_tensor_seconds(), replica_tensor=replica_tensor_seconds(),
+                 fused=fused_linear_seconds())
     progress.step("pipeline actions, thread collectives and replicas")
     # What stages computing at once get done: products of 8 to 1024 rows with weights
     # streamed from memory (the smaller, the more sharing gains), and element-wise streams
@@ -471,7 +473,8 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
                       thread_latency=t["collective"] / 2, replica_overhead=t["replica"],
                       optimizer_tensor_overhead=t["adam_tensor"],
                       replica_tensor_overhead=t["replica_tensor"],
-                      worker_speed=min(t["alone"] / t["single"], 1.0))
+                      worker_speed=min(t["alone"] / t["single"], 1.0),
+                      fused_linear_overhead=t["fused"])
 
 
 def _total_memory() -> float:

@@ -28,6 +28,8 @@ Example:
     True
     >>> replica_tensor_seconds(layers=4, rounds=3) > 0
     True
+    >>> fused_linear_seconds(rounds=3) >= 0
+    True
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from partitioner.runtime import fused_linear
 from partitioner.runtime.replica_copy import GraphReplica, ReplicaTensors
 from partitioner.runtime.replicas import ReplicatedModule
 from partitioner.runtime.tensor_parallel.collectives import ThreadCommunicator, ThreadGroup
 from partitioner.runtime.worker import Worker, shared_threads
 
 __all__ = ["thread_collective_seconds", "replica_step_seconds", "replica_tensor_seconds",
-           "optimizer_tensor_seconds"]
+           "fused_linear_seconds", "optimizer_tensor_seconds"]
 
 
 def thread_collective_seconds(ranks: int = 2, rounds: int = 200) -> float:
@@ -157,6 +160,32 @@ def replica_tensor_seconds(layers: int = 32, rounds: int = 20) -> float:
         tensors.sum_grads()
         times.append(time.perf_counter() - start)
     return statistics.median(times[3:]) / len(params)
+
+
+def fused_linear_seconds(rounds: int = 30) -> float:
+    """Seconds a Linear routed through ``partitioner.runtime.fused_linear`` (a Python
+    autograd function: what a split backward needs to queue its weight products) adds to a
+    forward and backward over ``F.linear`` (the median of ``rounds`` alternate timings of
+    16 tiny layers, divided by their count)."""
+    weights = [nn.Parameter(torch.randn(8, 8)) for _ in range(16)]
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def chain(linear: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            y = x
+            for w in weights:
+                y = linear(y, w)
+            y.sum().backward()
+        return run
+    fused, plain = chain(fused_linear.linear), chain(torch.nn.functional.linear)
+    times: dict[Callable[[], None], list[float]] = {fused: [], plain: []}
+    for _ in range(rounds + 3):
+        for run in (fused, plain):
+            start = time.perf_counter()
+            run()
+            times[run].append(time.perf_counter() - start)
+    extra = statistics.median(times[fused][3:]) - statistics.median(times[plain][3:])
+    return max(extra, 0.0) / len(weights)
 
 
 def optimizer_tensor_seconds(tensors: int = 32, rounds: int = 20) -> float:

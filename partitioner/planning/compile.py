@@ -41,6 +41,7 @@ from partitioner.planning.planner import (
     shardable_degrees,
     tensor_parallel_plan,
 )
+from partitioner.planning.tp_costing import as_split
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs, ShardSpec
 from partitioner.request import PlanRequest
@@ -83,7 +84,14 @@ def compile_model(model: nn.Module, request: PlanRequest) -> Compiled:
     """
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=not request.fixes_split)
-    made = record(plan_request(analysis, request, tp_degrees=_degrees(model, analysis, request)),
+    degrees = _degrees(model, analysis, request)
+    searched = analysis
+    if degrees and analysis.workload is not None:
+        # Ranked by what the pass splits (``tp_costing``), not by every weight halved.
+        split = resolve_shardings(analysis.captured.graph_module, model, degrees[0]).split()
+        work = as_split(analysis.workload, split)
+        searched = replace(analysis, workload=work, costs=list(work.layers))
+    made = record(plan_request(searched, request, tp_degrees=degrees),
                   model, analysis, request, request.strategy)
     if (made.mesh or Mesh()).tp == 1 or not _local(request):
         return Compiled(analysis, made)

@@ -222,16 +222,19 @@ def _best_or_none(workload: Workload, names: Sequence[str], cluster: Cluster,
 def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> tuple[int, ...]:
     """The tensor-parallel degrees (powers of two up to ``n_devices``) whose splits the
     model's dimensions divide by: what ``"auto"`` may choose on this machine (a degree the
-    tensor-parallel pass refuses is not executable)."""
+    tensor-parallel pass refuses is not executable, and one at which it splits no parameter
+    would run the whole model on every rank: ``nn.TransformerEncoderLayer`` captured for
+    training, whose layers the pass finds no Megatron pair in)."""
     degrees = []
     t = 2
     while t <= n_devices:
         try:
-            resolve_shardings(analysis.captured.graph_module, model, t)
+            plan = resolve_shardings(analysis.captured.graph_module, model, t)
         except TensorParallelError:
             pass
         else:
-            degrees.append(t)
+            if plan.split():
+                degrees.append(t)
         t *= 2
     return tuple(degrees)
 

@@ -38,8 +38,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from partitioner.cost.comm import all_gather_time, all_reduce_time
-from partitioner.cost.cost import Workload, phase_times, shared_work
+from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
+from partitioner.cost.cost import Workload, phase_times, shared_work, split_backward_overhead
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
@@ -442,12 +442,15 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                                                     config.tp if lay.splittable else 1,
                                                     workload.dtype)
     where = schedule_kind(config.schedule).place(config.pp, config.virtual)
+    split = schedule_kind(config.schedule).splits_backward
     for k in range(config.stages):
         a, b = cuts[k], cuts[k + 1]
         layers = workload.layers[a:b]
-        # The runtime's own cost per action: one forward and one backward per micro-batch.
+        # The runtime's own cost per action: one forward and one backward per micro-batch
+        # (a split backward: two, and its weight products queued through Python).
         forward = sum(times[i][0] for i in range(a, b)) + spec.action_overhead
-        backward = sum(times[i][1] for i in range(a, b)) + spec.action_overhead
+        backward = sum(times[i][1] for i in range(a, b)) + spec.action_overhead + (
+            split_backward_overhead(layers, spec) if split else 0.0)
         out_bytes = workload.boundaries[b] * samples
         params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
         out.append(StageProfile(
@@ -459,24 +462,6 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
             * samples, workload.boundaries[a] * samples, _sharing(
                 [shared[lay.signature] for lay in layers] if shared else [])))
     return tuple(out)
-
-
-def replica_sync_time(grad_bytes: float, param_bytes: float, dp: int, bandwidth: float
-                      ) -> float:
-    """Seconds to sum ``dp`` replicas' gradients and copy the weights back to each, in one
-    process (``runtime/replicas.py``): copies over the host's memory bandwidth, after the
-    backward (nothing overlaps them).
-
-    The sum reads every replica's gradients and writes one; the broadcast reads the weights
-    and writes ``dp - 1`` copies, each ``dp - 1`` times a read and a write.
-
-    Example:
-        >>> replica_sync_time(1e9, 1e9, 2, 10e9)  # (3 + 2) GB at 10 GB/s
-        0.5
-    """
-    if dp <= 1 or bandwidth <= 0:
-        return 0.0
-    return ((dp + 1) * grad_bytes + 2 * (dp - 1) * param_bytes) / bandwidth
 
 
 def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[StageProfile],

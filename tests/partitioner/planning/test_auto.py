@@ -3,6 +3,7 @@ from it)."""
 
 from __future__ import annotations
 
+import copy
 import doctest
 import itertools
 import json
@@ -287,3 +288,32 @@ def test_explain_without_candidates() -> None:
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.planning.auto).failed == 0
     assert doctest.testmod(partitioner.planning.planner).failed == 0
+
+
+def test_auto_never_ranks_a_tensor_parallel_plan_that_splits_nothing() -> None:
+    # nn.TransformerEncoderLayer captured for training: the tensor-parallel pass finds no
+    # column/row pair in it, so tp=2 would run the whole model on both ranks. It used to be
+    # ranked first for a stack of them (costed as if every weight were halved).
+    from partitioner import make_plan
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    model, x = nn.Sequential(layer, copy.deepcopy(layer)), torch.randn(4, 8, 32)
+    plan = make_plan(model, ["cpu"] * 2, example_inputs=(x,))
+    assert all(r["config"]["tp"] == 1 for r in plan.candidates)
+
+
+def test_layers_the_pass_leaves_whole_are_costed_whole() -> None:
+    from partitioner.analysis import analyze
+    from partitioner.planning.tp_costing import as_split
+    from partitioner.planning.tp_rules import resolve_shardings
+    from examples.models import classifier
+    # The demo's residual MLP: the pass splits each block's pair, not the input projection.
+    model = classifier(32, width=64, depth=2, classes=8)
+    analysis = analyze(model, (torch.randn(4, 32),), None)
+    assert analysis.workload is not None
+    split = resolve_shardings(analysis.captured.graph_module, model, 2).split()
+    costed = as_split(analysis.workload, split)
+    by_name = {layer.name: layer.splittable for layer in costed.layers}
+    assert any(by_name.values()) and not all(
+        layer.splittable for layer in costed.layers if layer.param_bytes)
+    for layer in costed.layers:
+        assert layer.splittable == any(n.startswith(layer.name + ".") for n in split)

@@ -212,3 +212,22 @@ def test_a_lone_workers_speed_slows_the_fill_and_drain_of_a_shared_host() -> Non
     own = Cluster(replace(cpu, shared_speedup=(), worker_speed=0.5), devices_per_node=2)
     plain = Cluster(replace(cpu, shared_speedup=()), devices_per_node=2)
     assert predict(work, own, config).pipeline_time == predict(work, plain, config).pipeline_time
+
+
+def test_a_split_backward_pays_its_w_action_and_the_queued_products() -> None:
+    # zero_bubble runs I and W actions, and queues every weight product through
+    # fused_linear (a Python autograd function): both measured, both charged per stage and
+    # micro-batch; schedules with one backward action pay neither.
+    work = _products(1e6)
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, action_overhead=1e-4)
+    costly = Cluster(replace(cpu, fused_linear_overhead=1e-3), devices_per_node=2)
+    plain = Cluster(cpu, devices_per_node=2)
+    split, whole = Config(pp=2, chunks=2, schedule="zero_bubble"), Config(pp=2, chunks=2)
+    extra = [c.backward - p.backward for c, p in zip(predict(work, costly, split).stages,
+                                                     predict(work, plain, split).stages)]
+    assert extra == [pytest.approx(0.0)] * 2  # _products' ops have no weight gradient
+    weighted = Workload(tuple(LayerCost(f"l{k}", (Op("matmul", flops=1e6, weight_grad=64),))
+                              for k in range(4)), (0.0,) * 5, batch=8)
+    split_stage = predict(weighted, costly, split).stages[0].backward
+    one_action = predict(weighted, costly, whole).stages[0].backward
+    assert split_stage - one_action == pytest.approx(1e-4 + 2 * 1e-3)  # W + 2 layers' products
