@@ -302,10 +302,10 @@ def test_auto_never_ranks_a_tensor_parallel_plan_that_splits_nothing() -> None:
 
 
 def test_layers_the_pass_leaves_whole_are_costed_whole() -> None:
+    from examples.models import classifier
     from partitioner.analysis import analyze
     from partitioner.planning.tp_costing import as_split
     from partitioner.planning.tp_rules import resolve_shardings
-    from examples.models import classifier
     # The demo's residual MLP: the pass splits each block's pair, not the input projection.
     model = classifier(32, width=64, depth=2, classes=8)
     analysis = analyze(model, (torch.randn(4, 32),), None)
