@@ -52,6 +52,7 @@ from partitioner.planning.options import (
 )
 from partitioner.planning.planner import candidate_plan, record
 from partitioner.planning.tune import (
+    MIN_TIMED_SECONDS,
     restore_state,
     run_trials,
     snapshot_state,
@@ -312,7 +313,8 @@ def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanReques
         module = build(model, analysis, route(model, analysis, plan_of(record), request),
                        request, materializer)
         try:
-            return time_training_steps(module, inputs, kwargs, batch)
+            return time_training_steps(module, inputs, kwargs, batch,
+                                       min_seconds=MIN_TIMED_SECONDS)
         finally:
             module.close()
 
@@ -323,8 +325,8 @@ def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanReques
         alone = records[0].get("search", {}).get("one_device") if records else None
         if alone is not None and _on_device(model, alone["device"]):
             records[0] = {**records[0], "search": {**records[0]["search"], "one_device": {
-                **alone, "measured_step_time": time_training_steps(model, inputs, kwargs,
-                                                                   batch)}}}
+                **alone, "measured_step_time": time_training_steps(
+                    model, inputs, kwargs, batch, min_seconds=MIN_TIMED_SECONDS)}}}
     finally:
         restore_state(model, saved)
     tuned = tuned_records(records, trials)

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from torch import nn
 from partitioner.errors import TuneError
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
+           "MIN_TIMED_SECONDS", "MAX_TIMED_STEPS",
            "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
            "time_training_steps", "run_trials", "tuned_records", "snapshot_state",
            "restore_state"]
@@ -50,6 +52,10 @@ WARMUP_STEPS = 1
 """Untimed steps per candidate (threads, allocator and caches warm up)."""
 TIMED_STEPS = 3
 """Timed steps per candidate and round; the median counts."""
+MIN_TIMED_SECONDS = 0.3
+"""In one process, each candidate's timed steps of a round last at least this long in all."""
+MAX_TIMED_STEPS = 30
+"""The most timed steps per candidate and round."""
 ROUNDS = 2
 """Rounds of timing: the candidates close to the fastest are timed again (:func:`run_trials`)."""
 RETIME_WITHIN = 0.25
@@ -92,8 +98,13 @@ def synthetic_loss(outputs: Any, targets: Any) -> torch.Tensor:
 
 def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
                         kwargs: dict[str, Any] | None, batch: int, *,
-                        steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS) -> float:
-    """The median seconds of ``steps`` training steps of ``module`` on one batch.
+                        steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS,
+                        min_seconds: float = 0.0) -> float:
+    """The median seconds of ``steps`` training steps of ``module`` on one batch, or of as
+    many more (up to :data:`MAX_TIMED_STEPS`) as take ``min_seconds`` in all: three steps of
+    10 ms are a few scheduler slices, which on a shared VM ranked candidates 10-60% apart
+    differently from run to run (docs/benchmarks.md, "What one process pays"). Every rank
+    of a world must time the same steps: only one process passes ``min_seconds``.
 
     A step is what a plan's predicted step time covers: ``zero_grad``, forward and backward
     (``module.step`` in a partitioned module's schedule; ``loss.backward()`` for a plain
@@ -102,8 +113,13 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
     """
     optimizer = _adam(module)
     targets = torch.zeros(batch)
-    times = []
-    for k in range(warmup + steps):
+    times: list[float] = []
+    k = 0
+    while k < warmup + steps:
+        if k == warmup + 1 and min_seconds > 0:
+            wanted = math.ceil(min_seconds / max(times[0], 1e-6))
+            steps = max(steps, min(wanted, MAX_TIMED_STEPS))
+        k += 1
         start = time.perf_counter()
         (optimizer or module).zero_grad(set_to_none=True)
         step = getattr(module, "step", None)
@@ -114,7 +130,7 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
             synthetic_loss(module(*inputs, **dict(kwargs or {})), targets).backward()
         if optimizer is not None:
             optimizer.step()
-        if k >= warmup:
+        if k > warmup:
             times.append(time.perf_counter() - start)
     (optimizer or module).zero_grad(set_to_none=True)
     return statistics.median(times)

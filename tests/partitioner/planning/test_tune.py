@@ -11,6 +11,7 @@ import partitioner.api as api
 from partitioner import partition
 from partitioner.errors import PartitionError, TuneError
 from partitioner.planning.tune import (
+    MAX_TIMED_STEPS,
     Trial,
     run_trials,
     synthetic_loss,
@@ -143,7 +144,8 @@ def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
     assert len(set(keys)) == 3, keys
     timed: list[tuple[object, ...]] = []
 
-    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int) -> float:
+    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int,
+             min_seconds: float = 0.0) -> float:
         real = time_training_steps(module, inputs, kwargs, batch, steps=1, warmup=0)
         assert real > 0
         if not hasattr(module, "plan"):
@@ -176,7 +178,8 @@ def test_partition_tune_keeps_the_plan_when_a_candidate_fails(
     x = torch.randn(16, 16)
     calls = []
 
-    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int) -> float:
+    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int,
+             min_seconds: float = 0.0) -> float:
         calls.append(module)
         if len(calls) == 1:
             raise RuntimeError("candidate exploded")
@@ -234,3 +237,23 @@ def test_partition_distributed_tunes_only_auto() -> None:
         partition_distributed(_model(), (torch.randn(8, 16),), pp=2, tune=True)
     with pytest.raises(TuneError, match="tune=0"):
         partition_distributed(_model(), (torch.randn(8, 16),), strategy="auto", tune=0)
+
+
+def test_short_steps_are_timed_until_they_last_long_enough() -> None:
+    # Three steps of a few ms are a few scheduler slices: one process times more of them.
+    calls = []
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return self.fc(x)
+    x = torch.randn(2, 4)
+    time_training_steps(Counted(), (x,), None, 2, steps=3, warmup=1)
+    assert len(calls) == 4
+    calls.clear()
+    time_training_steps(Counted(), (x,), None, 2, steps=3, warmup=1, min_seconds=10.0)
+    assert len(calls) == 1 + MAX_TIMED_STEPS  # capped: a tiny step never reaches 10 s
