@@ -113,9 +113,10 @@ class LocalPipeline:
             ran with several intra-op threads keeps its OpenMP team for its life, and GNU
             OpenMP (torch's CPU wheels) then counts more threads than cores and makes every
             team in the process sleep at its barriers instead of spinning. Every parallel op
-            of the process, the caller's optimizer step and the stages' own, ran 2-3x slower
-            on the 2-core CI machine while the pipeline lived (``docs/benchmarks.md``, "OpenMP
-            teams"), more than a lone stage gains from the second thread.
+            of the process, the caller's optimizer step included, ran up to 2-3x slower on
+            the 2-core CI machine while the pipeline lived (``docs/benchmarks.md``, "What one
+            process pays"); the lone stage's gain, up to a quarter of a small pipeline's step
+            there, is given up for that.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the stages compute under autocast
             to it and :meth:`step` computes the loss in fp32
             (``partitioner.runtime.precision``).
