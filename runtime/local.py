@@ -131,6 +131,10 @@ class LocalPipeline:
                  chunks: int = 1, checkpoint: str = "never", threads: int | str | None = None,
                  schedule: str = "gpipe", virtual: int = 1, precision: str = "fp32",
                  output_rows: Sequence[OutputHint] | None = None) -> None:
+        if threads is not None and threads != "schedule" and not (
+                isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+            raise StrategyError(f"threads={threads!r}; pass a positive count, \"schedule\" or "
+                             "None (the caller's threads shared among the CPU workers)")
         self.schedule_kind = check_runtime(schedule, Runtime.ONE_PROCESS)
         self.virtual = virtual
         self.devices = _pipeline_devices(len(stages), list(devices), virtual,
@@ -151,10 +155,6 @@ class LocalPipeline:
         self.runners = [StageRunner(k, gm, self.devices[self.placement[k]], precision=precision)
                         for k, gm in enumerate(stages)]
         _mark_shared_parameters(stages)
-        if threads is not None and threads != "schedule" and not (
-                isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
-            raise ValueError(f"threads={threads!r}; pass a positive count, \"schedule\" or "
-                             "None (the caller's threads shared among the CPU workers)")
         self.threads = threads
         self._budget = torch.get_num_threads()
         self._default = thread_default()

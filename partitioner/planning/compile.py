@@ -38,7 +38,7 @@ from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.planner import (
     plan_request,
     record,
-    shardable_degrees,
+    shardable_plans,
     tensor_parallel_plan,
 )
 from partitioner.planning.tp_costing import as_split
@@ -84,14 +84,14 @@ def compile_model(model: nn.Module, request: PlanRequest) -> Compiled:
     """
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=not request.fixes_split)
-    degrees = _degrees(model, analysis, request)
+    shardable = _shardable(model, analysis, request)
     searched = analysis
-    if degrees and analysis.workload is not None:
+    if shardable and analysis.workload is not None:
         # Ranked by what the pass splits (``tp_costing``), not by every weight halved.
-        split = resolve_shardings(analysis.captured.graph_module, model, degrees[0]).split()
-        work = as_split(analysis.workload, split)
+        work = as_split(analysis.workload, next(iter(shardable.values())).split())
         searched = replace(analysis, workload=work, costs=list(work.layers))
-    made = record(plan_request(searched, request, tp_degrees=degrees),
+    made = record(plan_request(searched, request,
+                               tp_degrees=None if shardable is None else tuple(shardable)),
                   model, analysis, request, request.strategy)
     if (made.mesh or Mesh()).tp == 1 or not _local(request):
         return Compiled(analysis, made)
@@ -102,16 +102,17 @@ def _local(request: PlanRequest) -> bool:
     return bool(request.devices) and (request.cluster is None or request.cluster.is_local)
 
 
-def _degrees(model: nn.Module, analysis: Analysis, request: PlanRequest
-             ) -> tuple[int, ...] | None:
-    """The tensor-parallel degrees ``"auto"`` may choose on this machine (``None``: any)."""
+def _shardable(model: nn.Module, analysis: Analysis, request: PlanRequest
+               ) -> dict[int, ShardPlan] | None:
+    """The tensor-parallel degrees ``"auto"`` may choose on this machine, with the pass's
+    sharding at each (``None``: any degree)."""
     if request.strategy != "auto" or request.fixes_split or not _local(request):
         return None
     # A forward that updates buffers (counters) runs once per call in the pipeline
     # runtime; the tensor-parallel one does not write them back: keep auto off it.
     if analysis.captured.writes:
-        return ()
-    return shardable_degrees(analysis, model, request.n_devices)
+        return {}
+    return shardable_plans(analysis, model, request.n_devices)
 
 
 def split_layers(analysis: Analysis, model: nn.Module, tp: int,

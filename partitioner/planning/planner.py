@@ -58,7 +58,7 @@ from partitioner.planning.records import to_record
 from partitioner.planning.reserve import MEMORY_RESERVE, describe_reserve, usable_memory
 from partitioner.planning.simulate import predict_step
 from partitioner.planning.space import SearchSpace, space_of
-from partitioner.planning.tp_rules import resolve_shardings
+from partitioner.planning.tp_rules import ShardPlan, resolve_shardings
 from partitioner.plans.explain import explain
 from partitioner.plans.fingerprint import fingerprint
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs, Stage
@@ -70,6 +70,7 @@ from partitioner.runtime.schedule_registry import GPIPE, schedule_kind
 
 __all__ = ["pipeline_plan", "auto_plan", "given_mesh_plan", "plan_from", "plan_request", "record",
            "default_virtual", "VIRTUAL_CHOICES", "tensor_parallel_plan", "shardable_degrees",
+           "shardable_plans",
            "candidate_plan", "one_device_record"]
 
 VIRTUAL_CHOICES = (4, 3, 2)
@@ -225,7 +226,13 @@ def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> t
     tensor-parallel pass refuses is not executable, and one at which it splits no parameter
     would run the whole model on every rank: ``nn.TransformerEncoderLayer`` captured for
     training, whose layers the pass finds no Megatron pair in)."""
-    degrees = []
+    return tuple(shardable_plans(analysis, model, n_devices))
+
+
+def shardable_plans(analysis: Analysis, model: nn.Module, n_devices: int
+                    ) -> dict[int, ShardPlan]:
+    """:func:`shardable_degrees` with the pass's sharding at each degree."""
+    plans = {}
     t = 2
     while t <= n_devices:
         try:
@@ -234,9 +241,9 @@ def shardable_degrees(analysis: Analysis, model: nn.Module, n_devices: int) -> t
             pass
         else:
             if plan.split():
-                degrees.append(t)
+                plans[t] = plan
         t *= 2
-    return tuple(degrees)
+    return plans
 
 
 def _fewer_stages(analysis: Analysis, request: PlanRequest) -> bool:

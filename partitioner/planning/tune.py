@@ -113,25 +113,28 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
     """
     optimizer = _adam(module)
     targets = torch.zeros(batch)
-    times: list[float] = []
-    k = 0
-    while k < warmup + steps:
-        if k == warmup + 1 and min_seconds > 0:
-            wanted = math.ceil(min_seconds / max(times[0], 1e-6))
-            steps = max(steps, min(wanted, MAX_TIMED_STEPS))
-        k += 1
+    step = getattr(module, "step", None)
+    if not callable(step) or isinstance(module, torch.optim.Optimizer) \
+            or not hasattr(module, "plan"):
+        step = None
+
+    def one_step() -> float:
         start = time.perf_counter()
         (optimizer or module).zero_grad(set_to_none=True)
-        step = getattr(module, "step", None)
-        if callable(step) and not isinstance(module, torch.optim.Optimizer) \
-                and hasattr(module, "plan"):
+        if step is not None:
             step(inputs, targets, synthetic_loss, kwargs=kwargs)
         else:
             synthetic_loss(module(*inputs, **dict(kwargs or {})), targets).backward()
         if optimizer is not None:
             optimizer.step()
-        if k > warmup:
-            times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+    for _ in range(warmup):
+        one_step()
+    times = [one_step()]
+    if min_seconds > 0:
+        wanted = math.ceil(min_seconds / max(times[0], 1e-6))
+        steps = max(steps, min(wanted, MAX_TIMED_STEPS))
+    times += [one_step() for _ in range(steps - 1)]
     (optimizer or module).zero_grad(set_to_none=True)
     return statistics.median(times)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import fx, nn
 
+from partitioner.errors import PartitionError
 from partitioner.runtime.local import LocalPipeline, thread_plan
 from partitioner.runtime.schedule_generators import gpipe
 from partitioner.runtime.worker import Worker, shared_threads
@@ -147,5 +148,5 @@ def test_by_default_every_action_keeps_its_workers_share(four_threads: None) -> 
 def test_a_thread_count_that_is_not_a_positive_int_or_schedule_is_refused(threads: object
                                                                           ) -> None:
     stages = [fx.symbolic_trace(_Stage()) for _ in range(2)]
-    with pytest.raises(ValueError, match="threads="):
+    with pytest.raises(PartitionError, match="threads="):
         LocalPipeline(stages, [torch.device("cpu")] * 2, threads=threads)  # type: ignore[arg-type]
