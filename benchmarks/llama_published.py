@@ -59,7 +59,7 @@ def captured_plan(row: Row) -> Plan:
         tokens = torch.randint(0, shape.vocab, (row.batch, SEQ))
     return make_plan(model, Cluster.preset(row.device, nodes=max(1, row.gpus // 8)),
                      example_inputs=(tokens,), mesh=row.mesh, precision="bf16",
-                     memory_reserve=0.0, checkpoint=row.checkpoint)
+                     memory_reserve=0.0, checkpoint=row.checkpoint, compiled=row.fused)
 
 
 def implied_mamf(row: Row, step: float) -> float:
@@ -84,8 +84,7 @@ def report(row: Row, capture: bool) -> float:
     assert plan.predicted_step_time is not None
     tokens = row.batch * SEQ / plan.predicted_step_time / row.gpus
     ratio = tokens / row.published_tokens
-    # make_plan costs the element-wise steps fused (it is not told how the model will run).
-    mamf = implied_mamf(replace(row, fused=True) if capture else row, plan.predicted_step_time)
+    mamf = implied_mamf(row, plan.predicted_step_time)
     llama = next((n for n in plan.notes if n.startswith("costed as Llama")), "captured costs")
     run = llama.split("(")[1].split(")")[0] if "(" in llama else llama
     memory = f"{row.memory_gib:g}" if row.memory_gib is not None else "--"

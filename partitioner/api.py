@@ -221,6 +221,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
         options, strategy=strategy, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
         virtual_stages=virtual_stages, precision=precision, loss_scale=loss_scale, mesh=mesh,
         init_fn=init_fn, seed=seed, tune=tune, sequence_parallel=sequence_parallel))
+    opts.check_runnable("partition")
     strategy, mesh, checkpoint = opts.strategy or "auto", opts.whole_mesh, opts.checkpoint
     chunks, schedule, virtual_stages = (opts.schedule.chunks, opts.schedule.name,
                                         opts.schedule.virtual_stages)
@@ -382,7 +383,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str | None = None, *,
               calibrate: bool = False, schedule: str | None = None,
               virtual_stages: int | None = None, memory_reserve: float | None = None,
               precision: str | None = None, mesh: Mesh | None = None,
-              options: Options | None = None) -> Plan:
+              compiled: bool | None = None, options: Options | None = None) -> Plan:
     """Plan like :func:`partition` without building the runtime (works on meta models).
 
     ``options=`` takes the same :class:`partitioner.Options` as :func:`partition` (the
@@ -397,6 +398,12 @@ def make_plan(model: nn.Module, devices: Any, strategy: str | None = None, *,
     ``precision="bf16"`` (or ``"fp16"``) costs the model, built in fp32, as mixed precision
     runs it (bf16 throughput, 2-byte activations, fp32 weights and optimizer state) and
     records it in the plan.
+
+    For a transformers Llama model planned for a cluster beyond this machine the costs are
+    those of such runs (``partitioner.planning.llama_plan``): ``checkpoint="selective"``
+    asks for torchtitan's per-op recomputation (``None`` tries none, selective, then full,
+    the first that fits), and ``compiled=False`` costs the element-wise steps as eager
+    PyTorch runs them (``None``: compiled, one kernel each, as ``torch.compile`` runs them).
 
     ``mesh=Mesh(dp=, pp=, tp=)`` costs that configuration: the plan has exactly that mesh
     (the split, and the micro-batches, schedule and checkpoint mode unless given, still
@@ -416,7 +423,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str | None = None, *,
     _check_model(model)
     opts = one_process_options(resolve_options(
         options, strategy=strategy, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-        virtual_stages=virtual_stages, precision=precision, mesh=mesh))
+        virtual_stages=virtual_stages, precision=precision, mesh=mesh, compiled=compiled))
     strategy, mesh, checkpoint = opts.strategy or "auto", opts.whole_mesh, opts.checkpoint
     chunks, schedule, virtual_stages = (opts.schedule.chunks, opts.schedule.name,
                                         opts.schedule.virtual_stages)
@@ -431,7 +438,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str | None = None, *,
                                split_points=split_points, memory_limit=memory_limit,
                                calibrate=calibrate, schedule=schedule,
                                virtual_stages=virtual_stages, memory_reserve=memory_reserve,
-                               precision=precision, mesh=mesh)
+                               precision=precision, mesh=mesh, compiled=opts.compiled)
     if plan is not None:
         return planned_precision(resolve_plan(model, plan, request)[1], precision)
     return compile_model(model, request).plan

@@ -17,14 +17,13 @@ With ``strategy="auto"`` the mesh sizes, schedule, micro-batches and checkpoint 
 given are searched for this world (``partitioner.distributed_plan``, rank 0 plans; design
 004, "Choosing the mesh"); ``example_inputs`` is then the whole batch of a step.
 
-This front only validates, plans and hands off: it starts torch.distributed
-(``partitioner.runtime.distributed.mesh``) and the failure watchdog
-(``partitioner.runtime.distributed.failure``), makes the plan from one
-:class:`~partitioner.request.PlanRequest` (every rank adopts rank 0's costed plan), checks all
-ranks agree on it, cuts the stage graphs (a tensor-parallel rank's slice of its stage when
-``tp > 1``) and hands them to the runtime, which builds the rank
-(``partitioner.runtime.distributed.model.assemble``: links, data-parallel reducer, tied
-weights, boundary prediction, pipeline). Design: ``docs/design/004-distributed.md``.
+This front only validates, plans and hands off: it starts torch.distributed (``mesh``) and
+the failure watchdog (``failure``, both in ``partitioner.runtime.distributed``), makes the
+plan from one :class:`~partitioner.request.PlanRequest` (every rank adopts rank 0's costed
+plan), checks all ranks agree on it, cuts the stage graphs (a tensor-parallel rank's slice of
+its stage when ``tp > 1``) and hands them to the runtime, which builds the rank (``model.
+assemble`` there: links, data-parallel reducer, tied weights, boundary prediction,
+pipeline). Design: ``docs/design/004-distributed.md``.
 """
 
 from __future__ import annotations
@@ -319,14 +318,14 @@ def _parse(model: nn.Module, opts: Options, plan: Plan | str | Path | None, fixe
            running: Running) -> Parsed:
     """The call checked and completed (no collective): tuning only with ``"auto"``, the
     sharding, a given plan loaded, the precision settled, the search's options."""
+    opts.check_runnable("partition_distributed")
     count = tune_count(opts.tune)
     if count and opts.strategy != "auto":
         raise TuneError(f"tune={opts.tune!r} with strategy={opts.strategy!r}: tuning times "
                         "the candidates of strategy='auto'; pass strategy='auto' or drop tune=")
     given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
     precision = distributed_precision(model, given, opts.precision.compute)
-    pp, dp, tp = opts.sizes()
-    schedule = opts.schedule
+    (pp, dp, tp), schedule = opts.sizes(), opts.schedule
     auto = auto_options(opts.strategy, given, pp, dp, tp, fixed.rules, schedule.chunks,
                         schedule.name, opts.checkpoint, fixed.balance, fixed.split_points,
                         fixed.memory_limit, fixed.cluster, fixed.memory_reserve)

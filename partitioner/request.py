@@ -39,7 +39,11 @@ from partitioner.errors import (
 from partitioner.planning.given_mesh import mesh_problems
 from partitioner.planning.reserve import MEMORY_RESERVE, reserve_problem
 from partitioner.plans.plan import Mesh
-from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.checkpointing import (
+    SELECTIVE,
+    request_checkpoint_problem,
+    runnable_checkpoint_problem,
+)
 from partitioner.runtime.precision import loss_scale_problem, precision_problem
 from partitioner.runtime.schedule_registry import name_problem, schedule_kind, schedule_names
 
@@ -60,7 +64,10 @@ class PlanRequest:
         example_inputs: one batch of positional inputs (``None``: no costs).
         example_kwargs: keyword inputs of that batch.
         chunks: micro-batches per batch (``None``: the planner chooses, or 1).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (``None``: chosen).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (``None``: chosen);
+            ``"selective"`` (torchtitan's per-op recomputation) only for a cluster beyond
+            this machine, where a transformers Llama model is costed as such runs train it
+            (``partitioner.planning.llama_plan``).
         balance: layers per stage (torchgpipe's), or ``None``.
         split_points: module names at which a stage begins, or ``None``.
         memory_limit: bytes per device, one per device, or ``None``.
@@ -76,6 +83,11 @@ class PlanRequest:
         loss_scale: fp16's loss scaling, ``"dynamic"`` or a float (``None`` otherwise).
         mesh: the data x pipeline x tensor mesh to plan exactly (``None``: chosen);
             ``partitioner.planning.given_mesh``.
+        compiled: for a cluster beyond this machine, whether the model will run under
+            ``torch.compile`` (a Llama model's element-wise steps costed fused, one kernel
+            each) or eagerly (``False``: PyTorch's kernels one by one); ``None``: compiled,
+            as torchtitan's published runs. The runtimes here run eagerly: on this
+            machine's devices it must stay ``None``.
     """
 
     devices: tuple[torch.device, ...] = ()
@@ -95,6 +107,7 @@ class PlanRequest:
     precision: str = "fp32"
     loss_scale: float | str | None = None
     mesh: Mesh | None = None
+    compiled: bool | None = None
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -111,9 +124,11 @@ class PlanRequest:
                                         or not isinstance(self.chunks, int) or self.chunks < 1):
             found.append((ChunksError, f"chunks={self.chunks!r}; pass a positive int "
                                        "(micro-batches per batch)"))
-        unknown = checkpoint_problem(self.checkpoint) if self.checkpoint is not None else None
+        unknown = request_checkpoint_problem(self.checkpoint) if self.checkpoint is not None \
+            else None
         if unknown is not None:
             found.append((StrategyError, unknown))
+        found += self._beyond_problems()
         if not isinstance(self.calibrate, bool):
             found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
         found += self._schedule_problems() + self._mesh_problems()
@@ -135,6 +150,27 @@ class PlanRequest:
         if self.memory_limit is not None and n and len(self.memory_limit) != n:
             found.append((MemoryLimitError, f"memory_limit has {len(self.memory_limit)} entries "
                                             f"for {n} devices; pass one number or {n} of them"))
+        return found
+
+    @property
+    def beyond_this_machine(self) -> bool:
+        """Whether the request plans for a cluster that is not this machine."""
+        return self.cluster is not None and not self.cluster.is_local
+
+    def _beyond_problems(self) -> list[tuple[type[PartitionError], str]]:
+        """``checkpoint="selective"`` and ``compiled=`` are costs of a cluster beyond this
+        machine: the runtimes here replay whole stages and run eagerly."""
+        found: list[tuple[type[PartitionError], str]] = []
+        if self.checkpoint == SELECTIVE and not self.beyond_this_machine:
+            found.append((StrategyError, str(runnable_checkpoint_problem(SELECTIVE))))
+        if self.compiled is not None and not isinstance(self.compiled, bool):
+            found.append((StrategyError, f"compiled={self.compiled!r}; pass True (the model "
+                                         "runs under torch.compile), False (eagerly) or None"))
+        elif self.compiled is not None and not self.beyond_this_machine:
+            found.append((StrategyError, f"compiled={self.compiled}: how the model will run "
+                                         "is a cost of a Cluster beyond this machine (pass "
+                                         "make_plan a Cluster.preset(...)); the runtimes here "
+                                         "run eagerly, so on this machine's devices omit it"))
         return found
 
     def _mesh_problems(self) -> list[tuple[type[PartitionError], str]]:
@@ -191,8 +227,8 @@ class PlanRequest:
              local: bool = False, schedule: str | None = None,
              virtual_stages: int | None = None,
              memory_reserve: float | None = None, precision: str | None = None,
-             loss_scale: float | str | None = None, mesh: Mesh | None = None
-             ) -> PlanRequest:
+             loss_scale: float | str | None = None, mesh: Mesh | None = None,
+             compiled: bool | None = None) -> PlanRequest:
         """A request from a public function's keywords (see :func:`partitioner.partition`).
 
         Args:
@@ -219,7 +255,7 @@ class PlanRequest:
                    _limits(memory_limit, n), devices if isinstance(devices, Cluster) else None,
                    calibrate, schedule, virtual_stages,
                    MEMORY_RESERVE if memory_reserve is None else memory_reserve,
-                   "fp32" if precision is None else precision, loss_scale, mesh)
+                   "fp32" if precision is None else precision, loss_scale, mesh, compiled)
 
     @property
     def n_devices(self) -> int:

@@ -11,6 +11,12 @@ memory of its activations:
 
 Plans, specs, the planner and the runtimes all take the names from here.
 
+One more name is a planning request, not a runtime mode: ``selective``, torchtitan's per-op
+recomputation inside each transformer block (``partitioner.cost.transformer_model``), which
+``make_plan`` costs for a transformers Llama model planned for a cluster beyond this machine
+(``partitioner.planning.llama_plan``). The runtimes here replay whole stages, so the fronts
+that build one refuse it (:func:`runnable_checkpoint_problem`).
+
 Example:
     >>> [checkpoint_stop(mode, 4) for mode in CHECKPOINT_MODES]
     [4, 3, 0]
@@ -20,8 +26,9 @@ from __future__ import annotations
 
 from partitioner.errors import ChunksError
 
-__all__ = ["ALWAYS", "CHECKPOINT_MODES", "EXCEPT_LAST", "NEVER", "checkpoint_problem",
-           "checkpoint_stop"]
+__all__ = ["ALWAYS", "CHECKPOINT_MODES", "EXCEPT_LAST", "NEVER", "SELECTIVE", "REQUEST_MODES",
+           "checkpoint_problem", "checkpoint_stop", "request_checkpoint_problem",
+           "runnable_checkpoint_problem"]
 
 ALWAYS = "always"
 EXCEPT_LAST = "except_last"
@@ -29,6 +36,10 @@ NEVER = "never"
 
 CHECKPOINT_MODES = (ALWAYS, EXCEPT_LAST, NEVER)
 """Every checkpoint mode, in the order messages list them."""
+
+SELECTIVE = "selective"
+REQUEST_MODES = (*CHECKPOINT_MODES, SELECTIVE)
+"""What a planning request may ask for: a runtime mode, or ``selective`` (planned only)."""
 
 
 def checkpoint_problem(mode: object) -> str | None:
@@ -42,6 +53,34 @@ def checkpoint_problem(mode: object) -> str | None:
         return None
     listed = ", ".join(repr(m) for m in CHECKPOINT_MODES)
     return f"checkpoint={mode!r} is not a checkpoint mode; use one of {listed}"
+
+
+def request_checkpoint_problem(mode: object) -> str | None:
+    """Why ``mode`` is neither a checkpoint mode nor ``"selective"``, or ``None``.
+
+    Example:
+        >>> print(request_checkpoint_problem("selective"))
+        None
+    """
+    if isinstance(mode, str) and mode in REQUEST_MODES:
+        return None
+    listed = ", ".join(repr(m) for m in REQUEST_MODES)
+    return f"checkpoint={mode!r} is not a checkpoint mode; use one of {listed}"
+
+
+def runnable_checkpoint_problem(mode: object) -> str | None:
+    """Why a front that builds a runtime cannot run ``checkpoint=mode``, or ``None``.
+
+    Example:
+        >>> print(runnable_checkpoint_problem("selective"))  # doctest: +ELLIPSIS
+        checkpoint='selective' is torchtitan's per-op recomputation, ... or 'never'
+    """
+    if mode == SELECTIVE:
+        return ("checkpoint='selective' is torchtitan's per-op recomputation, which only "
+                "make_plan costs, for a transformers Llama model planned for a Cluster beyond "
+                "this machine; the runtimes here replay a whole stage's forward: pass "
+                "'always', 'except_last' or 'never'")
+    return checkpoint_problem(mode) if mode is not None else None
 
 
 def checkpoint_stop(mode: str, chunks: int) -> int:

@@ -55,8 +55,9 @@ class Row:
         model: a key of :data:`SHAPES`.
         mesh: its data x pipeline x tensor mesh.
         batch: sequences per step (the global batch).
-        checkpoint: ``None`` (the planner chooses), ``"never"`` or ``"always"`` (every
-            layer recomputed, as the run did).
+        checkpoint: the recomputation the run used, as ``make_plan``'s ``checkpoint=``:
+            ``"selective"`` (torchtitan's per-op policy), ``"always"`` (every layer
+            recomputed), or ``None`` (not published: the planner chooses).
         tokens: published tokens per second per GPU (``None`` when given as TFLOP/s).
         tflops: published TFLOP/s per GPU (``None`` when given as tokens).
         memory_gib: published peak memory per GPU (``None``: not published).
@@ -95,15 +96,15 @@ _ASYNC = "torchtitan asyncTP_llama3_h100_2025-06 (vanilla TP, bf16)"
 _PAPER = "Llama 3 paper, Table 4"
 _TETON = "H100-HBM2e-500W"
 ROWS = (
-    Row("8B FSDP8 eager", _TITAN, "8B", Mesh(dp=8), 16, None, 5762, memory_gib=82.4,
+    Row("8B FSDP8 eager", _TITAN, "8B", Mesh(dp=8), 16, "selective", 5762, memory_gib=82.4,
         device=_TETON, fused=False),
-    Row("8B FSDP8 compile", _TITAN, "8B", Mesh(dp=8), 16, None, 6667, memory_gib=77.0,
+    Row("8B FSDP8 compile", _TITAN, "8B", Mesh(dp=8), 16, "selective", 6667, memory_gib=77.0,
         device=_TETON),
-    Row("8B FSDP128 eager", _TITAN, "8B", Mesh(dp=128), 256, None, 5605, memory_gib=67.0,
+    Row("8B FSDP128 eager", _TITAN, "8B", Mesh(dp=128), 256, "selective", 5605, memory_gib=67.0,
         device=_TETON, fused=False),
-    Row("8B FSDP128 compile", _TITAN, "8B", Mesh(dp=128), 256, None, 6514, memory_gib=62.0,
+    Row("8B FSDP128 compile", _TITAN, "8B", Mesh(dp=128), 256, "selective", 6514, memory_gib=62.0,
         device=_TETON),
-    Row("8B FSDP8 TP8", _ASYNC, "8B", Mesh(dp=8, tp=8), 96, None, 4378, device=_TETON),
+    Row("8B FSDP8 TP8", _ASYNC, "8B", Mesh(dp=8, tp=8), 96, "selective", 4378, device=_TETON),
     Row("70B FSDP32 TP8", _ASYNC, "70B", Mesh(dp=32, tp=8), 512, "always", 597.3,
         device=_TETON),
     Row("405B 8,192 GPUs", _PAPER, "405B", Mesh(dp=64, pp=16, tp=8), 2048, None,

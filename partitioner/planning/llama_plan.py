@@ -13,14 +13,20 @@ whole-stage replay on top) and the modes are tried in order:
 ``None``              none, then selective (torchtitan's per-op policy), then full,
                       the first that fits
 ``"never"``           none
+``"selective"``       selective
 any other             full (every layer replayed)
 ====================  ===============================================================
+
+``compiled=False`` (``PlanRequest.compiled``) costs the element-wise steps as eager PyTorch
+runs them (``LlamaRun.fused``); ``None`` or ``True`` as ``torch.compile`` fuses them.
+``checkpoint="selective"`` for any other model, or on this machine, is refused: only the
+Llama workload knows which of a block's operations that policy keeps.
 
 On this machine's devices the captured costs stay (they are what the runtimes here run).
 
 Example:
-    >>> recompute_modes(None), recompute_modes("always")
-    (('none', 'selective', 'full'), ('full',))
+    >>> recompute_modes(None), recompute_modes("always"), recompute_modes("selective")
+    (('none', 'selective', 'full'), ('full',), ('selective',))
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ from partitioner.analysis import Analysis
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.llama_model import llama_variants
-from partitioner.errors import MemoryLimitError
+from partitioner.errors import MemoryLimitError, StrategyError
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
-from partitioner.runtime.checkpointing import NEVER
+from partitioner.runtime.checkpointing import NEVER, SELECTIVE
 
 __all__ = ["recompute_modes", "workload_variants", "first_fitting"]
 
@@ -43,6 +49,8 @@ def recompute_modes(checkpoint: str | None) -> tuple[str, ...]:
     """The per-layer recomputation modes to try for ``checkpoint=`` (see the table)."""
     if checkpoint is None:
         return ("none", "selective", "full")
+    if checkpoint == SELECTIVE:
+        return ("selective",)
     return ("none",) if checkpoint == NEVER else ("full",)
 
 
@@ -57,18 +65,34 @@ def workload_variants(analysis: Analysis, request: PlanRequest, cluster: Cluster
         request: the request (its mesh's ``tp`` decides the KV projections' split).
         cluster: the cluster planned for.
         workload: the captured costs at the request's precision.
+
+    Raises:
+        StrategyError: ``checkpoint="selective"`` for a model that is not a transformers
+            Llama model.
     """
     llama = analysis.llama
     if llama is None or cluster.is_local:
+        _refuse_selective(request, workload)
         return [(workload, request.checkpoint)]
     shape = llama.shape
     tp = request.mesh.tp if request.mesh is not None else min(cluster.devices_per_node,
                                                               shape.kv_heads)
     found = llama_variants(llama, analysis.layer_names, workload, tp=tp,
-                           recompute=recompute_modes(request.checkpoint))
+                           recompute=recompute_modes(request.checkpoint),
+                           fused=request.compiled is not False)
     if not found:
+        _refuse_selective(request, workload)
         return [(workload, request.checkpoint)]
     return [(w, NEVER) for w in found]
+
+
+def _refuse_selective(request: PlanRequest, workload: Workload) -> None:
+    if request.checkpoint == SELECTIVE:
+        raise StrategyError(f"checkpoint='selective' for {workload.name}"
+                            ": torchtitan's per-op recomputation is costed for transformers "
+                            "Llama models (LlamaForCausalLM and its kin) only, whose blocks' "
+                            "operations the planner knows; pass checkpoint='always', "
+                            "'except_last', 'never' or None")
 
 
 def first_fitting(variants: list[tuple[Workload, str | None]],

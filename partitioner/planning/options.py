@@ -47,7 +47,11 @@ from partitioner.errors import (
 )
 from partitioner.planning.tune import tune_count
 from partitioner.planning.world import Degrees
-from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.checkpointing import (
+    SELECTIVE,
+    request_checkpoint_problem,
+    runnable_checkpoint_problem,
+)
 from partitioner.runtime.mesh import Mesh
 from partitioner.runtime.precision import loss_scale_problem, precision_problem
 from partitioner.runtime.schedule_registry import name_problem
@@ -153,7 +157,9 @@ class Options:
         schedule: the pipeline schedule, micro-batches and virtual stages.
         precision: the compute precision.
         sharding: what the replicas shard.
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``; ``"selective"``
+            (torchtitan's per-op recomputation) only for ``make_plan`` on a cluster beyond
+            this machine (``partitioner.planning.llama_plan``).
         tune: measured tuning: ``True`` (4 candidates), a count, or ``False``.
         init_fn: a meta-built model's initializer, ``init_fn(module)``.
         seed: the base seed of dropout generators and of a meta-built model's
@@ -163,6 +169,10 @@ class Options:
             ``partition`` and ``partition_distributed``, which refuse it without a
             tensor-parallel degree of 2 or more; a :class:`Plan` does not record it, so
             ``make_plan`` plans alike with or without it.
+        compiled: read by ``make_plan`` for a cluster beyond this machine: whether the
+            model will run under ``torch.compile`` (a transformers Llama model's
+            element-wise steps costed fused) or eagerly (``False``); ``None``: compiled.
+            The runtimes here run eagerly, and their fronts refuse it.
 
     Raises:
         PartitionError: a subclass naming the bad value and the fix.
@@ -178,6 +188,7 @@ class Options:
     init_fn: Callable[..., Any] | None = field(default=None, compare=False)
     seed: int = 0
     sequence_parallel: bool = False
+    compiled: bool | None = None
 
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in ("auto", "pipeline"):
@@ -191,14 +202,33 @@ class Options:
             if not isinstance(getattr(self, name), kind):
                 raise OptionsError(f"options.{name}={getattr(self, name)!r}; pass a "
                                    f"{kind.__name__}(...)")
-        if self.checkpoint is not None and checkpoint_problem(self.checkpoint) is not None:
-            raise StrategyError(str(checkpoint_problem(self.checkpoint)))
+        if self.checkpoint is not None and \
+                request_checkpoint_problem(self.checkpoint) is not None:
+            raise StrategyError(str(request_checkpoint_problem(self.checkpoint)))
+        if self.compiled is not None and not isinstance(self.compiled, bool):
+            raise OptionsError(f"compiled={self.compiled!r}; pass True (the model runs under "
+                               "torch.compile), False (eagerly) or None")
         tune_count(self.tune)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise OptionsError(f"seed={self.seed!r}; pass an int")
         if not isinstance(self.sequence_parallel, bool):
             raise OptionsError(f"sequence_parallel={self.sequence_parallel!r}; pass True "
                                "(norms, dropout and residual adds on sequence shards) or False")
+
+    def check_runnable(self, front: str) -> None:
+        """Refuse, at a ``front`` that builds a runtime, what only ``make_plan`` reads for a
+        cluster beyond this machine: ``checkpoint="selective"`` and ``compiled=``.
+
+        Raises:
+            StrategyError: naming the option and the fix.
+        """
+        if self.checkpoint == SELECTIVE:
+            raise StrategyError(f"{front}: {runnable_checkpoint_problem(SELECTIVE)}")
+        if self.compiled is not None:
+            raise StrategyError(f"{front}: compiled={self.compiled} is read by make_plan for "
+                                "a Cluster beyond this machine (how a transformers Llama "
+                                "model's element-wise steps are costed); the runtimes here "
+                                "run eagerly: omit it")
 
     @property
     def whole_mesh(self) -> Mesh | None:
@@ -222,6 +252,7 @@ _UNSET: dict[str, Any] = {"tune": False, "seed": 0, "sequence_parallel": False}
 _WHERE = {
     "strategy": ("strategy",), "checkpoint": ("checkpoint",), "tune": ("tune",),
     "init_fn": ("init_fn",), "seed": ("seed",), "sequence_parallel": ("sequence_parallel",),
+    "compiled": ("compiled",),
     "schedule": ("schedule", "name"), "chunks": ("schedule", "chunks"),
     "virtual_stages": ("schedule", "virtual_stages"),
     "precision": ("precision", "compute"), "loss_scale": ("precision", "loss_scale"),
@@ -238,7 +269,8 @@ def resolve_options(options: Options | None = None, **given: Any) -> Options:
         given: the front's keywords (``pp``, ``dp``, ``tp``, ``mesh``, ``chunks``,
             ``schedule``, ``virtual_stages``, ``precision``, ``loss_scale``,
             ``optimizer_sharding``, ``sharding``, ``checkpoint``, ``strategy``, ``tune``,
-            ``init_fn``, ``seed``, ``sequence_parallel``); ``None`` (``False`` for ``tune``
+            ``init_fn``, ``seed``, ``sequence_parallel``, ``compiled``); ``None`` (``False``
+            for ``tune``
             and ``sequence_parallel``, 0 for ``seed``) means not given.
 
     Raises:

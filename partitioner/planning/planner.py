@@ -42,6 +42,7 @@ from partitioner.errors import (
     PrecisionError,
     ScheduleError,
     StageCountError,
+    StrategyError,
     TensorParallelError,
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, records, search
@@ -65,7 +66,7 @@ from partitioner.plans.plan import Mesh, Plan, PlannerInputs, Stage
 from partitioner.plans.signature import describe
 from partitioner.plans.spec import Spec
 from partitioner.request import PlanRequest
-from partitioner.runtime.checkpointing import EXCEPT_LAST
+from partitioner.runtime.checkpointing import EXCEPT_LAST, SELECTIVE
 from partitioner.runtime.schedule_registry import GPIPE, schedule_kind
 
 __all__ = ["pipeline_plan", "auto_plan", "given_mesh_plan", "plan_from", "plan_request", "record",
@@ -157,6 +158,10 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
         plan = first_fitting(workload_variants(analysis, request, cluster, workload),
                              plan_for)
     else:
+        if request.checkpoint == SELECTIVE:
+            raise StrategyError("checkpoint='selective' is the Llama workload's recomputation, "
+                                "which strategy='auto' plans; with a fixed split or strategy="
+                                "'pipeline' pass 'always', 'except_last' or 'never'")
         schedule = request.schedule or GPIPE
         virtual = request.virtual_stages or default_virtual(schedule, cluster.size,
                                                             len(analysis.layer_names))

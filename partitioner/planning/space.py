@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from partitioner.cost.memory import OPTIMIZERS
 from partitioner.errors import ChunksError, ScheduleError, StrategyError
-from partitioner.runtime.checkpointing import checkpoint_problem
+from partitioner.runtime.checkpointing import SELECTIVE, checkpoint_problem
 from partitioner.runtime.schedule_registry import name_problem
 
 
@@ -143,8 +143,11 @@ class SearchSpace:
     def of_request(cls, request: _Asked,
                    tp_degrees: Sequence[int] | None = None) -> SearchSpace:
         """What ``request`` fixes: micro-batches, checkpoint mode, schedule and virtual
-        stages (the mesh is the planner's: it is fixed where the plan asks for one)."""
-        return cls(chunks=request.chunks, checkpoint=request.checkpoint,
+        stages (the mesh is the planner's: it is fixed where the plan asks for one).
+        ``checkpoint="selective"`` recomputes inside each layer (the Llama workload's,
+        ``partitioner.planning.llama_plan``), so the stage-level mode stays open here."""
+        checkpoint = None if request.checkpoint == SELECTIVE else request.checkpoint
+        return cls(chunks=request.chunks, checkpoint=checkpoint,
                    schedules=(request.schedule,) if request.schedule else None,
                    virtual=request.virtual_stages,
                    tp_degrees=tuple(tp_degrees) if tp_degrees is not None else None)

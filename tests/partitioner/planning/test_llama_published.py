@@ -127,7 +127,7 @@ def test_this_machine_keeps_the_captured_costs() -> None:
     row = ROWS[0]
     analysis = SimpleNamespace(llama=LlamaModel(SHAPES[row.model], "flash"),
                                layer_names=captured_names(SHAPES[row.model]))
-    request = SimpleNamespace(checkpoint=None, mesh=None)
+    request = SimpleNamespace(checkpoint=None, mesh=None, compiled=None)
     captured = captured_workload(SHAPES[row.model], 8)
     here = Cluster.local_devices(["cpu", "cpu"], [REFERENCE_CPU] * 2)
     assert workload_variants(analysis, request, here,
