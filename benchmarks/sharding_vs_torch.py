@@ -23,7 +23,9 @@ Per contender and rank it reports:
   sharding is meant to save;
 - ``peak RSS MB``: the peak resident memory of the process (VmHWM) minus its resident
   memory before the model was built (after ``import torch`` and starting the process
-  group): everything, temporaries and communication buffers included;
+  group): everything, temporaries and communication buffers included; with glibc's mmap
+  threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``, set for the ranks unless given),
+  so a freed large buffer leaves the resident set at once;
 - ``step s``: the median step time (forward, backward, optimizer step), timed on rank 0
   from a barrier before the step to one after it; with ``--repeats``, the median over the
   rounds (each round runs every contender once, in turn), each round's figure printed.
@@ -54,6 +56,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# glibc serves a freed block above its dynamic mmap threshold from the heap next time and
+# keeps those pages resident: the peak RSS would count buffers long freed (FSDP's per-layer
+# gathers most). A fixed threshold (read when each spawned rank starts) returns every large
+# block to the kernel at free, so the peak is what was live, for every contender alike.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 # Plan "cpu" devices with the fixed reference spec: a machine whose calibration cache holds

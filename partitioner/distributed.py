@@ -59,6 +59,7 @@ from partitioner.errors import StageCountError, StrategyError, TuneError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
 from partitioner.passes.fuse_weight_grads import fusion_threshold
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
+from partitioner.passes.outline_layers import outline_layers
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.passes.unbake_meta import unbake_meta
@@ -274,8 +275,7 @@ class Running:
 
 @dataclass(frozen=True)
 class Parsed:
-    """One call, checked before anything collective: the options, a given plan, the
-    search's options (``strategy="auto"``), the mesh sizes known so far."""
+    """One call checked before anything collective (options, plan, search, sizes)."""
 
     options: Options
     fixed: Fixed
@@ -459,9 +459,8 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     check_same_plan(*plan_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     real = call.materializer(info.device) if call.materializer is not None else None
-    # Put off until first use, or skipped for what load() fills (runtime/deferred_init.py).
-    deferred = (DeferredInit(real) if real is not None and call.sharding != "fsdp"
-                and not sharded else None)
+    fsdp = call.sharding == "fsdp"  # put off, or skipped for what load() fills, unless:
+    deferred = DeferredInit(real) if real is not None and not fsdp and not sharded else None
     source = deferred if deferred is not None else real
     if virtual > 1:
         placement = schedule_kind(made.schedule).place(shape.pp, virtual)
@@ -475,6 +474,8 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     fusing = fusion_threshold(made.chunks, made.schedule, info.device.type)
     for graph in stages.values() if running.fuse_weight_grads else ():
         fuse_linear_grads(graph, fusing)
+    if fsdp and virtual == 1:  # each layer its own FSDP unit
+        settings = replace(settings, fsdp_units=outline_layers(stages[ranks.stage]).units)
     captured = planned.analysis.captured
     return assemble(model, made, graphs, stages if virtual > 1 else stages[ranks.stage],
                     ranks, info.device, settings,

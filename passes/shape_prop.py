@@ -63,8 +63,18 @@ class _ShapeInterpreter(fx.Interpreter):
             raise PassError(f"shape propagation failed at node {n.name} ({n.format_node()}): "
                             f"{type(error).__name__}: {error}{_value_shape_hint(error)}"
                             ) from error
-        n.meta["val"] = result
+        n.meta["val"] = pytree.tree_map(_without_graph, result)
         return result
+
+
+def _without_graph(value: Any) -> Any:
+    """A value as a node's ``meta["val"]`` keeps it: detached (its ``requires_grad`` kept).
+    A fake tensor computed from the model's real parameters carries an autograd graph whose
+    leaves are those parameters: kept in the graph's metadata it would keep every parameter
+    the example's forward touched alive, after a pass (FSDP) has replaced them."""
+    if not isinstance(value, torch.Tensor) or value.grad_fn is None:
+        return value
+    return value.detach().requires_grad_(value.requires_grad)
 
 
 def _value_shape_hint(error: Exception) -> str:

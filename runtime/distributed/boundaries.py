@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -80,7 +81,8 @@ class BoundaryPredictor:
                     lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor) else v, current)
                 gm = self.graphs[k]
                 try:
-                    with _fake_meta_tensors(gm, device), autocast(self.precision, device.type):
+                    with _fake_meta_tensors(gm, device), _without_fsdp_hooks(gm), \
+                            autocast(self.precision, device.type):
                         out = type(gm).forward(gm, *current)
                 except Exception as error:
                     raise BoundaryMismatchError(
@@ -121,6 +123,23 @@ def _fake_meta_tensors(gm: nn.Module, device: torch.device) -> Iterator[None]:
     finally:
         for store, name, tensor in swapped:
             store[name] = tensor
+
+
+@contextmanager
+def _without_fsdp_hooks(gm: nn.Module) -> Iterator[None]:
+    """An FSDP stage's layers (``passes/outline_layers.py``) called without FSDP's hooks:
+    the prediction runs on whole fake tensors, with nothing to gather or reduce."""
+    from torch.distributed.fsdp import FSDPModule
+
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in gm.modules()
+             if m is not gm and isinstance(m, FSDPModule)]
+    for module, _, _ in saved:
+        module._forward_pre_hooks, module._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for module, pre, post in saved:
+            module._forward_pre_hooks, module._forward_hooks = pre, post
 
 
 @contextmanager

@@ -7,18 +7,30 @@ the stage's data-parallel process group (the ranks holding the same stage and sh
 ``dp`` replicas; the optimizer built over ``dpm.parameters()`` then holds exactly ``1/dp``
 of the state, and so do the gradients after a step.
 
-A pipeline stage runs several micro-batches per step, forwards and backwards interleaved
-(1F1B). As torch's own pipelining does with FSDP (``_PipelineStageBase.perform_reduce_grad``
-in ``torch/distributed/pipelining/stage.py``), every backward of the step runs without
-gradient reduction, accumulating into the unsharded gradients, and :meth:`FsdpGradients.finish`
-runs FSDP's post-backward once the step's last backward is done: one reduce-scatter of
-each gradient, then the parameters are resharded. :class:`FsdpGradients` stands where the
-pipeline's ``reducer`` stands (``arm``, ``finish``, ``close``).
+A pipeline stage may run several micro-batches per step, forwards and backwards
+interleaved (1F1B); the second mode above is what torch's own pipelining does with FSDP
+(``_PipelineStageBase.perform_reduce_grad`` in ``torch/distributed/pipelining/stage.py``).
+:class:`FsdpGradients` stands where the pipeline's ``reducer`` stands (``arm``, ``finish``,
+``close``).
 
-Between the first forward and ``finish`` a rank holds its stage's whole parameters and
-gradients, as data parallelism does; what is sharded is what persists across steps
-(parameters, gradients, optimizer state). The stage is one FSDP unit: its graph calls no
-submodules whose hooks could gather layer by layer (``docs/design/004-distributed.md``).
+Each layer is its own FSDP unit: ``passes/outline_layers.py`` (run by the front, which
+hands the unit paths down) gives every layer of the stage graph a module call at the
+layer's own path (a ``torch.export`` capture reads every parameter from the root and calls
+no submodule), ``fully_shard`` is applied to each of those modules, then to the stage for
+what is left (a weight tied between layers, loose
+parameters). How long a layer stays gathered depends on the micro-batches a step runs:
+
+* one micro-batch (``sync_each_backward``): as FSDP alone runs, ZeRO-3. A layer is gathered
+  for its forward and freed after it, gathered again for its backward, and its gradients
+  are reduce-scattered as soon as its backward is done; a rank never holds more than a few
+  layers' whole parameters and gradients beside its shards.
+* several: as torch's pipelining runs FSDP. Every backward of the step runs without
+  gradient reduction, accumulating into the unsharded gradients, the layers stay gathered
+  after their first forward, and :meth:`FsdpGradients.finish` reduce-scatters once the
+  step's last backward is done: between the first forward and ``finish`` a rank holds its
+  stage's whole parameters and gradients, as data parallelism does; what is sharded is what
+  persists across steps (parameters, gradients, optimizer state). One reduce-scatter per
+  step instead of one per micro-batch.
 
 On gloo, FSDP's all-gather and reduce-scatter run in place (:class:`InPlaceAllGather`, one
 broadcast per replica; :class:`InPlaceReduceScatter`, an all-reduce of FSDP's input
@@ -56,9 +68,10 @@ from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.stage import CALL_HOOKS_ATTR
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 
-__all__ = ["FsdpGradients", "shard_stage_fsdp", "fsdp_problem", "axis_device_mesh",
-           "load_whole_into_fsdp", "check_fsdp", "tp_dp_device_mesh", "cut_like",
-           "cut_whole_entries", "local_shard", "InPlaceAllGather", "InPlaceReduceScatter"]
+__all__ = ["FsdpGradients", "shard_stage_fsdp", "release_replaced", "fsdp_problem",
+           "axis_device_mesh", "load_whole_into_fsdp", "check_fsdp", "tp_dp_device_mesh",
+           "cut_like", "cut_whole_entries", "local_shard", "InPlaceAllGather",
+           "InPlaceReduceScatter"]
 
 
 def fsdp_problem(named: Iterable[tuple[str, nn.Parameter]], dp: int, stage: int) -> str | None:
@@ -156,24 +169,66 @@ def axis_device_mesh(group: Any, ranks: Sequence[int], device_type: str, axis: s
                                  mesh_dim_names=(f"{axis}_{group.group_name}",))
 
 
-def shard_stage_fsdp(stage: nn.Module, device_mesh: Any) -> FsdpGradients:
-    """Apply ``fully_shard`` to ``stage`` in place and return its gradient reducer.
+def shard_stage_fsdp(stage: nn.Module, device_mesh: Any, *, units: Sequence[str] = (),
+                     sync_each_backward: bool = False) -> FsdpGradients:
+    """Apply ``fully_shard`` to each layer of ``stage`` and to ``stage``, in place, and
+    return its gradient reducer.
+
+    Args:
+        stage: the stage's graph module.
+        device_mesh: the data-parallel group's one-dimensional mesh.
+        units: the paths of its layers' modules, each called once per forward
+            (``passes/outline_layers.py``, run by the front); ``()``: the stage is one unit.
+        sync_each_backward: the step runs one backward (one micro-batch, no split
+            backward): free each layer after its forward and reduce-scatter its gradients
+            in its backward (see the module docstring).
 
     The stage's gradients are averaged by the pipeline's loss weights (``1/dp`` each), so
     FSDP's reduce-scatter sums them (divide factor 1, as a plain ``SUM``).
     """
     from torch.distributed.fsdp import fully_shard
 
+    modules: list[Any] = []
     with communicating("sharding the stage's parameters over the data-parallel group (FSDP)"):
-        fully_shard(stage, mesh=device_mesh, reshard_after_forward=False)
+        for path in units:
+            modules.append(fully_shard(stage.get_submodule(path), mesh=device_mesh,
+                                       reshard_after_forward=sync_each_backward))
+        modules.append(fully_shard(stage, mesh=device_mesh, reshard_after_forward=False))
     setattr(stage, CALL_HOOKS_ATTR, True)
-    module: Any = stage
-    module.set_gradient_divide_factor(1.0)
-    module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
-    if device_mesh.get_group().name() == "gloo":
-        module.set_custom_all_gather(InPlaceAllGather())
-        module.set_custom_reduce_scatter(InPlaceReduceScatter())
-    return FsdpGradients(module)
+    gloo = device_mesh.get_group().name() == "gloo"
+    for module in modules:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
+        if gloo and module._get_fsdp_state()._fsdp_param_groups:
+            module.set_custom_all_gather(InPlaceAllGather())
+            module.set_custom_reduce_scatter(InPlaceReduceScatter())
+    return FsdpGradients(modules[-1], units=tuple(modules[:-1]),
+                         sync_each_backward=sync_each_backward)
+
+
+def release_replaced(model: nn.Module, originals: Sequence[nn.Parameter],
+                     stage: nn.Module) -> int:
+    """Move to the meta device the parameters of ``model`` that FSDP replaced in ``stage``
+    by their shards, so their storage is freed: the stage shared them with the model, and
+    the model (which the caller and the runtime keep) would otherwise hold every one whole.
+    The model's parameters then stand as a meta-built model's do (shapes only); the
+    trained weights are the stage's (``dpm.state_dict()``, ``dpm.save``). A tensor tied in
+    the model stays one tensor.
+
+    Returns:
+        How many tensors were released.
+    """
+    now = {id(p) for p in stage.parameters()}
+    replaced = {id(p) for p in originals if id(p) not in now}
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+    return len(made)
 
 
 class InPlaceAllGather:
@@ -220,17 +275,25 @@ class FsdpGradients:
 
     Args:
         module: the stage after ``fully_shard``.
+        units: its layers' FSDP modules (``fully_shard`` before the stage's).
+        sync_each_backward: the step runs one backward, which FSDP's own hooks reduce
+            layer by layer (``finish`` has nothing left to do).
     """
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, *, units: tuple[Any, ...] = (),
+                 sync_each_backward: bool = False) -> None:
         self.module = module
+        self.units = units
+        self.sync_each_backward = sync_each_backward
         self._accumulate()
 
     def _accumulate(self) -> None:
-        """Backwards keep adding into the unsharded gradients, parameters stay gathered."""
-        self.module.set_is_last_backward(False)
-        self.module.set_reshard_after_backward(False)
-        self.module.set_requires_gradient_sync(False)
+        """Backwards keep adding into the unsharded gradients, parameters stay gathered;
+        with ``sync_each_backward``, every backward is the last (FSDP alone)."""
+        last = self.sync_each_backward
+        self.module.set_is_last_backward(last)
+        self.module.set_reshard_after_backward(last)
+        self.module.set_requires_gradient_sync(last)
 
     def arm(self) -> None:
         """Nothing to start early: the reduce-scatter runs after the last backward."""
@@ -243,6 +306,8 @@ class FsdpGradients:
         """
         from torch.distributed.fsdp import fully_shard
 
+        if self.sync_each_backward:
+            return  # reduce-scattered layer by layer in the backward, resharded
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True)
         self.module.set_requires_gradient_sync(True)
@@ -257,7 +322,8 @@ class FsdpGradients:
 
     def reshard(self) -> None:
         """Free the gathered parameters (after an evaluation's forwards)."""
-        self.module.reshard()
+        for module in (*self.units, self.module):
+            module.reshard()
 
     def local_grads(self) -> list[torch.Tensor]:
         """This replica's shards of the gradients (each element on one replica)."""

@@ -50,6 +50,7 @@ from partitioner.runtime.distributed.fsdp import (
     cut_whole_entries,
     load_whole_into_fsdp,
     local_shard,
+    release_replaced,
     shard_stage_fsdp,
     tp_dp_device_mesh,
 )
@@ -96,6 +97,8 @@ class RunSettings:
         sharding: ``"none"``, ``"optimizer"`` (the same as ``optimizer_sharding``) or
             ``"fsdp"``: parameters, gradients and optimizer state sharded over the
             replicas by torch's FSDP2 (:mod:`~partitioner.runtime.distributed.fsdp`).
+        fsdp_units: with ``"fsdp"``, the paths of the stage's layer modules, each its own
+            FSDP unit (``passes/outline_layers.py``); ``()``: the stage is one unit.
     """
 
     schedule: str
@@ -109,6 +112,7 @@ class RunSettings:
     optimizer_sharding: bool = False
     precision: str = "fp32"
     sharding: str = "none"
+    fsdp_units: tuple[str, ...] = ()
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -185,8 +189,13 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
         check_fsdp(graphs, held, dp=shape.dp, stage=j, virtual=settings.virtual,
                    split=shards is not None, tied=bool(ties))
         # After the tp cut, as torchtitan: each tp slice is sharded over its dp group.
-        reducer = shard_stage_fsdp(held, axis_device_mesh(mesh.group("dp"), mesh.ranks("dp"),
-                                                          device.type, "dp"))
+        originals = list(held.parameters())
+        reducer = shard_stage_fsdp(
+            held, axis_device_mesh(mesh.group("dp"), mesh.ranks("dp"), device.type, "dp"),
+            units=settings.fsdp_units, sync_each_backward=settings.chunks == 1
+            and not schedule_kind(settings.schedule).splits_backward)
+        release_replaced(model, originals, held)  # the model kept them whole
+        del originals
     elif settings.optimizer_sharding:
         split = shards.shardings if shards is not None else {}
         reducer = ShardedGradients(held.named_parameters(), mesh.group("dp"), tied=tied,

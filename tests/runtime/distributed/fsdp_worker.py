@@ -121,6 +121,66 @@ def scenario_equal(args: dict[str, Any]) -> None:
         sharded.close()
 
 
+def _gathered_counter(units: list[nn.Module]) -> list[int]:
+    """Record, as each layer's forward begins (after FSDP's own hook has gathered it), how
+    many of the layers are gathered whole."""
+    seen: list[int] = []
+
+    def count(*_: Any) -> None:
+        seen.append(sum(u._get_fsdp_state()._fsdp_param_groups[0].is_unsharded
+                        for u in units))
+
+    for unit in units:
+        unit.register_forward_pre_hook(count)
+    return seen
+
+
+def scenario_layers(args: dict[str, Any]) -> None:
+    """Each layer its own FSDP unit (outlined for a torch.export capture): two steps of SGD
+    equal plain data parallelism, and how many layers a rank holds gathered at once."""
+    import hf_models
+
+    family, chunks, dp = args["model"], args["chunks"], args["dp"]
+    if family == "mlp":
+        torch.manual_seed(0)
+        model = mlp((8,) + (16,) * 8 + (8,)).double()
+        data = batches(2)
+        loss_fn = F.mse_loss
+    else:
+        torch.manual_seed(0)
+        model = hf_models.build(family).double()
+        data = hf_models.batches(2)
+        loss_fn = hf_models.loss_fn
+    rows_all = data[0][0].shape[0]
+    options = dict(pp=args.get("pp", 1), dp=dp, chunks=chunks, failure=POLICY)
+    example = (data[0][0][:rows_all // dp],)
+    plain = partition_distributed(copy.deepcopy(model), example, **options)
+    sharded = partition_distributed(copy.deepcopy(model), example, **options, sharding="fsdp")
+    units = list(sharded._fsdp.units)
+    seen = _gathered_counter(units)
+    local = rows_all // dp
+    rows = slice(sharded.mesh.replica * local, (sharded.mesh.replica + 1) * local)
+    results = []
+    for dpm in (plain, sharded):
+        optimizer = torch.optim.SGD(dpm.parameters(), lr=0.1)
+        losses = []
+        for x, y in data:
+            optimizer.zero_grad()
+            losses.append(dpm.step(x[rows], y[rows], loss_fn))
+            optimizer.step()
+        results.append(losses)
+    mine = {n: whole(p.detach()) for n, p in sharded.stage.named_parameters()}
+    theirs = dict(plain.stage.named_parameters())
+    report(rank=dist.get_rank(), units=len(units), seen=seen,
+           names_equal=sorted(mine) == sorted(theirs),
+           loss_diff=max(abs(a - b) for a, b in zip(*results)),
+           weight_diff=max(float((mine[k] - theirs[k]).abs().max()) for k in mine),
+           param_elements=sum(local_elements(p) for p in sharded.parameters()),
+           plain_param_elements=sum(p.numel() for p in plain.parameters()))
+    plain.close()
+    sharded.close()
+
+
 def scenario_refuse(args: dict[str, Any]) -> None:
     """A model too small for the mesh: every rank refuses, naming the sizes."""
     tiny = nn.Sequential(nn.Linear(4, 1), nn.Tanh(), nn.Linear(1, 1))

@@ -56,6 +56,31 @@ def test_float32_steps_equal_plain_data_parallelism() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("model", "chunks", "units"), [("mlp", 1, 9), ("mlp", 2, 9),
+                                                        ("llama", 1, 5)],
+                         ids=["mlp-one-micro-batch", "mlp-two", "llama-one-micro-batch"])
+def test_each_layer_is_its_own_unit(model: str, chunks: int, units: int) -> None:
+    """Per-layer FSDP units: leaf modules as they are called, a torch.export capture's
+    layers outlined into modules (embedding, 2 decoder layers, norm, head). With one
+    micro-batch a step a layer is freed after its forward (FSDP alone, ZeRO-3); with
+    several, all stay gathered until the step's reduce-scatter (torch's pipelining)."""
+    records = _records(2, "layers", {"model": model, "chunks": chunks, "dp": 2})
+    assert len(records) == 2
+    for record in records:
+        assert record["units"] == units, record
+        assert record["names_equal"], record
+        assert record["loss_diff"] < 1e-12 and record["weight_diff"] < 1e-12, record
+        assert record["param_elements"] * 2 >= record["plain_param_elements"] - units
+        seen = record["seen"]
+        assert len(seen) == units * 2 * chunks, seen  # every layer, every forward
+        if chunks == 1:
+            # The layer starting and at most the one FSDP prefetched, never the rest.
+            assert max(seen) <= 2, seen
+        else:
+            assert max(seen) == units, seen  # the second micro-batch: all still gathered
+
+
+@pytest.mark.slow
 def test_a_model_too_small_for_the_mesh_is_refused_on_every_rank() -> None:
     records = _records(4, "refuse", {})
     assert len(records) == 4
