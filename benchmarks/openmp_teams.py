@@ -14,6 +14,8 @@ thread (``torch.get_num_threads()`` threads):
 Then, for a partitioned pipeline, once with the default fixed share of threads per worker and
 once with ``threads="schedule"`` (a stage alone in the fill or drain takes every thread):
 the pipeline's own step, and the same direct step timed after it, in a process of its own.
+Last, a pipeline on one CPU device: its actions on the caller's thread (the default) and on
+a worker thread holding every intra-op thread (as before that default).
 
 Run (a quiet machine; about a minute):
     python benchmarks/openmp_teams.py
@@ -101,15 +103,20 @@ def pipeline(args: argparse.Namespace, threads: str) -> None:
     import partitioner.runtime.local as local
     from partitioner import partition
     from partitioner.planning.tune import synthetic_loss
+    made = local.LocalPipeline.__init__
     if threads == "schedule":
-        made = local.LocalPipeline.__init__
-
         def by_schedule(self: local.LocalPipeline, *a: object, **k: object) -> None:
             made(self, *a, **{**k, "threads": "schedule"})  # type: ignore[arg-type]
         local.LocalPipeline.__init__ = by_schedule  # type: ignore[method-assign]
+    if threads == "one-worker":  # as before: the one device's actions on its worker thread
+        def on_worker(self: local.LocalPipeline, *a: object, **k: object) -> None:
+            made(self, *a, **k)  # type: ignore[arg-type]
+            self._inline = False
+        local.LocalPipeline.__init__ = on_worker  # type: ignore[method-assign]
     torch.manual_seed(0)
     model, x = _model(args.width, args.depth), torch.randn(args.batch, args.width)
-    pm = partition(copy.deepcopy(model), ["cpu"] * 2, "pipeline", chunks=args.chunks,
+    devices = ["cpu"] if threads.startswith("one") else ["cpu"] * 2
+    pm = partition(copy.deepcopy(model), devices, "pipeline", chunks=args.chunks,
                    schedule="1f1b", checkpoint="never", example_inputs=(x,))
     optimizer = torch.optim.Adam(pm.parameters(), lr=1e-6)
     targets = torch.zeros(args.batch)
@@ -132,7 +139,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--contender", choices=("fixed", "schedule"), help=argparse.SUPPRESS)
+    parser.add_argument("--contender", choices=("fixed", "schedule", "one", "one-worker"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.contender:
         pipeline(args, args.contender)
@@ -141,6 +149,12 @@ def main() -> None:
     print(f"2-stage 1F1B pipeline of the same model, {args.chunks} micro-batches, each "
           "contender in its own process:")
     for contender in ("fixed", "schedule"):
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--contender", contender],
+                       check=True)
+    print(f"one-device pipeline (partition(model, ['cpu'], chunks={args.chunks})): its actions "
+          "on the caller's thread (default) or on a worker thread with every intra-op thread "
+          "(before):")
+    for contender in ("one", "one-worker"):
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--contender", contender],
                        check=True)
 

@@ -17,8 +17,9 @@ A layer is outlined only when that is exact:
   replaces the nodes where the first one stood);
 * it holds a parameter that requires a gradient (a unit with nothing to shard is no unit).
 
-A layer that is already one ``call_module`` of its own path (``symbolic_trace`` keeps leaf
-modules as calls) is a unit as it is. ``get_attr`` nodes are hoisted to the top first
+A layer whose module is called once, and read by nothing else (``symbolic_trace`` keeps
+leaf modules as calls; a tensor-parallel rewrite may put a collective beside the call), is a
+unit as it is. ``get_attr`` nodes are hoisted to the top first
 (they read no values), so a tensor shared by layers is read once, before any of them.
 
 Example:
@@ -129,9 +130,19 @@ def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
 
 
 def _called_whole(gm: fx.GraphModule, path: str, nodes: list[fx.Node]) -> bool:
-    calls = [n for n in nodes if n.op != "get_attr"]
-    return (len(calls) == 1 and calls[0].op == "call_module" and calls[0].target == path
-            and _has_trainable(gm.get_submodule(path)))
+    """The layer's module is called, once, and nothing else reads inside it (the layer's
+    other nodes, a tensor-parallel collective around the call, read no tensor of it)."""
+    calls = [n for n in nodes if n.op == "call_module" and n.target == path]
+    if len(calls) != 1:
+        return False
+    for node in gm.graph.nodes:
+        if node is not calls[0] and node.op in ("get_attr", "call_module") and (
+                node.target == path or _relative(str(node.target), path) is not None):
+            return False
+    try:
+        return _has_trainable(gm.get_submodule(path))
+    except AttributeError:
+        return False
 
 
 def _has_trainable(module: nn.Module) -> bool:

@@ -106,7 +106,9 @@ class LocalPipeline:
         threads: intra-op threads of each CPU worker. By default (``None``) the caller's
             intra-op threads divided among the CPU workers (``shared_threads``), fixed for
             the pipeline's life, so stages computing together share the cores instead of
-            oversubscribing them. ``"schedule"``: they follow the schedule instead, an
+            oversubscribing them; a pipeline on one CPU device then runs its steps and
+            forwards on the caller's thread itself (one OpenMP team in the process).
+            ``"schedule"``: they follow the schedule instead, an
             action getting the caller's threads divided by the CPU stages busy at its time
             in the schedule's clock ticks (:func:`thread_plan`), so a stage alone in the fill
             or drain uses every thread. That is not the default: a worker thread that once
@@ -161,6 +163,9 @@ class LocalPipeline:
         self._plans: dict[tuple[str, int], dict[Action, int]] = {}
         start = shared_threads(self.devices) if not isinstance(threads, int) else threads
         self.workers = [Worker(d, start if d.type == "cpu" else None) for d in self.devices]
+        # One CPU device with the caller's threads: steps and forwards run on the caller's
+        # thread (nothing to overlap; a worker thread would hold a second OpenMP team).
+        self._inline = threads is None and [d.type for d in self.devices] == ["cpu"]
         #: (action, start, end) in seconds since the pipeline was made, for every action the
         #: last forward and backward (or step) ran (what ``viz`` draws as a measured timeline).
         self.timeline: list[tuple[Action, float, float]] = []
@@ -212,9 +217,10 @@ class LocalPipeline:
         return self._plans[(key, n)]
 
     def _execute(self, schedule: Schedule, transport: ThreadTransport, threads: dict[Action, int],
-                 *, head: LossHead | None, training: bool, replay_below: int) -> None:
-        """Every device runs its list through the interpreter on its worker; then the
-        threads' default is put back."""
+                 *, head: LossHead | None, training: bool, replay_below: int,
+                 inline: bool = False) -> None:
+        """Every device runs its list through the interpreter on its worker (``inline``: the
+        one device's on the caller's thread); then the threads' default is put back."""
         def device_loop(j: int) -> bool:
             changed = False
 
@@ -231,8 +237,11 @@ class LocalPipeline:
             self.peak_in_flight[j] = interpreter.peak_in_flight
             return changed
 
-        done = [w.submit(device_loop, j) for j, w in enumerate(self.workers)]
-        changed = [future.result() for future in done]
+        if inline:
+            changed = [device_loop(0)]
+        else:
+            done = [w.submit(device_loop, j) for j, w in enumerate(self.workers)]
+            changed = [future.result() for future in done]
         if any(changed):
             restore_thread_default(self._default)
 
@@ -328,7 +337,8 @@ class LocalPipeline:
         schedule = self.step_schedule(m)
         transport = ThreadTransport(micro, self._stage_devices(), training=True)
         self._execute(schedule, transport, self._threads_for("step", schedule), head=head,
-                      training=True, replay_below=checkpoint_stop(self.checkpoint, m))
+                      training=True, replay_below=checkpoint_stop(self.checkpoint, m),
+                      inline=self._inline)
         transport.raise_first()
         return head.loss
 
@@ -342,8 +352,10 @@ class LocalPipeline:
         self.timeline = []
         transport = ThreadTransport(micro, self._stage_devices(), training=grad)
         full = fill_drain(len(self.devices), n, self.virtual, self.placement)
+        # Its backward runs on the worker: autograd's engine calls it (runtime/module.py).
         self._execute(forward, transport, self._threads_for("fill-drain", full), head=None,
-                      training=grad, replay_below=checkpoint_stop(self.checkpoint, n))
+                      training=grad, replay_below=checkpoint_stop(self.checkpoint, n),
+                      inline=self._inline)
         return transport.outputs()
 
     def _backward(self, n: int, grads_last: list[list[Any]]) -> list[list[Any]]:

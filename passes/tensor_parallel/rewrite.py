@@ -80,6 +80,9 @@ aten = torch.ops.aten
 #: The graph attribute through which a rank graph reaches its tensor-parallel group.
 COMM_ATTR = "_tp_comm"
 
+#: What a node made for an original node keeps of its metadata: the layer it belongs to.
+_LAYER_KEYS = ("layer_path", "layer")
+
 #: Makes a rank's tensor: ``(attribute path, original tensor, its sharding or None)``.
 TensorFactory = Callable[[str, torch.Tensor, Sharding | None], torch.Tensor]
 
@@ -167,6 +170,18 @@ class _Builder:
         decision = self.prop.decisions.get(node.name)
         if decision is None:
             raise PassError(f"tensor-parallel rewrite: no layout decision for {node.name}")
+        last = next(iter(reversed(self.graph.nodes)), None)
+        self._emit_call(node, decision)
+        # Every node made for this one (its collectives included) belongs to its layer:
+        # per-layer passes (passes/outline_layers.py) see the layer whole.
+        new = last.next if last is not None else next(iter(self.graph.nodes), None)
+        while new is not None and new.op != "root":
+            for key in _LAYER_KEYS:
+                if key in node.meta and new.op != "get_attr":
+                    new.meta.setdefault(key, node.meta[key])
+            new = new.next
+
+    def _emit_call(self, node: fx.Node, decision: Any) -> None:
         inputs = {name: self.convert(name, need) for name, need in decision.needs.items()}
         action = decision.action
         if isinstance(action, RowSite):

@@ -137,3 +137,24 @@ def test_modules_already_called_are_units_as_they_are() -> None:
             node.meta["layer_path"] = str(node.target)
     result = outline_layers(gm)
     assert not result.modified and result.units == ("0", "2")  # ReLU holds nothing
+
+
+def test_a_tensor_parallel_rank_graph_outlines_every_layer() -> None:
+    """The rewrite labels what it makes for a node (its collectives too) with the node's
+    layer, so each column- and row-parallel Linear is one unit, the collective beside a
+    column layer's call included."""
+    from partitioner import partition
+
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    x = torch.randn(4, 16)
+    pm = partition(model, ["cpu", "cpu"], tensor_parallel=2, example_inputs=(x,))
+    rank = next(iter(pm.stages.values()))[0].ranks[0]
+    assert all("layer_path" in n.meta for n in rank.graph.nodes
+               if n.op.startswith("call_"))
+    result = outline_layers(rank)  # (a rank's graph alone would wait for its peer)
+    assert result.units == ("0", "2", "4", "6")
+    assert [n.target for n in rank.graph.nodes if n.op == "call_module"
+            and n.target in result.units] == ["0", "2", "4", "6"]

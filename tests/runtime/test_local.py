@@ -416,3 +416,56 @@ def test_a_weight_shared_by_two_stages_gets_every_gradient(schedule: str) -> Non
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
     pm.close()
+
+
+
+def _linear_stages(n: int) -> list[torch.fx.GraphModule]:
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.linear(x),)
+
+    return [torch.fx.symbolic_trace(Stage()) for _ in range(n)]
+
+
+def _threads_of(pipe: LocalPipeline) -> set[int]:
+    """Record the thread every stage forward of ``pipe`` runs on."""
+    seen: set[int] = set()
+    for runner in pipe.runners:
+        def forward(*args: Any, _run: Any = runner.forward, **kwargs: Any) -> Any:
+            seen.add(threading.get_ident())
+            return _run(*args, **kwargs)
+        runner.forward = forward  # type: ignore[method-assign]
+    return seen
+
+
+def test_one_cpu_device_steps_on_the_callers_thread() -> None:
+    """No worker thread, so no second OpenMP team in the process (docs/benchmarks.md,
+    "What one process pays"); its forward's backward through autograd still works."""
+    pipe = LocalPipeline(_linear_stages(1), [torch.device("cpu")], chunks=2, schedule="1f1b")
+    seen = _threads_of(pipe)
+    try:
+        x = torch.randn(4, 4)
+        pipe.step([x], torch.zeros(4, 4), lambda out, y: nn.functional.mse_loss(out[0], y))
+        out = pipe.run([x.requires_grad_()])
+        out[0].sum().backward()  # the backward phase runs on the worker (autograd calls it)
+        assert x.grad is not None and pipe.runners[0].graph_module.linear.weight.grad is not None
+        assert seen == {threading.get_ident()}
+    finally:
+        pipe.close()
+
+
+def test_several_devices_and_a_fixed_thread_count_keep_their_workers() -> None:
+    for n, threads in ((2, None), (1, 1)):
+        pipe = LocalPipeline(_linear_stages(n), [torch.device("cpu")] * n, chunks=2,
+                             threads=threads)
+        seen = _threads_of(pipe)
+        try:
+            pipe.step([torch.randn(4, 4)], torch.zeros(4, 4),
+                      lambda out, y: nn.functional.mse_loss(out[0], y))
+            assert seen and threading.get_ident() not in seen
+        finally:
+            pipe.close()
