@@ -68,13 +68,14 @@ class _ShapeInterpreter(fx.Interpreter):
 
 
 def _without_graph(value: Any) -> Any:
-    """A value as a node's ``meta["val"]`` keeps it: detached (its ``requires_grad`` kept).
-    A fake tensor computed from the model's real parameters carries an autograd graph whose
-    leaves are those parameters: kept in the graph's metadata it would keep every parameter
-    the example's forward touched alive, after a pass (FSDP) has replaced them."""
+    """A value as a node's ``meta["val"]`` keeps it: detached. A fake tensor computed from
+    the model's real parameters carries an autograd graph whose leaves are those
+    parameters: kept in the graph's metadata it would keep every parameter the example's
+    forward touched alive, after a pass (FSDP) has replaced them. (Not a leaf that requires
+    grad either: the cost pass runs each op again on these values, in-place ones included.)"""
     if not isinstance(value, torch.Tensor) or value.grad_fn is None:
         return value
-    return value.detach().requires_grad_(value.requires_grad)
+    return value.detach()
 
 
 def _value_shape_hint(error: Exception) -> str:
