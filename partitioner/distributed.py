@@ -459,7 +459,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     check_same_plan(*plan_digest(made, graphs, shape, settings))
     ties = find_ties(graphs)  # before a meta model's stage gets new, real tensors
     real = call.materializer(info.device) if call.materializer is not None else None
-    fsdp = call.sharding == "fsdp"  # put off, or skipped for what load() fills, unless:
+    fsdp = call.sharding == "fsdp"  # deferred init (runtime/deferred_init.py) unless sharded
     deferred = DeferredInit(real) if real is not None and not fsdp and not sharded else None
     source = deferred if deferred is not None else real
     if virtual > 1:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from partitioner.cost.devices import Cluster, parse_devices
+from partitioner.cost.llama_elementwise import compiled_problem
 from partitioner.errors import (
     BalanceError,
     ChunksError,
@@ -163,14 +164,9 @@ class PlanRequest:
         found: list[tuple[type[PartitionError], str]] = []
         if self.checkpoint == SELECTIVE and not self.beyond_this_machine:
             found.append((StrategyError, str(runnable_checkpoint_problem(SELECTIVE))))
-        if self.compiled is not None and not isinstance(self.compiled, bool):
-            found.append((StrategyError, f"compiled={self.compiled!r}; pass True (the model "
-                                         "runs under torch.compile), False (eagerly) or None"))
-        elif self.compiled is not None and not self.beyond_this_machine:
-            found.append((StrategyError, f"compiled={self.compiled}: how the model will run "
-                                         "is a cost of a Cluster beyond this machine (pass "
-                                         "make_plan a Cluster.preset(...)); the runtimes here "
-                                         "run eagerly, so on this machine's devices omit it"))
+        compiled = compiled_problem(self.compiled, here=not self.beyond_this_machine)
+        if compiled is not None:
+            found.append((StrategyError, compiled))
         return found
 
     def _mesh_problems(self) -> list[tuple[type[PartitionError], str]]:

@@ -49,10 +49,7 @@ def checkpoint_problem(mode: object) -> str | None:
         >>> print(checkpoint_problem("sometimes"))
         checkpoint='sometimes' is not a checkpoint mode; use one of 'always', 'except_last', 'never'
     """
-    if isinstance(mode, str) and mode in CHECKPOINT_MODES:
-        return None
-    listed = ", ".join(repr(m) for m in CHECKPOINT_MODES)
-    return f"checkpoint={mode!r} is not a checkpoint mode; use one of {listed}"
+    return _unlisted(mode, CHECKPOINT_MODES)
 
 
 def request_checkpoint_problem(mode: object) -> str | None:
@@ -62,9 +59,13 @@ def request_checkpoint_problem(mode: object) -> str | None:
         >>> print(request_checkpoint_problem("selective"))
         None
     """
-    if isinstance(mode, str) and mode in REQUEST_MODES:
+    return _unlisted(mode, REQUEST_MODES)
+
+
+def _unlisted(mode: object, modes: tuple[str, ...]) -> str | None:
+    if isinstance(mode, str) and mode in modes:
         return None
-    listed = ", ".join(repr(m) for m in REQUEST_MODES)
+    listed = ", ".join(repr(m) for m in modes)
     return f"checkpoint={mode!r} is not a checkpoint mode; use one of {listed}"
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ElementwiseBytes", "llama_elementwise"]
+__all__ = ["ElementwiseBytes", "llama_elementwise", "compiled_problem"]
 
 _FP32 = 4
 
@@ -80,3 +80,25 @@ def llama_elementwise(hidden: int, kv_width: int, intermediate: int, element_byt
     # Rotary: cast (e + 4), complex multiply (4 + 4; the table of angles is small), cast back.
     rotary = (e + _FP32) + 2 * _FP32 + (_FP32 + e)
     return ElementwiseBytes(norm * h, rotary * h, rotary * g, (2 + 3) * e * i, 3 * e * h)
+
+
+def compiled_problem(compiled: object, *, here: bool = False) -> str | None:
+    """Why ``compiled=`` (how these steps will run: fused, or eagerly) cannot be taken, or
+    ``None``. ``here``: for this machine's runtimes, which run eagerly; the option
+    describes a run on a cluster beyond this machine (``partitioner.request``,
+    ``partitioner.planning.options``).
+
+    Example:
+        >>> print(compiled_problem("yes"))
+        compiled='yes'; pass True (the model runs under torch.compile), False (eagerly) or None
+    """
+    if compiled is None:
+        return None
+    if not isinstance(compiled, bool):
+        return (f"compiled={compiled!r}; pass True (the model runs under torch.compile), "
+                "False (eagerly) or None")
+    if here:
+        return (f"compiled={compiled} is read by make_plan for a Cluster beyond this machine "
+                "(pass make_plan a Cluster.preset(...): how a transformers Llama model's "
+                "element-wise steps are costed); the runtimes here run eagerly: omit it")
+    return None

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from partitioner.cost.llama_elementwise import compiled_problem
 from partitioner.errors import (
     ChunksError,
     MeshError,
@@ -205,9 +206,8 @@ class Options:
         if self.checkpoint is not None and \
                 request_checkpoint_problem(self.checkpoint) is not None:
             raise StrategyError(str(request_checkpoint_problem(self.checkpoint)))
-        if self.compiled is not None and not isinstance(self.compiled, bool):
-            raise OptionsError(f"compiled={self.compiled!r}; pass True (the model runs under "
-                               "torch.compile), False (eagerly) or None")
+        if compiled_problem(self.compiled) is not None:
+            raise OptionsError(str(compiled_problem(self.compiled)))
         tune_count(self.tune)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise OptionsError(f"seed={self.seed!r}; pass an int")
@@ -224,11 +224,8 @@ class Options:
         """
         if self.checkpoint == SELECTIVE:
             raise StrategyError(f"{front}: {runnable_checkpoint_problem(SELECTIVE)}")
-        if self.compiled is not None:
-            raise StrategyError(f"{front}: compiled={self.compiled} is read by make_plan for "
-                                "a Cluster beyond this machine (how a transformers Llama "
-                                "model's element-wise steps are costed); the runtimes here "
-                                "run eagerly: omit it")
+        if compiled_problem(self.compiled, here=True) is not None:
+            raise StrategyError(f"{front}: {compiled_problem(self.compiled, here=True)}")
 
     @property
     def whole_mesh(self) -> Mesh | None:
