@@ -187,13 +187,12 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
             ``partitioner.runtime.materialize``).
         seed: the base seed of a meta-built model's initialization (module ``name`` draws
             from a seed of ``(seed, name)``: the same values whatever the split).
-        tune: measured tuning (``partitioner.planning.tune``): ``True`` builds the 4
-            best-ranked candidates (``n``: that many), times a few training steps of each
-            on the example batch (forward, backward, Adam step; the model's weights are
-            restored afterwards) and runs the measured fastest. ``plan.candidates`` record
-            the predicted and measured step times and ``plan.explain()`` prints both; a
-            candidate that fails is skipped with its reason. Default ``False``: the cost
-            model's choice.
+        tune: measured tuning (``partitioner.planning.tune``): ``True`` builds 4 of the best-ranked
+            candidates (``n``: that many; the best of each mesh first), times a few training steps
+            of each on the example batch (forward, backward, Adam step; the model's weights are
+            restored afterwards) and runs the measured fastest. ``plan.candidates`` record the
+            predicted and measured step times and ``plan.explain()`` prints both; a candidate that
+            fails is skipped with its reason. Default ``False``: the cost model's choice.
         options: the same settings as one value, shared with :func:`make_plan` and
             ``partition_distributed`` (:class:`partitioner.Options`: ``strategy``,
             ``mesh``, ``schedule=Schedule(name, chunks, virtual_stages)``,

@@ -304,12 +304,11 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
                  build: Callable[[dict[str, Any]], Any],
                  example_inputs: tuple[Any, ...] | None,
                  example_kwargs: dict[str, Any] | None) -> Plan:
-    """``partition_distributed(..., tune=count)``: build the ``count`` best-ranked
-    candidates of rank 0's ``chosen`` plan with ``build(options)`` (every rank, one after
-    another), time a few training steps of each (the slowest rank's median counts, agreed by
-    an all-reduce), and return the measured fastest's plan with every candidate's predicted
-    and measured step time (``partitioner.planning.tune``). The model's tensors are restored
-    afterwards.
+    """``partition_distributed(..., tune=count)``: build ``count`` best-ranked candidates
+    (``tuned_order``) of rank 0's ``chosen`` plan with ``build(options)`` (every rank, one after
+    another), time a few training steps of each (the slowest rank's median counts, agreed by an
+    all-reduce), and return the measured fastest's plan with every candidate's predicted and
+    measured step time (``partitioner.planning.tune``). The model's tensors are restored afterwards.
 
     A candidate that fails to build or to time on a rank is skipped on every rank (the
     failure is agreed after the build and after the timing); one that fails inside a

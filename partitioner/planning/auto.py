@@ -34,11 +34,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from partitioner.cost.cost import Workload
@@ -63,6 +64,7 @@ from partitioner.runtime.schedule_registry import (
     CAPABILITIES,
     GPIPE,
     Runtime,
+    make_schedule,
     schedule_kind,
     schedule_names,
 )
@@ -382,6 +384,7 @@ def search(workload: Workload, cluster: Cluster, space: SearchSpace | None = Non
         else:
             queue.append((bound, _key(c), c))
     queue.sort(key=lambda entry: (entry[0], entry[1]))
+    queue = _distinct_programs(queue)
     ranked: list[Prediction] = []
     evaluated = not_fitting = 0
     timed_out, frontier = False, math.inf
@@ -419,6 +422,37 @@ def search(workload: Workload, cluster: Cluster, space: SearchSpace | None = Non
     return SearchResult(best, tuple(ranked), len(configs), evaluated, not_executable,
                         not_fitting, lowest, max(gap, 0.0), time.perf_counter() - start,
                         timed_out, tuple(excluded[:5]), faster)
+
+
+def _distinct_programs(queue: list[tuple[float, tuple[Any, ...], Config]]
+                       ) -> list[tuple[float, tuple[Any, ...], Config]]:
+    """``queue`` without the configurations that run the same program as an earlier one:
+    two schedules whose action lists are equal for the same stages, micro-batches and
+    checkpointing (GPipe and 1F1B with one micro-batch) are one candidate, which would
+    otherwise take two places in the ranked list and in what ``tune=`` times."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for entry in queue:
+        c = entry[2]
+        key: tuple[Any, ...] = (c,)
+        if c.pp > 1 and c.pp * c.chunks * c.virtual <= _COMPARED_ACTIONS:
+            rest = tuple(v for k, v in asdict(c).items() if k != "schedule")
+            key = (rest, _program(c.schedule, c.pp, c.chunks, c.virtual))
+        if key not in seen:
+            seen.add(key)
+            out.append(entry)
+    return out
+
+
+_COMPARED_ACTIONS = 256
+"""Schedules are compared action by action while ``pp x chunks x virtual`` is at most this
+(equal lists come from few micro-batches); beyond it they are not compared, and a duplicate
+would only take a second place in the ranked list."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(schedule: str, p: int, m: int, v: int) -> Any:
+    return make_schedule(schedule, p, m, v)
 
 
 def _key(c: Config) -> tuple[Any, ...]:

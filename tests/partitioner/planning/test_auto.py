@@ -33,6 +33,7 @@ from partitioner.planning.predict import Config, predict
 from partitioner.planning.simulate import predict_step
 from partitioner.plans.explain import explain
 from partitioner.plans.plan import Plan
+from partitioner.runtime.schedule_registry import make_schedule
 
 CPU = DeviceSpec("cpu", {"fp32": 200e9}, 16e9, 50e9, matmul_efficiency=1.0,
                  matmul_half_flops=2e3, memory_efficiency=1.0, op_overhead=3e-6,
@@ -317,3 +318,27 @@ def test_layers_the_pass_leaves_whole_are_costed_whole() -> None:
         layer.splittable for layer in costed.layers if layer.param_bytes)
     for layer in costed.layers:
         assert layer.splittable == any(n.startswith(layer.name + ".") for n in split)
+
+
+def test_schedules_that_run_the_same_actions_are_one_candidate() -> None:
+    # With one micro-batch GPipe and 1F1B make the same action lists: one candidate, not
+    # two places in the ranked list (and in what tune= times).
+    assert make_schedule("gpipe", 2, 1) == make_schedule("1f1b", 2, 1)
+    cluster = Cluster.preset("A100-80GB")
+    distinct = partitioner.planning.auto._distinct_programs
+
+    def kept(chunks: int) -> list[Config]:
+        queue = [(0.0, (), c) for c in configurations(GPT, cluster, chunks=chunks, pp=2)]
+        return [c for _, _, c in distinct(queue)]
+    one, four = kept(1), kept(4)
+    programs = [(replace(c, schedule="gpipe") if c.virtual == 1 else c,
+                 make_schedule(c.schedule, c.pp, c.chunks, c.virtual)) for c in one]
+    assert len(programs) == len(set(programs))
+    assert {c.schedule for c in one} & {"gpipe", "1f1b"} == {"gpipe"}
+    assert len(one) < len(list(configurations(GPT, cluster, chunks=1, pp=2)))
+    # With more micro-batches than one they differ: both stay.
+    assert {"gpipe", "1f1b"} <= {c.schedule for c in four}
+    assert len(four) == len(list(configurations(GPT, cluster, chunks=4, pp=2)))
+    # The search ranks what is left.
+    result = search(GPT, cluster, chunks=1, pp=2, budget=None)
+    assert {p.config.schedule for p in result.ranked} & {"gpipe", "1f1b"} != {"gpipe", "1f1b"}

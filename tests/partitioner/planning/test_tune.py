@@ -257,3 +257,18 @@ def test_short_steps_are_timed_until_they_last_long_enough() -> None:
     calls.clear()
     time_training_steps(Counted(), (x,), None, 2, steps=3, warmup=1, min_seconds=10.0)
     assert len(calls) == 1 + MAX_TIMED_STEPS  # capped: a tiny step never reaches 10 s
+
+
+def test_tuning_times_the_best_of_each_mesh_before_variants_of_one() -> None:
+    # Ranks 1-3 are one mesh (dp=2 x pp=2 in three schedules or checkpoint modes) and rank
+    # 4 another (pp=4): tune=2 times rank 1 and rank 4, not two variants of the first.
+    def rec(rank: int, dp: int, pp: int) -> dict:
+        return {"rank": rank, "label": f"r{rank}",
+                "config": {"dp": dp, "tp": 1, "pp": pp, "chunks": 1}}
+    records = [rec(1, 2, 2), rec(2, 2, 2), rec(3, 2, 2), rec(4, 1, 4), rec(5, 4, 1)]
+    calls: list[int] = []
+    run_trials(records, 2, lambda r: calls.append(r["rank"]) or 1.0, rounds=1)
+    assert calls == [1, 4]
+    calls.clear()
+    run_trials(records, 4, lambda r: calls.append(r["rank"]) or 1.0, rounds=1)
+    assert calls == [1, 2, 4, 5]  # the three meshes' best, then the next by rank
