@@ -3,12 +3,14 @@
 For each case (a model and a number of ``"cpu"`` devices) the benchmark plans
 ``partition(model, devices, example_inputs=(x,))`` (default ``strategy="auto"``), builds
 every candidate the search ranked (``plan.candidates``, up to 10), the plain 1F1B pipeline
-over all the devices and the unpartitioned model on one device, and times training steps of
-each (``zero_grad``, ``pm.step`` with a loss over the outputs, Adam step) in rounds, one
-step of each per round in a rotating order, so drift in the machine's load hits them alike;
-a step during which other processes kept more than ``--max-foreign`` of the cores busy is
-discarded and run again. Then ``partition(..., tune=True)`` plans the case again and its
-pick is looked up in the same table.
+over all the devices and the unpartitioned model on one device, each in a process of its
+own (``benchmarks/isolated.py``: modules alive beside each other in one process slowed each
+other by up to a third), and times training steps of each (``zero_grad``, ``pm.step`` with
+a loss over the outputs, Adam step) in rounds, one step of each per round in a rotating
+order, so drift in the machine's load hits them alike; a step during which other processes
+kept more than ``--max-foreign`` of the cores busy is discarded and run again. Then
+``partition(..., tune=True)`` plans the case again and its pick is looked up in the same
+table.
 
 Per case it prints each candidate's predicted and measured step time and their ratio, and:
 
@@ -31,9 +33,8 @@ import copy
 import gc
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from machine_load import cpu_sample, foreign_share  # noqa: E402
+from isolated import Isolated, Spec  # noqa: E402
 
 from examples.models import ResNetish, classifier, gpt, mlp  # noqa: E402
 from partitioner import partition  # noqa: E402
@@ -126,12 +127,11 @@ def _kind(config: dict[str, int]) -> str:
 
 
 class Contender:
-    """One way to run the case, with its training step."""
+    """One way to run the case, with its training step (built in its own process)."""
 
-    def __init__(self, label: str, kind: str, predicted: float, module: nn.Module,
-                 x: torch.Tensor) -> None:
-        self.label, self.kind, self.predicted = label, kind, predicted
-        self.module, self.x, self.times = module, x, []
+    def __init__(self, module: nn.Module, x: torch.Tensor, predicted: float | None = None
+                 ) -> None:
+        self.module, self.x, self.predicted = module, x, predicted
         self.optimizer = torch.optim.Adam(
             [p for p in module.parameters() if p.requires_grad], lr=1e-6)
         self.targets = torch.zeros(x.shape[0])
@@ -144,73 +144,114 @@ class Contender:
             synthetic_loss(self.module(self.x), self.targets).backward()
         self.optimizer.step()
 
+    def close(self) -> None:
+        if hasattr(self.module, "plan"):
+            self.module.close()
+
+
+def _case(name: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return next(c for c in CASES if c.name == name).build()
+
+
+def candidate(name: str, devices: int, record: dict[str, Any]) -> Contender:
+    """One ranked candidate of auto's plan, built from its record (in a child process)."""
+    model, x = _case(name)
+    cpus = ["cpu"] * devices
+    request = PlanRequest.make(cpus, "auto", example_inputs=(x,), local=True)
+    analysis = analyze(model, (x,), None)
+    plan = plan_record(model, analysis, request, record)
+    return Contender(build(model, analysis, route(model, analysis, plan, request), request), x)
+
+
+def unpartitioned(name: str) -> Contender:
+    """The model itself on one device."""
+    model, x = _case(name)
+    return Contender(model, x)
+
+
+def plain_1f1b(name: str, devices: int, chunks: int) -> Contender:
+    """The plain 1F1B pipeline over every device, ``checkpoint="never"``."""
+    model, x = _case(name)
+    pm = partition(model, ["cpu"] * devices, strategy="pipeline", schedule="1f1b",
+                   chunks=chunks, checkpoint="never", example_inputs=(x,))
+    return Contender(pm, x, pm.plan.predicted_step_time)
+
+
+@dataclass
+class Run:
+    """A contender as the parent sees it: its label, kind, prediction and timings."""
+
+    label: str
+    kind: str
+    predicted: float
+    spec: Spec
+    times: list[float] = field(default_factory=list)
+
     @property
     def measured(self) -> float:
         return statistics.median(self.times) if self.times else float("nan")
 
 
-def contenders(case: Case, devices: int) -> tuple[list[Contender], str, Any]:
+def contenders(case: Case, devices: int) -> tuple[list[Run], str, Any]:
     """Every ranked candidate of auto's plan, the plain 1F1B pipeline and one device."""
-    torch.manual_seed(0)
-    model, x = case.build()
-    cpus = ["cpu"] * devices
-    pm = partition(copy.deepcopy(model), cpus, example_inputs=(x,))
-    request = PlanRequest.make(cpus, "auto", example_inputs=(x,), local=True)
+    model, x = _case(case.name)
+    pm = partition(copy.deepcopy(model), ["cpu"] * devices, example_inputs=(x,))
     out, picked = [], ""
     for record in sorted(pm.plan.candidates, key=lambda r: r["rank"]):
-        try:
-            # Each its own copy: a tensor-parallel module refuses optimizers over the
-            # original's parameters, which the pipelines here would share.
-            own = copy.deepcopy(model)
-            analysis = analyze(own, (x,), None)
-            plan = plan_record(own, analysis, request, record)
-            module = build(own, analysis, route(own, analysis, plan, request), request)
-        except Exception as error:
-            print(f"  {record['label']}: not built ({type(error).__name__}: {error})")
-            continue
-        out.append(Contender(record["label"], _kind(record["config"]), record["step_time"],
-                             module, x))
+        out.append(Run(record["label"], _kind(record["config"]), record["step_time"],
+                       Spec("regret", "candidate", (case.name, devices, record))))
         if record.get("chosen"):
             picked = record["label"]
     alone = pm.plan.candidates[0].get("search", {}).get("one_device", {})
-    out.append(Contender("one device (unpartitioned)", "one device",
-                         alone.get("step_time", float("nan")), copy.deepcopy(model), x))
+    out.append(Run("one device (unpartitioned)", "one device",
+                   alone.get("step_time", float("nan")),
+                   Spec("regret", "unpartitioned", (case.name,))))
     chunks = min(x.shape[0], 2 * devices)
-    try:
-        pipe = partition(copy.deepcopy(model), cpus, strategy="pipeline", schedule="1f1b",
-                         chunks=chunks, checkpoint="never", example_inputs=(x,))
-        out.append(Contender(f"plain 1F1B pipeline m={chunks}", "pipeline",
-                             pipe.plan.predicted_step_time or float("nan"), pipe, x))
-    except Exception as error:
-        print(f"  plain 1F1B pipeline: not built ({type(error).__name__}: {error})")
+    out.append(Run(f"plain 1F1B pipeline m={chunks}", "pipeline", float("nan"),
+                   Spec("regret", "plain_1f1b", (case.name, devices, chunks))))
     pm.close()
     return out, picked, (model, x)
 
 
-def time_all(runs: list[Contender], rounds: int, warmup: int, max_foreign: float,
-             attempts: int) -> int:
-    for run in runs:
-        for _ in range(warmup):
-            run.step()
-    discarded = 0
-    for attempt in range(attempts):
-        waiting = [r for r in runs if len(r.times) < rounds]
-        if not waiting:
-            break
-        k = attempt % len(waiting)
-        for run in waiting[k:] + waiting[:k]:
-            load = cpu_sample()
-            begin = time.perf_counter()
-            run.step()
-            seconds = time.perf_counter() - begin
-            if (foreign_share(load) or 0.0) > max_foreign:
-                discarded += 1
-                continue
-            run.times.append(seconds)
-    return discarded
+def time_all(runs: list[Run], rounds: int, warmup: int, max_foreign: float,
+             attempts: int, min_seconds: float = 0.0, max_rounds: int = 40
+             ) -> tuple[list[Run], int]:
+    """Time every run in its own process (``isolated.Isolated``), one step of each per
+    round in a rotating order, until each has ``rounds`` timed steps lasting
+    ``min_seconds`` in all (at most ``max_rounds``); the runs that could not be built are
+    reported and dropped."""
+    pool = Isolated([r.spec for r in runs], warmup=warmup)
+    try:
+        for i, error in sorted(pool.errors.items()):
+            print(f"  {runs[i].label}: not built ({error.strip().splitlines()[-1]})")
+        for i, predicted in pool.predicted.items():
+            if predicted is not None:
+                runs[i].predicted = predicted
+        discarded = 0
+        for attempt in range(attempts):
+            waiting = [i for i in pool.built if len(runs[i].times) < rounds or (
+                sum(runs[i].times) < min_seconds and len(runs[i].times) < max_rounds)]
+            if not waiting:
+                break
+            k = attempt % len(waiting)
+            for i in waiting[k:] + waiting[:k]:
+                try:
+                    seconds, foreign = pool.step(i)
+                except RuntimeError as error:
+                    print(f"  {runs[i].label}: failed ({str(error).strip().splitlines()[-1]})")
+                    continue
+                if foreign > max_foreign:
+                    discarded += 1
+                    continue
+                runs[i].times.append(seconds)
+        built = [runs[i] for i in pool.built]
+    finally:
+        pool.close()
+    return built, discarded
 
 
-def report(case: Case, devices: int, runs: list[Contender], picked: str,
+def report(case: Case, devices: int, runs: list[Run], picked: str,
            tuned: str) -> dict[str, Any]:
     partitioned = [r for r in runs if r.kind != "one device"]
     best = min(partitioned, key=lambda r: r.measured)
@@ -260,32 +301,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
     parser.add_argument("--devices", default="2,4", help="device counts, comma-separated")
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps per candidate")
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per candidate "
+                        "(at least)")
+    parser.add_argument("--min-seconds", type=float, default=0.4,
+                        help="more rounds until each candidate's timed steps last this long "
+                             "(at most --max-rounds): five steps of 10-20 ms measured the "
+                             "same plan 15%% apart from one process to the next")
+    parser.add_argument("--max-rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
     parser.add_argument("--max-foreign", type=float, default=0.15,
                         help="discard a step if other processes kept more than this share "
                              "of the cores busy during it (1 keeps every step)")
-    parser.add_argument("--max-attempts", type=int, default=60)
+    parser.add_argument("--max-attempts", type=int, default=120)
     args = parser.parse_args()
     names = [n for n in args.cases.split(",") if n]
     rows = []
     for case in [c for c in CASES if not names or c.name in names]:
         for devices in [int(d) for d in args.devices.split(",")]:
             runs, picked, (model, x) = contenders(case, devices)
-            discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
-                                 args.max_attempts)
+            runs, discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
+                                       args.max_attempts, args.min_seconds, args.max_rounds)
             tuned = partition(copy.deepcopy(model), ["cpu"] * devices, example_inputs=(x,),
                               tune=True)
             tuned_label = next(r["label"] for r in tuned.plan.candidates if r.get("chosen"))
             tuned.close()
-            for run in runs:
-                if hasattr(run.module, "close") and hasattr(run.module, "plan"):
-                    run.module.close()
             rows.append(report(case, devices, runs, picked, tuned_label))
             if discarded:
                 print(f"  ({discarded} steps discarded: other processes were busy)")
-            # Before the next case's contenders are built: the wide MLP's 12 contenders and
-            # their Adam states take about 12 GB, two cases' together more than 24 GB.
             del runs, model, x
             gc.collect()
     summary(rows)
