@@ -4,7 +4,6 @@ cannot be built reported with its error instead of stopping the others."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.slow
-def test_contenders_run_in_their_own_processes_and_failures_are_reported() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from isolated import Isolated, Spec
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def test_contenders_run_in_their_own_processes_and_failures_are_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the path while the children start: they unpickle their entry point by name.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from isolated import Isolated, Spec
     pool = Isolated([Spec("regret", "unpartitioned", ("mlp",)),
                      Spec("regret", "unpartitioned", ("no such case",)),
                      Spec("regret", "plain_1f1b", ("mlp", 2, 2))], warmup=1, settle=0.0)
