@@ -39,7 +39,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from partitioner.cost.cost import Workload
@@ -436,13 +436,17 @@ def _distinct_programs(queue: list[tuple[float, tuple[Any, ...], Config]]
         c = entry[2]
         key: tuple[Any, ...] = (c,)
         if c.pp > 1 and c.pp * c.chunks * c.virtual <= _COMPARED_ACTIONS:
-            rest = tuple(v for k, v in asdict(c).items() if k != "schedule")
+            rest = tuple(getattr(c, name) for name in _NOT_SCHEDULE)
             key = (rest, _program(c.schedule, c.pp, c.chunks, c.virtual))
         if key not in seen:
             seen.add(key)
             out.append(entry)
     return out
 
+
+_NOT_SCHEDULE = tuple(f.name for f in fields(Config) if f.name != "schedule")
+"""Every field of a configuration but its schedule (read per configuration in the search's
+loop: no ``asdict`` copy)."""
 
 _COMPARED_ACTIONS = 256
 """Schedules are compared action by action while ``pp x chunks x virtual`` is at most this
