@@ -203,7 +203,10 @@ def test_tensor_parallel_matches_the_model(name: str) -> None:
 # the whole batch's; a leaf without one (a router's aux loss) is the samples-weighted mean
 # of its value per micro-batch (or replica), as README "Outputs" documents, so the
 # reference computes it that way, from the unpartitioned model run piece by piece.
-QUICK_MORE = {"gru_aux", "lstm_stack", "vit_36_12", "albert"}
+# Each of the two transformers runs one of the two tests in the default tier.
+QUICK_MORE = {"gru_aux", "lstm_stack"}
+QUICK_PIPELINE_MORE = QUICK_MORE | {"vit_36_12"}
+QUICK_AUTO_MORE = QUICK_MORE | {"albert"}
 EVAL_ONLY = {"hf_resnet"}   # BatchNorm: micro-batches normalise with their own statistics
 
 
@@ -239,7 +242,7 @@ def _loss(leaves: list[torch.Tensor]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name in QUICK_MORE else pytest.mark.slow)
+    pytest.param(name, marks=() if name in QUICK_PIPELINE_MORE else pytest.mark.slow)
     for name in ZOO])
 def test_more_architectures_pipeline_like_the_model(name: str) -> None:
     model, args, kwargs = ZOO[name]()
@@ -260,7 +263,7 @@ def test_more_architectures_pipeline_like_the_model(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name in QUICK_MORE else pytest.mark.slow)
+    pytest.param(name, marks=() if name in QUICK_AUTO_MORE else pytest.mark.slow)
     for name in ZOO])
 def test_more_architectures_run_auto_s_plan_like_the_model(name: str) -> None:
     model, args, kwargs = ZOO[name]()

@@ -172,6 +172,7 @@ def test_example_inputs_of_the_wrong_shape_are_named(make: Any) -> None:
         partition(make(), ["cpu"] * 2, example_inputs=(torch.randn(8, 5),))
 
 
+@pytest.mark.slow
 def test_transformer_encoder_layers_are_units() -> None:
     model = encoder_model(layers=4)
     cap = capture(model, (torch.randn(4, 5, 6),))

@@ -84,7 +84,7 @@ def test_llama_block_transparent() -> None:
     pm.close()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_gpt2_transparent(tp: int) -> None:
     """transformers' GPT-2 (captured by torch.export): Conv1D layers, tied embeddings."""
     model = gpt2()
@@ -122,7 +122,8 @@ def test_each_block_forward_runs_exactly_two_all_reduces(blocks: int) -> None:
     pm.close()
 
 
-@pytest.mark.parametrize("make", [TinyGPT, gpt2], ids=["tiny_gpt", "gpt2"])
+@pytest.mark.parametrize("make", [TinyGPT, pytest.param(gpt2, marks=pytest.mark.slow)],
+                         ids=["tiny_gpt", "gpt2"])
 def test_pipeline_stages_of_tensor_parallel_ranks(make: Any) -> None:
     model = make()
     x = batch_for(model)
@@ -199,7 +200,8 @@ def test_plan_records_mesh_and_shard_specs_and_round_trips() -> None:
     pm.close()
 
 
-@pytest.mark.parametrize("make", [Block, gpt2], ids=["fx", "export"])
+@pytest.mark.parametrize("make", [Block, pytest.param(gpt2, marks=pytest.mark.slow)],
+                         ids=["fx", "export"])
 def test_eval_mode_and_inference(make: Any) -> None:
     model = make()
     x = batch_for(model)

@@ -187,7 +187,7 @@ def test_encoder_with_masks() -> None:
     pm.close()
 
 
-@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("train", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_transformer(train: bool) -> None:
     """Encoder self-attention, decoder self- and cross-attention: all split by heads."""
     model = with_biases(nn.Transformer(E, H, 1, 1, 32, dropout=0.0, batch_first=True))
@@ -202,6 +202,7 @@ def test_transformer(train: bool) -> None:
     pm.close()
 
 
+@pytest.mark.slow
 def test_pipeline_stages_of_attention_ranks() -> None:
     model = with_biases(nn.TransformerEncoder(
         nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True), 2,
@@ -211,6 +212,7 @@ def test_pipeline_stages_of_attention_ranks() -> None:
     pm.close()
 
 
+@pytest.mark.slow
 def test_attention_dropout_replays_under_checkpointing() -> None:
     """Dropout on split heads draws from each rank's generator: a checkpointed replay draws
     the same masks, so the gradients equal those of a run that keeps its activations."""

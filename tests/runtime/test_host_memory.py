@@ -60,6 +60,7 @@ def test_kept_memory_is_reused_instead_of_faulted_in_again() -> None:
     assert kept["faults"] < pages / 20  # reused: almost none
 
 
+@pytest.mark.slow  # a Python subprocess
 @pytest.mark.skipif(not GLIBC, reason="keeping freed memory needs glibc's mallopt")
 def test_the_runtime_leaves_the_allocator_alone_unless_asked() -> None:
     result = _run("""

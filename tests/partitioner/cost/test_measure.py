@@ -54,6 +54,7 @@ class Repeated(nn.Module):
         return self.bn(self.head(x))
 
 
+@pytest.mark.slow  # a whole calibration: seconds
 def test_measured_cpu_spec_is_valid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))  # empty: this process measures
     runs: list[dict[str, float]] = []

@@ -137,6 +137,7 @@ def test_this_machine_keeps_the_captured_costs() -> None:
     assert [c for _, c in found] == ["never", "never", "never"]
 
 
+@pytest.mark.slow
 def test_make_plan_recomputes_every_layer_when_asked() -> None:
     model, tokens = _tiny_llama("eager")
     plan = make_plan(model, Cluster.preset("H100-SXM", nodes=2), example_inputs=(tokens,),

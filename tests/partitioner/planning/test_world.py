@@ -193,6 +193,7 @@ def test_check_refuses_ranked_candidates(workload: object) -> None:
     assert result.not_executable == free.not_executable + 1
 
 
+@pytest.mark.slow
 def test_check_refusing_every_candidate_falls_back_to_tp_1(workload: object) -> None:
     cluster = world_cluster(["box"] * 4, "cpu")
     ranked = {p.config for p in search_world(workload.workload, cluster).ranked}

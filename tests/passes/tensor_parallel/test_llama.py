@@ -101,11 +101,11 @@ WHOLE_KV = {**SPLIT_KV, "k_proj": "replicate", "v_proj": "replicate"}
 
 
 @pytest.mark.parametrize("heads, kv_heads, tp, expected", [
-    (4, 4, 2, SPLIT_KV),   # multi-head attention
+    pytest.param(4, 4, 2, SPLIT_KV, marks=pytest.mark.slow),   # multi-head attention
     (4, 2, 2, SPLIT_KV),   # grouped-query, tp divides the KV heads
-    (8, 4, 4, SPLIT_KV),
+    pytest.param(8, 4, 4, SPLIT_KV, marks=pytest.mark.slow),
     (8, 2, 4, WHOLE_KV),   # tp divides the query heads only: KV projections whole
-    (4, 1, 2, WHOLE_KV),   # multi-query attention
+    pytest.param(4, 1, 2, WHOLE_KV, marks=pytest.mark.slow),   # multi-query attention
 ])
 def test_llama_layers_split_by_heads(heads: int, kv_heads: int, tp: int,
                                      expected: dict[str, str]) -> None:

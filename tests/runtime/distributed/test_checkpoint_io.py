@@ -174,6 +174,7 @@ def test_the_next_save_removes_temporaries_of_dead_writers_on_this_host(tmp_path
         ["ckpt.pt", alive.name, remote.name, other.name])
 
 
+@pytest.mark.slow
 def test_a_writer_stopped_by_the_watchdog_removes_its_temporary(tmp_path: Path) -> None:
     # The watchdog ends a process with os._exit, which runs no finally block: the
     # temporary of a save in progress goes through undo_on_abort.
