@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
-from partitioner.cost.cost import Workload, phase_times, shared_work, split_backward_overhead
+from partitioner.cost.cost import (
+    Workload, lone_work, phase_times, shared_work, split_backward_overhead)
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
@@ -168,6 +169,10 @@ class StageProfile:
         sharing: on devices sharing one host's cores, for ``n = 1, 2, ...`` busy devices what
             ``n`` of them running this stage's work gain over one
             (:func:`partitioner.cost.cost.shared_work`); empty: the device's reference figure.
+        lone: on such devices, how fast one stage worker computing alone (with its share of
+            the threads) runs this stage against all the threads
+            (:func:`partitioner.cost.cost.lone_work`: its launches lose nothing); 0: the
+            device's ``worker_speed``.
     """
 
     first: int
@@ -184,12 +189,14 @@ class StageProfile:
     activation_bytes: float
     input_bytes: float
     sharing: tuple[float, ...] = ()
+    lone: float = 0.0
 
     def speedup(self, spec: DeviceSpec, n: float) -> float:
         """Gain of ``n`` busy devices over one with all threads (below 2: from a lone worker's)."""
         table = self.sharing or spec.shared_speedup
         if n < 2 and spec.worker_speed < 1 and len(table) > 1:
-            return spec.worker_speed + max(n - 1, 0.0) * (table[1] - spec.worker_speed)
+            alone = self.lone or spec.worker_speed
+            return alone + max(n - 1, 0.0) * (table[1] - alone)
         return interpolate_speedup(self.sharing, n) if self.sharing else spec.speedup(n)
 
 
@@ -435,12 +442,13 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
     out = []
     spec = cluster.spec(0)
     shared: dict[str, tuple[float, ...]] = {}
+    lone: dict[str, float] = {}
     if cluster.is_local and spec.shared_sizes:
         for lay in workload.layers:
             if lay.signature not in shared:
-                shared[lay.signature] = shared_work(lay, spec, samples,
-                                                    config.tp if lay.splittable else 1,
-                                                    workload.dtype)
+                tp = config.tp if lay.splittable else 1
+                shared[lay.signature] = shared_work(lay, spec, samples, tp, workload.dtype)
+                lone[lay.signature] = lone_work(lay, spec, samples, tp, workload.dtype)
     where = schedule_kind(config.schedule).place(config.pp, config.virtual)
     split = schedule_kind(config.schedule).splits_backward
     for k in range(config.stages):
@@ -460,8 +468,19 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
             out_bytes, params, params, sum(lay.buffer_bytes for lay in layers),
             sum(lay.activations_on(config.tp if lay.splittable else 1) for lay in layers)
             * samples, workload.boundaries[a] * samples, _sharing(
-                [shared[lay.signature] for lay in layers] if shared else [])))
+                [shared[lay.signature] for lay in layers] if shared else []),
+            _lone(forward + backward, [shared[lay.signature][0] for lay in layers],
+                  [lone[lay.signature] for lay in layers]) if shared else 0.0))
     return tuple(out)
+
+
+def _lone(stage: float, alone: list[float], lone: list[float]) -> float:
+    """A stage's speed on a lone worker against all threads: its layers' work (kernels
+    slowed, launches not: :func:`lone_work`), plus the rest of its time (the runtime's
+    action overheads: Python, as fast on one thread)."""
+    rest = max(stage - sum(alone), 0.0)
+    slowed = sum(lone) + rest
+    return (sum(alone) + rest) / slowed if slowed > 0 else 0.0
 
 
 def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[StageProfile],

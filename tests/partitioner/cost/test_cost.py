@@ -218,3 +218,28 @@ def test_the_fixed_launch_costs_gain_nothing_from_sharing_a_host() -> None:
     assert alone / two == pytest.approx(1.0, abs=1e-3)
     alone, two = shared_work(big, cpu, 1)
     assert alone / two == pytest.approx(2.0, rel=0.02)  # 0.2 s of work, 2 ms of launches
+
+
+def test_a_lone_worker_loses_its_share_of_threads_on_kernels_not_on_launches() -> None:
+    # A stage worker alone on a host it shares runs with its share of the intra-op threads
+    # (worker_speed of all of them); the ops' launches (Python, the dispatcher) take as long
+    # on one thread as on all, so a pipeline of small layers runs about as fast as one
+    # device, and one of large products at worker_speed.
+    from partitioner.cost.cost import lone_work
+    from partitioner.cost.devices import REFERENCE_CPU
+    spec = replace(REFERENCE_CPU, worker_speed=0.5)
+    tiny = LayerCost("tiny", (Op("matmul", flops=10.0),))
+    big = LayerCost("big", (Op("matmul", flops=1e9),))
+    for layer, gain in ((tiny, 1.0), (big, 0.5)):
+        alone = partitioner.cost.cost.shared_work(layer, spec, 1)[0]
+        assert alone / lone_work(layer, spec, 1) == pytest.approx(gain, rel=0.02)
+    cluster = Cluster.local_devices(["cpu"] * 2, [spec] * 2)
+    for width, batch, low, high in ((8, 8, 0.9, 1.0), (1024, 256, 0.5, 0.6)):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+        workload = analyze(model, (torch.randn(batch, width),)).workload
+        assert workload is not None
+        stages = predict(workload, cluster, Config(pp=2)).stages
+        assert all(low <= s.lone <= high for s in stages), [s.lone for s in stages]
+        assert stages[0].speedup(spec, 1) == stages[0].lone
+    # Without the stage's own figure, the device's.
+    assert replace(stages[0], lone=0.0).speedup(spec, 1) == 0.5
