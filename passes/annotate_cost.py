@@ -9,6 +9,12 @@ count (element-wise, normalisation) are memory-bound and costed by their bytes i
 Each parameter is charged once, to the first node that uses it, so tied weights are not
 double counted.
 
+Running an op on fake values costs about 2 ms (most of an analysis: ``partition`` analyses a
+model once per call, and ``tune=`` and the tests call it often on the same layers), so the
+count of a node is kept by what determines it: the function, method or ``torch.nn`` module
+(its class, configuration and tensors' shapes) and its inputs' shapes and dtypes. A node
+with any other input (an object the key cannot name, a symbolic size) is run every time.
+
 Example:
     >>> import torch
     >>> from partitioner.passes.shape_prop import propagate_shapes
@@ -21,11 +27,14 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner.passes.base import PassResult, require_meta
@@ -65,22 +74,75 @@ def _fake(value: Any) -> Any:
     return value.meta.get("val") if isinstance(value, fx.Node) else value
 
 
-def _count_flops(gm: fx.GraphModule, node: fx.Node) -> int:
+_COUNTED: dict[Hashable, int] = {}
+"""FLOPs by :func:`_flop_key` (cleared when it reaches :data:`_KEEP` entries)."""
+_KEEP = 4096
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format,
+          torch.layout, type(None), type(...))
+
+
+def _flop_key(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Hashable | None:
+    """What determines ``node``'s FLOPs, or ``None`` when that cannot be named."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if not type(module).__module__.startswith("torch.nn."):
+            return None  # a user's leaf module may branch on attributes no key shows
+        tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+        head: Hashable = (type(module), module.extra_repr(), module.training,
+                          tuple(type(m) for m in module.modules()),
+                          tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+    else:
+        head = (node.op, node.target)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts: list[Hashable] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        elif isinstance(leaf, slice):
+            parts.append(("slice", leaf.start, leaf.stop, leaf.step))
+        elif isinstance(leaf, _PLAIN):
+            parts.append((type(leaf), leaf))
+        else:
+            return None
+    key = (head, str(spec), tuple(parts))
+    try:
+        hash(key)  # a symbolic size (torch.SymInt) is not hashable
+    except TypeError:
+        return None
+    return key
+
+
+def _count_flops(gm: fx.GraphModule, node: fx.Node, counter: FlopCounterMode) -> int:
+    """The FLOPs of ``node`` run once on its fake inputs (what ``counter``, active for the
+    whole graph, adds), or the count kept for the same op on the same shapes."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return 0
     args = fx.map_arg(node.args, _fake)
     kwargs = fx.map_arg(node.kwargs, _fake)
-    counter = FlopCounterMode(display=False)
+    key = _flop_key(gm, node, args, kwargs)
+    if key is not None and key in _COUNTED:
+        return _COUNTED[key]
+    flops = _run_counted(gm, node, counter, args, kwargs)
+    if key is not None:
+        if len(_COUNTED) >= _KEEP:
+            _COUNTED.clear()
+        _COUNTED[key] = flops
+    return flops
+
+
+def _run_counted(gm: fx.GraphModule, node: fx.Node, counter: FlopCounterMode, args: Any,
+                 kwargs: Any) -> int:
+    before = counter.get_total_flops()
     # Grad mode on: under no_grad a view module (nn.Flatten) returns a grad-requiring fake
     # tensor with no grad_fn, and FlopCounterMode's module hooks assert on it.
-    with counter, torch.enable_grad():
+    with torch.enable_grad():
         if node.op == "call_function":
             node.target(*args, **kwargs)  # type: ignore[operator]
         elif node.op == "call_method":
             getattr(args[0], str(node.target))(*args[1:], **kwargs)
         else:
             gm.get_submodule(str(node.target))(*args, **kwargs)
-    return int(counter.get_total_flops())
+    return int(counter.get_total_flops() - before)
 
 
 def _owned_tensors(gm: fx.GraphModule, node: fx.Node, seen: set[int]) -> tuple[int, int]:
@@ -129,20 +191,21 @@ def annotate_cost(gm: fx.GraphModule) -> PassResult:
     modes = {m: m.training for m in gm.modules()}
     gm.eval()
     try:
-        with fake_mode_for(gm):
+        with fake_mode_for(gm), FlopCounterMode(display=False) as counter:
             for node in gm.graph.nodes:
-                node.meta["cost"] = _node_cost(gm, node, seen)
+                node.meta["cost"] = _node_cost(gm, node, seen, counter)
     finally:
         for module, training in modes.items():
             module.training = training
     return PassResult(gm, modified=False)
 
 
-def _node_cost(gm: fx.GraphModule, node: fx.Node, seen: set[int]) -> NodeCost:
+def _node_cost(gm: fx.GraphModule, node: fx.Node, seen: set[int],
+               counter: FlopCounterMode) -> NodeCost:
     params, buffers = _owned_tensors(gm, node, seen)
     if node.op in ("placeholder", "output", "get_attr"):
         return NodeCost(param_bytes=params, buffer_bytes=buffers)
-    flops = _count_flops(gm, node)
+    flops = _count_flops(gm, node, counter)
     inputs = [n.meta.get("val") for n in node.all_input_nodes]
     return NodeCost(
         forward_flops=flops,

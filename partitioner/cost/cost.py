@@ -58,7 +58,7 @@ from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
            "workload_from_graph", "op_times", "phase_times", "layer_time", "shared_work",
-           "lone_work",
+           "lone_work", "lone_gain", "sharing_gains",
            "split_backward_overhead",
            "OP_KINDS", "ATTENTION_BACKWARD"]
 
@@ -373,6 +373,23 @@ def lone_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
         seconds, fixed = _launched(layer, op, spec, samples, tp, dtype)
         total += (seconds - fixed) / spec.worker_speed + fixed
     return total
+
+
+def sharing_gains(works: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """A stage's gain from sharing a host, from its layers' :func:`shared_work`."""
+    totals = [sum(column) for column in zip(*works)]
+    if not totals or not all(t > 0 for t in totals):
+        return ()
+    return tuple(totals[0] / t for t in totals)
+
+
+def lone_gain(stage: float, alone: list[float], lone: list[float]) -> float:
+    """A stage's speed on a lone worker against all threads: its layers' work (``alone``:
+    :func:`shared_work`'s first entry; ``lone``: :func:`lone_work`), plus the rest of its
+    ``stage`` seconds (the runtime's action overheads: Python, as fast on one thread)."""
+    rest = max(stage - sum(alone), 0.0)
+    slowed = sum(lone) + rest
+    return (sum(alone) + rest) / slowed if slowed > 0 else 0.0
 
 
 def _launched(layer: LayerCost, op: Op, spec: DeviceSpec, samples: float, tp: int,

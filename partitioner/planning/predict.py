@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 
 from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
 from partitioner.cost.cost import (
-    Workload, lone_work, phase_times, shared_work, split_backward_overhead)
+    Workload,
+    lone_gain,
+    lone_work,
+    phase_times,
+    shared_work,
+    sharing_gains,
+    split_backward_overhead,
+)
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
@@ -467,20 +474,11 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                 workload.layers) else 0.0,
             out_bytes, params, params, sum(lay.buffer_bytes for lay in layers),
             sum(lay.activations_on(config.tp if lay.splittable else 1) for lay in layers)
-            * samples, workload.boundaries[a] * samples, _sharing(
+            * samples, workload.boundaries[a] * samples, sharing_gains(
                 [shared[lay.signature] for lay in layers] if shared else []),
-            _lone(forward + backward, [shared[lay.signature][0] for lay in layers],
+            lone_gain(forward + backward, [shared[lay.signature][0] for lay in layers],
                   [lone[lay.signature] for lay in layers]) if shared else 0.0))
     return tuple(out)
-
-
-def _lone(stage: float, alone: list[float], lone: list[float]) -> float:
-    """A stage's speed on a lone worker against all threads: its layers' work (kernels
-    slowed, launches not: :func:`lone_work`), plus the rest of its time (the runtime's
-    action overheads: Python, as fast on one thread)."""
-    rest = max(stage - sum(alone), 0.0)
-    slowed = sum(lone) + rest
-    return (sum(alone) + rest) / slowed if slowed > 0 else 0.0
 
 
 def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[StageProfile],
@@ -493,14 +491,6 @@ def _fresh_temporaries(workload: Workload, config: Config, stages: Sequence[Stag
     return sum(temporaries * spec.fresh_time(op.weight_grad / (config.tp if op.split else 1))
                * op.count for s in stages for layer in workload.layers[s.first:s.last]
                for op in layer.ops)
-
-
-def _sharing(works: list[tuple[float, ...]]) -> tuple[float, ...]:
-    """A stage's gain from sharing a host, from its layers' :func:`shared_work`."""
-    totals = [sum(column) for column in zip(*works)]
-    if not totals or not all(t > 0 for t in totals):
-        return ()
-    return tuple(totals[0] / t for t in totals)
 
 
 def _assemble(workload: Workload, cluster: Cluster, config: Config,

@@ -196,3 +196,31 @@ def test_node_cost_rejects_negative_values() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.passes.annotate_cost).failed == 0
+
+
+def test_counts_kept_for_an_op_on_the_same_shapes_are_those_of_a_fresh_count() -> None:
+    # The count of a node is kept by its op, module configuration and input shapes: a
+    # second analysis gets the same counts, and another shape or configuration its own.
+    import partitioner.passes.annotate_cost as annotate
+
+    def counts(model: torch.nn.Module, x: torch.Tensor) -> list[int]:
+        gm = torch.fx.symbolic_trace(model)
+        propagate_shapes(gm, (x,))
+        annotate_cost(gm)
+        return [n.meta["cost"].forward_flops for n in gm.graph.nodes]
+
+    annotate._COUNTED.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Conv1d(2, 3, 3))
+    x = torch.randn(5, 2, 4)
+    first = counts(model, x)
+    assert annotate._COUNTED  # kept
+    assert counts(model, x) == first
+    annotate._COUNTED.clear()
+    assert counts(model, x) == first
+    # Another batch, width or kernel: counted afresh, not read from the kept ones.
+    assert counts(model, torch.randn(7, 2, 4)) == [c * 7 // 5 for c in first]
+    other = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Conv1d(2, 3, 3, padding=1))
+    annotate._COUNTED.clear()
+    fresh = counts(other, x)
+    counts(model, x)
+    assert counts(other, x) == fresh != first
