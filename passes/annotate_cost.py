@@ -80,6 +80,9 @@ _KEEP = 4096
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format,
           torch.layout, type(None), type(...))
 
+_OWN = ("torch", "_operator", "operator", "builtins", "math")
+"""Modules whose functions' FLOPs depend on their inputs only."""
+
 
 def _flop_key(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Hashable | None:
     """What determines ``node``'s FLOPs, or ``None`` when that cannot be named."""
@@ -88,11 +91,18 @@ def _flop_key(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Hash
         if not type(module).__module__.startswith("torch.nn."):
             return None  # a user's leaf module may branch on attributes no key shows
         tensors = itertools.chain(module.named_parameters(), module.named_buffers())
-        head: Hashable = (type(module), module.extra_repr(), module.training,
+        # Its plain attributes too (nn.MultiheadAttention's batch_first is not in its repr).
+        settings = tuple((m_name, tuple(sorted(
+            (k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))))
+            for m_name, m in module.named_modules())
+        head: Hashable = (type(module), module.extra_repr(), settings,
                           tuple(type(m) for m in module.modules()),
                           tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
-    else:
+    elif node.op == "call_method" or str(getattr(node.target, "__module__", "")).startswith(
+            _OWN):
         head = (node.op, node.target)
+    else:
+        return None  # a user's function (torch.fx.wrap) may read state no key shows
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts: list[Hashable] = []
     for leaf in leaves:

@@ -224,3 +224,31 @@ def test_counts_kept_for_an_op_on_the_same_shapes_are_those_of_a_fresh_count() -
     fresh = counts(other, x)
     counts(model, x)
     assert counts(other, x) == fresh != first
+
+
+class _Attention(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_module_setting_outside_its_repr_keeps_counts_apart() -> None:
+    # batch_first is not in nn.MultiheadAttention's repr; it decides which dim is the
+    # sequence, so a count kept for one setting must not serve the other.
+    import partitioner.passes.annotate_cost as annotate
+
+    def flops(batch_first: bool) -> int:
+        gm = fx.symbolic_trace(_Attention(batch_first))
+        propagate_shapes(gm, (torch.randn(2, 8, 16),))
+        annotate_cost(gm)
+        return total_flops(gm)
+
+    annotate._COUNTED.clear()
+    first = flops(True)
+    kept = len(annotate._COUNTED)
+    assert kept and flops(True) == first and len(annotate._COUNTED) == kept
+    flops(False)
+    assert len(annotate._COUNTED) == kept + 1  # the attention node counted afresh
