@@ -50,6 +50,7 @@ from partitioner.errors import (
     TraceError,
 )
 from partitioner.passes import python_state
+from partitioner.passes.autograd_functions import functions_as_calls, functions_called
 from partitioner.passes.export_rules import export_rules
 from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.flatten_sequential import expanded_modules
@@ -169,7 +170,9 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
                 "needs example inputs: pass example_inputs=(x,) with one batch") from fx_error
         args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
         try:
-            exported = export_graph(model, args, kwargs, list(signature.parameters))
+            with functions_called() as functions:
+                exported = export_graph(model, args, kwargs, list(signature.parameters))
+            _refuse_functions(model, functions, fx_error)
         except TraceError:
             raise
         except Exception as export_error:
@@ -184,6 +187,21 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     _warn_side_effects(model, before)
     keep_non_persistent(captured.graph_module, non_persistent_names(model))
     return captured
+
+
+def _refuse_functions(model: nn.Module, functions: list[type], fx_error: Exception) -> None:
+    """Refuse a model ``torch.export`` captured through a ``torch.autograd.Function`` of its
+    own: export keeps the Function's forward ops and drops its backward, so the partitioned
+    model would compute other gradients than the model (symbolic tracing keeps it whole)."""
+    if functions:
+        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in functions[:3])
+        raise TraceError(
+            f"could not capture {type(model).__name__} without changing its gradients: it "
+            f"calls torch.autograd.Function {names}, whose forward torch.export traces "
+            "and whose own backward it drops, and torch.fx.symbolic_trace (which keeps it "
+            f"whole) failed ({type(fx_error).__name__}: {fx_error}). Fix: make forward "
+            "symbolically traceable (no Python control flow on tensors or shapes), or "
+            "partition an nn.Sequential of traceable children with balance=")
 
 
 def _warn_side_effects(model: nn.Module, before: python_state.State) -> None:
@@ -243,7 +261,8 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
     saved = {name: b.detach().clone() for name, b in buffers.items()}
     tracer = _Tracer(expanded_modules(model))
     try:
-        graph = tracer.trace(model)
+        with functions_as_calls(tracer):
+            graph = tracer.trace(model)
     finally:
         written = [name for name, b in buffers.items() if _version(b) != versions[name]]
         with torch.no_grad():

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from partitioner.cost.calibration_cache import (
     KEPT_RUNS,
@@ -55,6 +54,7 @@ from partitioner.cost.calibration_cache import (
 )
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.layer_timing import time_layers
 from partitioner.cost.memory import optimizer_traffic
 from partitioner.cost.runtime_paths import (
     fused_linear_seconds,
@@ -65,7 +65,6 @@ from partitioner.cost.runtime_paths import (
 )
 from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
-from partitioner.passes.split_stages import split_stages
 from partitioner.runtime.host_memory import fresh_allocation_bytes
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.worker import Worker, shared_threads
@@ -506,7 +505,11 @@ class Progress:
 def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
                      inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
                      progress: bool = True, repeats: int = 3) -> list[LayerCost]:
-    """Time each distinct layer once on this machine; scale its cost to match.
+    """Time the layers in training passes of the whole model; scale their costs to match.
+
+    :func:`partitioner.cost.layer_timing.time_layers` times every layer's forward and
+    backward in context (a layer timed alone paid a whole autograd run of its own); layers
+    with the same signature (the blocks of a transformer) take the median of their times.
 
     Args:
         gm: the captured graph, with real weights, after shape propagation.
@@ -516,7 +519,7 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
         spec: the spec the prediction used.
         batch: samples in the example batch.
         progress: draw a progress bar on stderr.
-        repeats: timed runs per layer (the median counts), after one warm-up.
+        repeats: timed training passes (the median counts), after two warm-up passes.
 
     Returns:
         The costs with ``time_scale`` set to measured / predicted for each layer.
@@ -528,55 +531,21 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
         raise CalibrationError("calibrate=True times the layers on this machine, but the "
                                "model's weights are on the meta device; build it with real "
                                "weights or pass calibrate=False")
-    nodes = {n.name: n for n in gm.graph.nodes}
-    stage_of = {nodes[name]: k for k, layer in enumerate(layers) for name in layer.nodes}
-    graphs = [s.graph_module for s in split_stages(gm, stage_of, len(layers)).stages]
-    first: dict[str, int] = {}
-    for k, cost in enumerate(costs):
-        first.setdefault(cost.signature, k)
-    bar = Progress("calibrating layers", len(first), progress)
-    measured: dict[str, float] = {}
     with _preserved(gm):
-        for signature, k in first.items():
-            args = list(inputs) if k == 0 else _inputs_like(graphs[k], nodes)
-            run = functools.partial(_forward_backward, graphs[k], args)
-            measured[signature] = _typical(run, repeats)
-            bar.step(f"{layers[k].name}: {measured[signature] * 1e3:.2f} ms")
+        times = time_layers(gm, layers, list(inputs), repeats=repeats)
+    measured: dict[str, list[float]] = {}
+    for cost, (forward, backward) in zip(costs, times):
+        measured.setdefault(cost.signature, []).append(forward + backward)
     scaled = []
     for cost in costs:
         forward, backward = phase_times(replace(cost, time_scale=1.0), spec, batch)
-        scale = measured[cost.signature] / max(forward + backward, 1e-12)
-        scaled.append(replace(cost, time_scale=scale))
+        # Repeated blocks share one scale: the median of their times.
+        scale = statistics.median(measured[cost.signature]) / max(forward + backward, 1e-12)
+        scaled.append(replace(cost, time_scale=max(scale, 1e-3)))
+    if progress:
+        print(f"partitioner: timed {len(costs)} layers in training passes of the whole "
+              f"model ({len(measured)} distinct)", file=sys.stderr)
     return scaled
-
-
-def _inputs_like(stage: fx.GraphModule, nodes: dict[str, fx.Node]) -> list[Any]:
-    values = []
-    for placeholder in (n for n in stage.graph.nodes if n.op == "placeholder"):
-        source = nodes.get(str(placeholder.target), nodes.get(placeholder.name))
-        fake = source.meta.get("val") if source is not None else None
-        values.append(pytree.tree_map(_real_like, fake))
-    return values
-
-
-def _real_like(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    shape, dtype = tuple(value.shape), value.dtype
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
-
-
-def _forward_backward(stage: fx.GraphModule, args: list[Any]) -> None:
-    leaves, spec = pytree.tree_flatten(args)
-    leaves = [v.detach().requires_grad_() if isinstance(v, torch.Tensor)
-              and v.is_floating_point() else v for v in leaves]
-    out = stage(*pytree.tree_unflatten(leaves, spec))
-    tensors = [t for t in pytree.tree_leaves(out)
-               if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
-        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
 
 
 class _preserved:

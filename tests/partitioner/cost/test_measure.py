@@ -1,9 +1,10 @@
-"""Tests of partitioner/cost/measure.py: the CPU spec and timing each distinct layer once."""
+"""Tests of partitioner/cost/measure.py: the CPU spec, and layers scaled to their times."""
 
 from __future__ import annotations
 
 import doctest
 import platform
+import statistics
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import partitioner.cost.measure
 from partitioner import partition
 from partitioner.analysis import analyze
 from partitioner.cost.calibration_cache import Run
+from partitioner.cost.cost import phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.measure import (
     TIMING_KEYS,
@@ -85,28 +87,26 @@ def test_measured_cpu_spec_is_valid(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         assert row[1] == 1.0 and all(1 / n <= s <= n for n, s in enumerate(row[1:], start=1))
 
 
-def test_each_distinct_layer_is_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_repeated_blocks_share_the_median_of_their_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     model = Repeated()
     x = torch.randn(16, 8)
     analysis = analyze(model, (x,))
     assert analysis.workload is not None and analysis.inputs is not None
-    timed: list[int] = []
-    original = partitioner.cost.measure._forward_backward
-
-    def counting(stage: torch.fx.GraphModule, args: list) -> None:
-        timed.append(id(stage))
-        original(stage, args)
-
-    monkeypatch.setattr(partitioner.cost.measure, "_forward_backward", counting)
-    costs = calibrate_layers(analysis.captured.graph_module, analysis.layers,
-                             analysis.workload.layers, analysis.inputs, SPEC, 16,
-                             progress=False, repeats=2)
-    signatures = {c.signature for c in analysis.workload.layers}
+    costs = analysis.workload.layers
+    # Each layer timed in context at 1, 2, 3, ... ms (forward), twice that (backward).
+    given = [(1e-3 * (k + 1), 2e-3 * (k + 1)) for k in range(len(costs))]
+    monkeypatch.setattr(partitioner.cost.measure, "time_layers",
+                        lambda gm, layers, inputs, repeats: given)
+    scaled = calibrate_layers(analysis.captured.graph_module, analysis.layers, costs,
+                              analysis.inputs, SPEC, 16, progress=False, repeats=2)
+    signatures = {c.signature for c in costs}
     assert len(analysis.layers) > len(signatures)  # repeated blocks share one
-    assert len(set(timed)) == len(signatures)
-    assert all(c.time_scale > 0 for c in costs)
-    scales = {c.signature: c.time_scale for c in costs}
-    assert all(c.time_scale == scales[c.signature] for c in costs)
+    for cost, new in zip(costs, scaled):
+        same = [sum(given[k]) for k, c in enumerate(costs) if c.signature == cost.signature]
+        forward, backward = phase_times(cost, SPEC, 16)
+        assert new.time_scale == pytest.approx(statistics.median(same) / (forward + backward))
+        assert new.time_scale == scaled[costs.index(cost)].time_scale
 
 
 def test_calibration_leaves_gradients_and_buffers_alone() -> None:
@@ -157,7 +157,7 @@ def test_partition_with_calibrate_runs_and_stays_transparent(
                           nn.Linear(32, 2))
     x = torch.randn(8, 8)
     pm = partition(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2, calibrate=True)
-    assert "calibrating layers" in capsys.readouterr().err
+    assert "timed 5 layers in training passes" in capsys.readouterr().err
     torch.testing.assert_close(pm(x), model(x))
     assert pm.plan.predicted_step_time is not None and pm.plan.predicted_step_time > 0
 

@@ -1,0 +1,91 @@
+"""Keep a model's own ``torch.autograd.Function``s whole while ``symbolic_trace`` runs.
+
+``Function.apply`` called with tracing proxies runs the Function's ``forward`` on them, so
+the graph held its forward's ops and autograd differentiated those: the Function's own
+``backward`` (a straight-through estimator, a gradient reversal, a custom kernel's) was
+silently lost, and the partitioned model's gradients differed from the model's (a Function
+returning ``x`` with a backward of ``2 * g`` gave half the gradients). While tracing, the
+call becomes one ``call_function`` node whose target is the Function's ``apply``: the graph
+runs the Function itself, forward and backward (:func:`caller`: a function of this
+module, since fx writes a target from ``torch``'s own modules as an attribute path).
+
+Example:
+    >>> import torch
+    >>> class Twice(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         return x * 1.0
+    ...     @staticmethod
+    ...     def backward(ctx, g):
+    ...         return g * 2
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return Twice.apply(x)
+    >>> tracer = torch.fx.Tracer()
+    >>> with functions_as_calls(tracer):
+    ...     graph = tracer.trace(M())
+    >>> [n.target.function for n in graph.nodes if n.op == "call_function"] == [Twice]
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+__all__ = ["functions_as_calls", "caller", "functions_called"]
+
+
+@functools.cache
+def caller(function: type) -> Callable[..., Any]:
+    """The graph's target for ``function.apply`` (one per Function class)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+    call.__name__ = call.__qualname__ = f"{function.__name__}_apply"
+    call.function = function  # type: ignore[attr-defined]
+    return call
+
+
+@contextmanager
+def functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
+    """While the block runs, ``Function.apply`` on a proxy records one node (``tracer``'s)."""
+    kept = torch.autograd.Function.__dict__["apply"]
+    run = kept.__func__
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
+            return tracer.create_proxy("call_function", caller(cls), args, kwargs)
+        return run(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = kept  # type: ignore[method-assign]
+
+
+@contextmanager
+def functions_called() -> Iterator[list[type]]:
+    """While the block runs, the ``Function`` classes outside torch whose ``apply`` ran, in
+    the order first called: ``torch.export`` inlines a Function's forward and drops its
+    backward, so the capture refuses a model that calls one (:mod:`partitioner.capture`)."""
+    kept = torch.autograd.Function.__dict__["apply"]
+    run = kept.__func__
+    seen: list[type] = []
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch.") and cls not in seen:
+            seen.append(cls)
+        return run(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield seen
+    finally:
+        torch.autograd.Function.apply = kept  # type: ignore[method-assign]
