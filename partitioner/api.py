@@ -84,7 +84,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = ..., *,
               split_points: Sequence[str] | None = ...,
               memory_limit: float | Sequence[float] | None = ...,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = ...,
-              calibrate: bool = ...,
+              calibrate: bool | None = ...,
               tensor_parallel: None = ..., schedule: str | None = ...,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
@@ -103,7 +103,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = ..., *,
               split_points: Sequence[str] | None = ...,
               memory_limit: float | Sequence[float] | None = ...,
               plan: None = ...,
-              calibrate: bool = ...,
+              calibrate: bool | None = ...,
               tensor_parallel: int | Mapping[str, str], schedule: str | None = ...,
               virtual_stages: int | None = ...,
               memory_reserve: float | None = ..., precision: str | None = ...,
@@ -120,7 +120,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
               split_points: Sequence[str] | None = None,
               memory_limit: float | Sequence[float] | None = None,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
-              calibrate: bool = False,
+              calibrate: bool | None = None,
               tensor_parallel: int | Mapping[str, str] | None = None,
               schedule: str | None = None, virtual_stages: int | None = None,
               memory_reserve: float | None = None, precision: str | None = None,
@@ -153,8 +153,14 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
         plan: a saved :class:`Plan` (or its file) to apply exactly, after checking the model
             is the one it was made for; or a hand-written spec (file, dict or ``Spec``) to
             compile (``partitioner.apply``). ``devices`` may then be ``None``.
-        calibrate: time each distinct layer once on this machine (repeated blocks once, a
-            progress bar on stderr) and scale the cost model to match.
+        calibrate: time every layer's forward and backward and the Adam step in a few
+            training passes of the whole model on this machine (``partitioner.cost.
+            layer_timing``) and scale the cost model to match (``True``, saying so on
+            stderr). Default ``None``: do so when the devices are this machine's CPU,
+            planned with its measured spec (not a pinned one or
+            ``PARTITIONER_CPU_SPEC=reference``), the weights are real and a training step
+            is predicted under a second (``partitioner.planning.calibrated``); ``False``:
+            the cost model alone.
 
         tensor_parallel: split weight matrices too (Megatron-style): a degree ``n`` groups
             ``devices`` by ``n`` per pipeline stage and chooses the splits; a mapping of
@@ -243,7 +249,7 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
                                  "one-process tensor-parallel runtime computes in fp32; "
                                  "omit tensor_parallel= (pipelines run mixed precision) or "
                                  "use partition_distributed(..., tp=..., precision=...)")
-        if plan is not None or calibrate:
+        if plan is not None or calibrate is True:
             raise StrategyError(f"pass {'plan=' if plan is not None else 'calibrate=True'} or "
                                 "tensor_parallel=, not both (tensor-parallel plans are made "
                                 "from the uncalibrated cost model)")
@@ -379,7 +385,7 @@ def make_plan(model: nn.Module, devices: Any, strategy: str | None = None, *,
               split_points: Sequence[str] | None = None,
               memory_limit: float | Sequence[float] | None = None,
               plan: str | Path | Plan | Spec | dict[str, Any] | None = None,
-              calibrate: bool = False, schedule: str | None = None,
+              calibrate: bool | None = None, schedule: str | None = None,
               virtual_stages: int | None = None, memory_reserve: float | None = None,
               precision: str | None = None, mesh: Mesh | None = None,
               compiled: bool | None = None, options: Options | None = None) -> Plan:

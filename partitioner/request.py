@@ -73,7 +73,10 @@ class PlanRequest:
         split_points: module names at which a stage begins, or ``None``.
         memory_limit: bytes per device, one per device, or ``None``.
         cluster: the cluster planned for, when ``devices=`` was one.
-        calibrate: time each distinct layer on this machine before planning.
+        calibrate: time the layers and the optimizer step on this machine before planning
+            (``True``); ``None``: do so when the devices are this machine's CPU planned
+            with its measured spec and a training step is cheap
+            (``partitioner.planning.calibrated``); ``False``: never.
         schedule: the pipeline schedule, a registered name (``None``: ``"auto"`` searches
             every schedule, ``"pipeline"`` runs GPipe).
         virtual_stages: model chunks per device for the interleaved schedule (``None``:
@@ -101,7 +104,7 @@ class PlanRequest:
     split_points: tuple[str, ...] | None = None
     memory_limit: tuple[float, ...] | None = None
     cluster: Cluster | None = None
-    calibrate: bool = False
+    calibrate: bool | None = False
     schedule: str | None = None
     virtual_stages: int | None = None
     memory_reserve: float = MEMORY_RESERVE
@@ -130,8 +133,9 @@ class PlanRequest:
         if unknown is not None:
             found.append((StrategyError, unknown))
         found += self._beyond_problems()
-        if not isinstance(self.calibrate, bool):
-            found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True or False"))
+        if self.calibrate is not None and not isinstance(self.calibrate, bool):
+            found.append((StrategyError, f"calibrate={self.calibrate!r}; pass True, False "
+                                         "or None (when the spec is this machine's)"))
         found += self._schedule_problems() + self._mesh_problems()
         reserve = reserve_problem(self.memory_reserve)
         if reserve is not None:
@@ -219,8 +223,8 @@ class PlanRequest:
              example_kwargs: Mapping[str, Any] | None = None, chunks: int | None = None,
              checkpoint: str | None = None, balance: Sequence[int] | None = None,
              split_points: Sequence[str] | None = None,
-             memory_limit: float | Sequence[float] | None = None, calibrate: bool = False,
-             local: bool = False, schedule: str | None = None,
+             memory_limit: float | Sequence[float] | None = None,
+             calibrate: bool | None = False, local: bool = False, schedule: str | None = None,
              virtual_stages: int | None = None,
              memory_reserve: float | None = None, precision: str | None = None,
              loss_scale: float | str | None = None, mesh: Mesh | None = None,

@@ -214,6 +214,8 @@ class Workload:
             replicas (FSDP, ``torch.distributed.fsdp.fully_shard``): each holds ``1/dp`` of
             them, and a step all-gathers the parameters in the forward and again in the
             backward and reduce-scatters the gradients (``3/2`` of an all-reduce's traffic).
+        optimizer_scale: measured / predicted seconds of the optimizer step, from the
+            model's own Adam step timed on this machine (``calibrate=True``); 1 otherwise.
     """
 
     layers: tuple[LayerCost, ...]
@@ -227,6 +229,7 @@ class Workload:
     microbatch_safe: bool = True
     splits: tuple[int, ...] | None = None
     fsdp: bool = False
+    optimizer_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -239,6 +242,8 @@ class Workload:
                             f"(need {len(self.layers) + 1})")
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
             problems.append(f"batch={self.batch!r} (need an int >= 1)")
+        if not self.optimizer_scale > 0:
+            problems.append(f"optimizer_scale={self.optimizer_scale!r} (need a number > 0)")
         if problems:
             raise CostModelError(f"bad Workload {self.name!r}: " + "; ".join(problems))
 

@@ -23,8 +23,11 @@ Example:
     >>> from partitioner.analysis import analyze
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> a = analyze(model, (torch.randn(4, 8),))
-    >>> times = time_layers(a.captured.graph_module, a.layers, a.inputs, repeats=1)
-    >>> len(times) == len(a.layers) and all(f > 0 and b >= 0 for f, b in times)
+    >>> timed = time_layers(a.captured.graph_module, a.layers, a.inputs, repeats=1,
+    ...                     optimizer=True)
+    >>> len(timed.layers) == len(a.layers) and all(f > 0 and b >= 0 for f, b in timed.layers)
+    True
+    >>> timed.optimizer > 0
     True
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +45,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.passes.group_layers import Layer
 
-__all__ = ["time_layers"]
+__all__ = ["time_layers", "Timed"]
 
 
 class _Clock:
@@ -118,7 +122,7 @@ def _loss(out: Any) -> torch.Tensor | None:
     return sum((t.float().mean() for t in tensors), torch.zeros(()))
 
 
-def _pass(module: fx.GraphModule, inputs: Sequence[Any], params: list[torch.Tensor]
+def _pass(module: fx.GraphModule, inputs: Sequence[Any], params: Sequence[torch.Tensor]
           ) -> tuple[float, float, float]:
     """One training pass: the times it started, its forward ended and its backward ended."""
     for p in params:
@@ -132,8 +136,22 @@ def _pass(module: fx.GraphModule, inputs: Sequence[Any], params: list[torch.Tens
         return begin, middle, time.perf_counter()
 
 
+@dataclass(frozen=True)
+class Timed:
+    """What :func:`time_layers` measured.
+
+    Attributes:
+        layers: per layer, its (forward, backward) seconds in context.
+        optimizer: seconds of a ``torch.optim.Adam`` step over every trainable parameter,
+            right after a backward made their gradients (``None`` when not asked for).
+    """
+
+    layers: list[tuple[float, float]]
+    optimizer: float | None = None
+
+
 def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[Any], *,
-                repeats: int = 3, warmup: int = 2) -> list[tuple[float, float]]:
+                repeats: int = 3, warmup: int = 2, optimizer: bool = False) -> Timed:
     """Per layer, the median (forward, backward) seconds over ``repeats`` training passes
     of the whole graph on ``inputs`` (one value per placeholder), after ``warmup`` passes.
 
@@ -142,12 +160,16 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
     gradient to compute (its outputs need none) has a backward of 0. The instrumented
     passes alternate with passes of ``gm`` itself, whose forward and backward totals the
     layers' times are scaled to: the clock's own cost (tens of microseconds a layer, most of
-    a 64-wide layer's) is nobody's.
+    a 64-wide layer's) is nobody's. With ``optimizer=True`` each plain pass is followed by
+    an Adam step with a learning rate of 0 (the parameters keep their values; its state,
+    two tensors the size of each parameter, lives for the timing only).
     """
     timed = instrumented(gm, layers)
     params = [p for p in gm.parameters() if p.requires_grad]
+    adam = torch.optim.Adam(params, lr=0.0) if optimizer and params else None
     runs: list[list[tuple[float, float]]] = []
     plain: list[tuple[float, float]] = []
+    steps: list[float] = []
     for i in range(warmup + repeats):
         clock = _Clock(len(layers))
         _RUNNING.append(clock)
@@ -156,6 +178,10 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
         finally:
             _RUNNING.pop()
         begin, middle, finish = _pass(gm, inputs, params)
+        if adam is not None:
+            start = time.perf_counter()
+            adam.step()
+            steps.append(time.perf_counter() - start)
         if i >= warmup:
             runs.append(clock.phases(end))
             plain.append((middle - begin, finish - middle))
@@ -163,4 +189,5 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
            for k in range(len(layers))]
     scales = [statistics.median(p[j] for p in plain) / max(sum(o[j] for o in out), 1e-12)
               for j in (0, 1)]
-    return [(f * scales[0], b * scales[1]) for f, b in out]
+    return Timed([(f * scales[0], b * scales[1]) for f, b in out],
+                 statistics.median(steps[warmup:]) if steps[warmup:] else None)

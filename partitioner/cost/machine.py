@@ -36,8 +36,8 @@ from partitioner.cost.measure import cache_file, cached_cpu_spec, measure_cpu
 from partitioner.errors import DeviceError
 from partitioner.runtime import device as accelerators
 
-__all__ = ["cpu_spec", "pin_cpu_spec", "pinned_cpu_spec", "spec_for", "local_cluster",
-           "as_cluster", "preset_for"]
+__all__ = ["cpu_spec", "measured_cpu_spec", "pin_cpu_spec", "pinned_cpu_spec", "spec_for",
+           "local_cluster", "as_cluster", "preset_for"]
 
 _PINNED: list[DeviceSpec] = []
 _SOURCES = ("reference", "measure")
@@ -59,6 +59,12 @@ def pinned_cpu_spec(spec: DeviceSpec) -> Iterator[DeviceSpec]:
         yield spec
     finally:
         _PINNED[:] = before
+
+
+def measured_cpu_spec() -> bool:
+    """Whether ``"cpu"`` devices are planned with this machine's measured spec (the cache
+    or a measurement: neither pinned nor ``PARTITIONER_CPU_SPEC=reference``)."""
+    return not _PINNED and os.environ.get("PARTITIONER_CPU_SPEC", "") != "reference"
 
 
 def cpu_spec() -> DeviceSpec:

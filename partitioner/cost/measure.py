@@ -70,7 +70,8 @@ from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.worker import Worker, shared_threads
 
 __all__ = ["CalibrationError", "measure_cpu", "remeasure_cpu", "cached_cpu_spec", "kept_runs",
-           "median_spec", "cache_file", "KEPT_RUNS", "TIMING_KEYS", "calibrate_layers", "Progress"]
+           "median_spec", "cache_file", "KEPT_RUNS", "TIMING_KEYS", "calibrate_layers", "calibrate",
+           "Progress"]
 
 
 def _typical(fn: Callable[[], Any], repeats: int = 5, inner: int = 1) -> float:
@@ -505,6 +506,15 @@ class Progress:
 def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
                      inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
                      progress: bool = True, repeats: int = 3) -> list[LayerCost]:
+    """The layers' costs scaled to their times in context (:func:`calibrate`'s first half)."""
+    return calibrate(gm, layers, costs, inputs, spec, batch, progress=progress,
+                     repeats=repeats)[0]
+
+
+def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
+              inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
+              progress: bool = True, repeats: int = 3, optimizer: bool = False
+              ) -> tuple[list[LayerCost], float | None]:
     """Time the layers in training passes of the whole model; scale their costs to match.
 
     :func:`partitioner.cost.layer_timing.time_layers` times every layer's forward and
@@ -518,11 +528,13 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
         inputs: one value per placeholder of ``gm`` (the example batch).
         spec: the spec the prediction used.
         batch: samples in the example batch.
-        progress: draw a progress bar on stderr.
+        progress: say on stderr what was timed.
         repeats: timed training passes (the median counts), after two warm-up passes.
+        optimizer: time an Adam step after each pass too (learning rate 0).
 
     Returns:
-        The costs with ``time_scale`` set to measured / predicted for each layer.
+        The costs with ``time_scale`` set to measured / predicted for each layer, and the
+        measured seconds of the whole model's Adam step (``None`` unless ``optimizer``).
 
     Raises:
         CalibrationError: the model's weights are on the meta device.
@@ -532,9 +544,9 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
                                "model's weights are on the meta device; build it with real "
                                "weights or pass calibrate=False")
     with _preserved(gm):
-        times = time_layers(gm, layers, list(inputs), repeats=repeats)
+        timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer)
     measured: dict[str, list[float]] = {}
-    for cost, (forward, backward) in zip(costs, times):
+    for cost, (forward, backward) in zip(costs, timed.layers):
         measured.setdefault(cost.signature, []).append(forward + backward)
     scaled = []
     for cost in costs:
@@ -545,7 +557,7 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
     if progress:
         print(f"partitioner: timed {len(costs)} layers in training passes of the whole "
               f"model ({len(measured)} distinct)", file=sys.stderr)
-    return scaled
+    return scaled, timed.optimizer
 
 
 class _preserved:

@@ -46,6 +46,7 @@ from partitioner.errors import (
     TensorParallelError,
 )
 from partitioner.planning.auto import LOCAL_RUNTIME, records, search
+from partitioner.planning.calibrated import calibrated
 from partitioner.planning.given_mesh import (
     auto_best_space,
     compared,
@@ -121,16 +122,11 @@ def plan_request(analysis: Analysis, request: PlanRequest, *,
 def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                  cuts: tuple[int, ...] | None, tp_degrees: Sequence[int] | None,
                  groups: Sequence[Sequence[Any]] | None = None) -> Plan:
-    from partitioner.cost.measure import calibrate_layers
     cluster = request.cluster or local_cluster(
         list(request.devices) if groups is None else [d for g in groups for d in g])
     assert analysis.workload is not None
-    workload = precision_workload(analysis.workload, request.precision)
-    if request.calibrate:
-        layers = calibrate_layers(analysis.captured.graph_module, analysis.layers,
-                                  workload.layers, analysis.inputs or [], cluster.spec(0),
-                                  workload.batch)
-        workload = replace(workload, layers=tuple(layers))
+    workload = calibrated(analysis, request, cluster,
+                          precision_workload(analysis.workload, request.precision))
     limit = min(request.memory_limit) if request.memory_limit else None
     method = analysis.captured.method
     reserve = request.memory_reserve

@@ -572,9 +572,10 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         tensors = 1 if config.optimizer_sharding else sum(
             lay.param_tensors for s in mine for lay in workload.layers[s.first:s.last])
         shards = config.dp if workload.fsdp else config.optimizer_shards
-        optimizer = params / element / shards * traffic / cluster.spec(j).optimizer_rate \
-            + _fresh_temporaries(workload, config, mine, cluster.spec(j)) \
-            + tensors * cluster.spec(j).optimizer_tensor_overhead
+        optimizer = (params / element / shards * traffic / cluster.spec(j).optimizer_rate
+                     + _fresh_temporaries(workload, config, mine, cluster.spec(j))
+                     + tensors * cluster.spec(j).optimizer_tensor_overhead) \
+            * workload.optimizer_scale
         ends.append(pipeline - drained + max(reduce - window, 0.0)
                     + (0.0 if shared else optimizer))
         drained += stages[j].backward + share * stages[j].replay

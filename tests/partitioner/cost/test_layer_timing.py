@@ -38,7 +38,7 @@ def test_a_slow_layer_s_forward_and_backward_are_charged_to_it() -> None:
     assert analysis.inputs is not None
     names = [layer.name for layer in analysis.layers]
     times = time_layers(analysis.captured.graph_module, analysis.layers, analysis.inputs,
-                        repeats=1, warmup=1)
+                        repeats=1, warmup=1).layers
     slow = names.index("1")
     forward, backward = times[slow]
     assert forward > 0.04 and backward > 0.08, times
@@ -52,7 +52,7 @@ def test_a_layer_whose_outputs_need_no_gradient_has_no_backward() -> None:
     analysis = analyze(model, (torch.randn(4, 8),))
     assert analysis.inputs is not None
     times = time_layers(analysis.captured.graph_module, analysis.layers, analysis.inputs,
-                        repeats=1, warmup=0)
+                        repeats=1, warmup=0).layers
     assert [b for _, b in times[:2]] == [0.0, 0.0] and times[2][1] > 0
     assert all(f > 0 for f, _ in times)
 
@@ -79,3 +79,18 @@ def test_the_clocked_copy_computes_what_the_graph_does_and_leaves_it_alone() -> 
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.cost.layer_timing).failed == 0
+
+
+def test_the_optimizer_is_timed_without_changing_the_weights() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    analysis = analyze(model, (torch.randn(4, 8),))
+    assert analysis.inputs is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    timed = time_layers(analysis.captured.graph_module, analysis.layers, analysis.inputs,
+                        repeats=2, warmup=1, optimizer=True)
+    assert timed.optimizer is not None and timed.optimizer > 0
+    for p, q in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    assert time_layers(analysis.captured.graph_module, analysis.layers, analysis.inputs,
+                       repeats=1, warmup=0).optimizer is None

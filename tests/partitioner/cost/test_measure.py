@@ -17,6 +17,7 @@ from partitioner.analysis import analyze
 from partitioner.cost.calibration_cache import Run
 from partitioner.cost.cost import phase_times
 from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.layer_timing import Timed
 from partitioner.cost.measure import (
     TIMING_KEYS,
     CalibrationError,
@@ -97,7 +98,7 @@ def test_repeated_blocks_share_the_median_of_their_times(
     # Each layer timed in context at 1, 2, 3, ... ms (forward), twice that (backward).
     given = [(1e-3 * (k + 1), 2e-3 * (k + 1)) for k in range(len(costs))]
     monkeypatch.setattr(partitioner.cost.measure, "time_layers",
-                        lambda gm, layers, inputs, repeats: given)
+                        lambda gm, layers, inputs, repeats, optimizer: Timed(given))
     scaled = calibrate_layers(analysis.captured.graph_module, analysis.layers, costs,
                               analysis.inputs, SPEC, 16, progress=False, repeats=2)
     signatures = {c.signature for c in costs}

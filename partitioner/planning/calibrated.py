@@ -1,0 +1,87 @@
+"""The workload scaled to this machine: layers and optimizer step timed before planning.
+
+The cost model builds each layer's time from the CPU's calibration (products, bandwidth, a
+fixed cost per op). On this 2-core VM it predicted the unpartitioned models of
+``benchmarks/regret.py`` 1.2-2.2x faster than they trained: what a layer pays beyond its
+products and bytes (autograd's bookkeeping, allocations, convolution kernels slower than
+the calibrated products) is not in the spec, and Adam's step was off both ways (0.6-2x).
+So when the devices are this machine's CPU, :func:`calibrated` times the model itself, a
+few training passes of the captured graph on the example batch
+(:func:`partitioner.cost.measure.calibrate`), and scales every layer's cost and the
+optimizer's to what it measured; the plan's other terms (pipeline actions, replicas,
+collectives between threads, stages sharing the cores) stay the model's, measured by the
+CPU's calibration.
+
+``calibrate=None`` (``partition``'s default) calibrates only where it can and should: the
+devices are this machine's CPU planned with its *measured* spec (a pinned spec or
+``PARTITIONER_CPU_SPEC=reference`` is a request for plans that do not depend on this
+machine's timings), the weights are real, and a training step is predicted cheap
+(:data:`BUDGET`) and small next to the host's memory. ``True`` calibrates whatever the
+spec; ``False`` never.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from partitioner.analysis import Analysis
+from partitioner.cost.cost import Workload, phase_times
+from partitioner.cost.devices import Cluster
+from partitioner.cost.machine import local_cluster, measured_cpu_spec
+from partitioner.cost.measure import calibrate
+from partitioner.errors import PartitionError
+from partitioner.planning.predict import Config, predict
+from partitioner.request import PlanRequest
+
+__all__ = ["calibrated", "BUDGET", "should_calibrate"]
+
+BUDGET = 1.0
+"""Seconds a training step of the whole model may be predicted to take for
+``calibrate=None`` to time it (about ten passes: a few seconds at most)."""
+
+MEMORY_SHARE = 0.5
+"""The share of the host's memory the timed passes may be predicted to need."""
+
+
+def should_calibrate(analysis: Analysis, request: PlanRequest, cluster: Cluster,
+                     workload: Workload) -> bool:
+    """Whether to time the model before planning (see the module docstring)."""
+    if request.calibrate is not None:
+        return request.calibrate
+    if not cluster.is_local or any(torch.device(d).type != "cpu" for d in cluster.local):
+        return False
+    if not measured_cpu_spec() or analysis.inputs is None:
+        return False
+    gm = analysis.captured.graph_module
+    if any(p.is_meta for p in gm.parameters()) or not any(
+            p.requires_grad for p in gm.parameters()):
+        return False
+    spec = cluster.spec(0)
+    step = sum(sum(phase_times(layer, spec, workload.batch)) for layer in workload.layers)
+    if step > BUDGET:
+        return False
+    try:
+        alone = predict(workload, local_cluster([cluster.local[0]]), Config())
+    except PartitionError:
+        return False
+    return alone.peak_memory <= MEMORY_SHARE * spec.memory_bytes
+
+
+def calibrated(analysis: Analysis, request: PlanRequest, cluster: Cluster,
+               workload: Workload) -> Workload:
+    """``workload`` with its layers and optimizer step scaled to this machine's times, when
+    :func:`should_calibrate`; else ``workload`` itself."""
+    if not should_calibrate(analysis, request, cluster, workload):
+        return workload
+    layers, step = calibrate(analysis.captured.graph_module, analysis.layers,
+                             workload.layers, analysis.inputs or [], cluster.spec(0),
+                             workload.batch, progress=request.calibrate is True,
+                             optimizer=True)
+    scaled = replace(workload, layers=tuple(layers))
+    if not step:
+        return scaled
+    one = local_cluster([cluster.local[0]])
+    predicted = predict(scaled, one, Config()).optimizer_times[0]
+    return replace(scaled, optimizer_scale=step / predicted) if predicted > 0 else scaled
