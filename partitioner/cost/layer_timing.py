@@ -144,16 +144,22 @@ class Timed:
         layers: per layer, its (forward, backward) seconds in context.
         optimizer: seconds of a ``torch.optim.Adam`` step over every trainable parameter,
             right after a backward made their gradients (``None`` when not asked for).
+        passes: the timed passes (of each kind: instrumented and plain).
     """
 
     layers: list[tuple[float, float]]
     optimizer: float | None = None
+    passes: int = 0
 
 
 def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[Any], *,
-                repeats: int = 3, warmup: int = 2, optimizer: bool = False) -> Timed:
+                repeats: int = 3, warmup: int = 2, optimizer: bool = False,
+                min_seconds: float = 0.0, max_repeats: int = 64) -> Timed:
     """Per layer, the median (forward, backward) seconds over ``repeats`` training passes
-    of the whole graph on ``inputs`` (one value per placeholder), after ``warmup`` passes.
+    of the whole graph on ``inputs`` (one value per placeholder), after ``warmup`` passes;
+    more passes (up to ``max_repeats``) until the timed ones last ``min_seconds``: on a
+    shared VM a burst of slowness spans a few 10 ms passes, and the median of three of them
+    read a small model's step 1.4x apart from one plan to the next.
 
     Each pass clears the parameters' gradients first (``set_to_none``, as training does
     with ``zero_grad``), so the weight gradients are new tensors each time. A layer with no
@@ -170,7 +176,8 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
     runs: list[list[tuple[float, float]]] = []
     plain: list[tuple[float, float]] = []
     steps: list[float] = []
-    for i in range(warmup + repeats):
+    i, spent = 0, 0.0
+    while i < warmup + repeats or (spent < min_seconds and i < warmup + max_repeats):
         clock = _Clock(len(layers))
         _RUNNING.append(clock)
         try:
@@ -185,9 +192,12 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
         if i >= warmup:
             runs.append(clock.phases(end))
             plain.append((middle - begin, finish - middle))
+            spent += finish - begin + sum(runs[-1][k][0] + runs[-1][k][1]
+                                          for k in range(len(layers)))
+        i += 1
     out = [(statistics.median(r[k][0] for r in runs), statistics.median(r[k][1] for r in runs))
            for k in range(len(layers))]
     scales = [statistics.median(p[j] for p in plain) / max(sum(o[j] for o in out), 1e-12)
               for j in (0, 1)]
     return Timed([(f * scales[0], b * scales[1]) for f, b in out],
-                 statistics.median(steps[warmup:]) if steps[warmup:] else None)
+                 statistics.median(steps[warmup:]) if steps[warmup:] else None, len(plain))

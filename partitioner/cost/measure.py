@@ -513,8 +513,8 @@ def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequenc
 
 def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
               inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
-              progress: bool = True, repeats: int = 3, optimizer: bool = False
-              ) -> tuple[list[LayerCost], float | None]:
+              progress: bool = True, repeats: int = 3, optimizer: bool = False,
+              min_seconds: float = 0.0) -> tuple[list[LayerCost], float | None]:
     """Time the layers in training passes of the whole model; scale their costs to match.
 
     :func:`partitioner.cost.layer_timing.time_layers` times every layer's forward and
@@ -531,6 +531,7 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
         progress: say on stderr what was timed.
         repeats: timed training passes (the median counts), after two warm-up passes.
         optimizer: time an Adam step after each pass too (learning rate 0).
+        min_seconds: more passes (up to 64) until the timed ones last this long.
 
     Returns:
         The costs with ``time_scale`` set to measured / predicted for each layer, and the
@@ -544,7 +545,8 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
                                "model's weights are on the meta device; build it with real "
                                "weights or pass calibrate=False")
     with _preserved(gm):
-        timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer)
+        timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer,
+                            min_seconds=min_seconds)
     measured: dict[str, list[float]] = {}
     for cost, (forward, backward) in zip(costs, timed.layers):
         measured.setdefault(cost.signature, []).append(forward + backward)
@@ -556,7 +558,7 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
         scaled.append(replace(cost, time_scale=max(scale, 1e-3)))
     if progress:
         print(f"partitioner: timed {len(costs)} layers in training passes of the whole "
-              f"model ({len(measured)} distinct)", file=sys.stderr)
+              f"model ({len(measured)} distinct, {timed.passes} passes)", file=sys.stderr)
     return scaled, timed.optimizer
 
 

@@ -41,6 +41,11 @@ BUDGET = 1.0
 """Seconds a training step of the whole model may be predicted to take for
 ``calibrate=None`` to time it (about ten passes: a few seconds at most)."""
 
+MIN_SECONDS = 0.5
+"""Timed passes continue until they last this long (at most 64): a VM's bursts of slowness
+span a few passes of a small model, and the median of three read one 1.4x apart from one
+plan to the next."""
+
 MEMORY_SHARE = 0.5
 """The share of the host's memory the timed passes may be predicted to need."""
 
@@ -78,7 +83,7 @@ def calibrated(analysis: Analysis, request: PlanRequest, cluster: Cluster,
     layers, step = calibrate(analysis.captured.graph_module, analysis.layers,
                              workload.layers, analysis.inputs or [], cluster.spec(0),
                              workload.batch, progress=request.calibrate is True,
-                             optimizer=True)
+                             optimizer=True, min_seconds=MIN_SECONDS)
     scaled = replace(workload, layers=tuple(layers))
     if not step:
         return scaled
