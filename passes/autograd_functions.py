@@ -53,21 +53,27 @@ def caller(function: type) -> Callable[..., Any]:
 
 
 @contextmanager
+def _apply_replaced(apply: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """``Function.apply`` is ``classmethod(apply)`` while the block runs; the block gets the
+    original (``original(cls, *args)``), which is put back however the block ends."""
+    kept = torch.autograd.Function.__dict__["apply"]
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield kept.__func__
+    finally:
+        torch.autograd.Function.apply = kept  # type: ignore[method-assign]
+
+
+@contextmanager
 def functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
     """While the block runs, ``Function.apply`` on a proxy records one node (``tracer``'s)."""
-    kept = torch.autograd.Function.__dict__["apply"]
-    run = kept.__func__
-
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
             return tracer.create_proxy("call_function", caller(cls), args, kwargs)
         return run(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
+    with _apply_replaced(apply) as run:
         yield
-    finally:
-        torch.autograd.Function.apply = kept  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -75,8 +81,6 @@ def functions_called() -> Iterator[list[type]]:
     """While the block runs, the ``Function`` classes outside torch whose ``apply`` ran, in
     the order first called: ``torch.export`` inlines a Function's forward and drops its
     backward, so the capture refuses a model that calls one (:mod:`partitioner.capture`)."""
-    kept = torch.autograd.Function.__dict__["apply"]
-    run = kept.__func__
     seen: list[type] = []
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -84,8 +88,5 @@ def functions_called() -> Iterator[list[type]]:
             seen.append(cls)
         return run(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
+    with _apply_replaced(apply) as run:
         yield seen
-    finally:
-        torch.autograd.Function.apply = kept  # type: ignore[method-assign]

@@ -4,7 +4,7 @@
 own (its stage graph, a backward of its own) charged it a whole autograd run and a cold start
 it never pays in training: a deep MLP of 64-wide layers measured 3.4x its training step that
 way, while its real layers ran 1.6x the uncalibrated prediction (``docs/benchmarks.md``,
-"Layers timed in context"). Here the captured graph runs whole, forward and backward, as one
+"The model timed before planning"). Here the captured graph runs whole, forward and backward, as one
 training step; a copy of it carries a clock:
 
 * before each layer's first node a stamp of the time (the forward of layer ``k`` is the time
@@ -13,9 +13,11 @@ training step; a copy of it carries a clock:
   of them to fire is when the backward reaches the layer, and the backward of layer ``k``
   lasts until the backward reaches the next layer below it that has one.
 
-The stamps and hooks cost a microsecond or two each, against the tens of microseconds a
-layer's ops take. The copy shares the graph's parameters; gradients it leaves are the
-caller's to clear (:func:`partitioner.cost.measure.calibrate_layers` restores them).
+The stamps and hooks are not free (about 40 us a layer in all: most of a 64-wide layer's
+time), so :func:`time_layers` scales the layers' times to plain passes of the graph, timed
+alternately with the instrumented ones. The copy shares the graph's parameters; gradients
+it leaves are the caller's to clear (:func:`partitioner.cost.measure.calibrate` restores
+them).
 
 Example:
     >>> import torch
@@ -167,8 +169,10 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
     passes alternate with passes of ``gm`` itself, whose forward and backward totals the
     layers' times are scaled to: the clock's own cost (tens of microseconds a layer, most of
     a 64-wide layer's) is nobody's. With ``optimizer=True`` each plain pass is followed by
-    an Adam step with a learning rate of 0 (the parameters keep their values; its state,
-    two tensors the size of each parameter, lives for the timing only).
+    an Adam step with a learning rate of 0 (its state, two tensors the size of each
+    parameter, lives for the timing only; a gradient that is not finite would still turn
+    a weight into NaN, so callers keep the weights: :func:`partitioner.cost.measure.
+    calibrate` puts them back).
     """
     timed = instrumented(gm, layers)
     params = [p for p in gm.parameters() if p.requires_grad]
@@ -181,19 +185,18 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
         clock = _Clock(len(layers))
         _RUNNING.append(clock)
         try:
-            _, _, end = _pass(timed, inputs, params)
+            start, _, end = _pass(timed, inputs, params)
         finally:
             _RUNNING.pop()
         begin, middle, finish = _pass(gm, inputs, params)
         if adam is not None:
-            start = time.perf_counter()
+            stepping = time.perf_counter()
             adam.step()
-            steps.append(time.perf_counter() - start)
+            steps.append(time.perf_counter() - stepping)
         if i >= warmup:
             runs.append(clock.phases(end))
             plain.append((middle - begin, finish - middle))
-            spent += finish - begin + sum(runs[-1][k][0] + runs[-1][k][1]
-                                          for k in range(len(layers)))
+            spent += (end - start) + (finish - begin)
         i += 1
     out = [(statistics.median(r[k][0] for r in runs), statistics.median(r[k][1] for r in runs))
            for k in range(len(layers))]

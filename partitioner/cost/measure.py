@@ -544,7 +544,7 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
         raise CalibrationError("calibrate=True times the layers on this machine, but the "
                                "model's weights are on the meta device; build it with real "
                                "weights or pass calibrate=False")
-    with _preserved(gm):
+    with _preserved(gm, weights=optimizer):
         timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer,
                             min_seconds=min_seconds)
     measured: dict[str, list[float]] = {}
@@ -563,14 +563,16 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
 
 
 class _preserved:
-    """Restore parameter gradients and buffers after timing (calibration leaves no trace)."""
+    """Restore parameter gradients and buffers after timing (calibration leaves no trace),
+    and the parameters' values too when ``weights`` (an optimizer step was timed)."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
+    def __init__(self, gm: fx.GraphModule, weights: bool = False) -> None:
+        self.gm, self.weights = gm, weights
 
     def __enter__(self) -> None:
         self.grads = {p: p.grad for p in self.gm.parameters()}
         self.buffers = {b: b.detach().clone() for b in self.gm.buffers()}
+        self.values = {p: p.detach().clone() for p in self.grads} if self.weights else {}
         for p in self.grads:
             p.grad = None
 
@@ -578,5 +580,5 @@ class _preserved:
         for p, g in self.grads.items():
             p.grad = g
         with torch.no_grad():
-            for b, saved in self.buffers.items():
+            for b, saved in (*self.buffers.items(), *self.values.items()):
                 b.copy_(saved)

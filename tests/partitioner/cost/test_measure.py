@@ -195,3 +195,22 @@ def test_low_precision_rates_are_fp32_s_scaled_by_the_timed_products() -> None:
     spec = partitioner.cost.measure.median_spec([Run(timings, 0.0, 0.0)])
     assert spec.flops("bf16") == pytest.approx(3 * spec.flops("fp32"))
     assert spec.flops("fp16") == pytest.approx(spec.flops("fp32") / 16)
+
+
+def test_timing_the_optimizer_keeps_weights_a_non_finite_gradient_would_spoil() -> None:
+    # Adam at lr=0 leaves weights alone only while the gradients are finite: an inf
+    # gradient makes them NaN, and the calibration must still hand the model back unchanged.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.fill_(1.0)
+        model[2].weight.fill_(3e38)  # the first layer's weight gradient overflows to inf
+    x = torch.full((4, 4), 100.0)
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None and analysis.inputs is not None
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    partitioner.cost.measure.calibrate(
+        analysis.captured.graph_module, analysis.layers, analysis.workload.layers,
+        analysis.inputs, SPEC, 4, progress=False, repeats=1, optimizer=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
