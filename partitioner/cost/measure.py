@@ -563,8 +563,9 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
 
 
 class _preserved:
-    """Restore parameter gradients and buffers after timing (calibration leaves no trace),
-    and the parameters' values too when ``weights`` (an optimizer step was timed)."""
+    """Restore parameter gradients, buffers and the CPU random generator after timing
+    (calibration leaves no trace: dropout in the timed passes draws from it), and the
+    parameters' values too when ``weights`` (an optimizer step was timed)."""
 
     def __init__(self, gm: fx.GraphModule, weights: bool = False) -> None:
         self.gm, self.weights = gm, weights
@@ -573,10 +574,12 @@ class _preserved:
         self.grads = {p: p.grad for p in self.gm.parameters()}
         self.buffers = {b: b.detach().clone() for b in self.gm.buffers()}
         self.values = {p: p.detach().clone() for p in self.grads} if self.weights else {}
+        self.rng = torch.random.get_rng_state()
         for p in self.grads:
             p.grad = None
 
     def __exit__(self, *exc: object) -> None:
+        torch.random.set_rng_state(self.rng)
         for p, g in self.grads.items():
             p.grad = g
         with torch.no_grad():

@@ -214,3 +214,17 @@ def test_timing_the_optimizer_keeps_weights_a_non_finite_gradient_would_spoil() 
         analysis.inputs, SPEC, 4, progress=False, repeats=1, optimizer=True)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+
+
+def test_calibration_leaves_the_random_generator_where_it_was() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    x = torch.randn(8, 4)
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None and analysis.inputs is not None
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    partitioner.cost.measure.calibrate(
+        analysis.captured.graph_module, analysis.layers, analysis.workload.layers,
+        analysis.inputs, SPEC, 8, progress=False, repeats=1, optimizer=True)
+    torch.testing.assert_close(torch.rand(3), expected)
