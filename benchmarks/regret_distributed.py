@@ -3,9 +3,12 @@
 Each case starts a world of ``--ranks`` processes on this machine (gloo, one intra-op thread
 each, as torchrun would), and every rank calls ``partition_distributed(model, (x,),
 strategy="auto", tune=N)`` with ``N`` = every candidate rank 0's search ranked: each
-candidate is built on every rank and timed (the slowest rank's median of 3 steps after a
-warm-up: forward, backward in the plan's schedule, Adam), which is the measurement this
-benchmark reports. From the plan's records:
+candidate is built on every rank and timed (the slowest rank's median of the steps after a
+warm-up that last ``--min-seconds``, 1 s by default; those within 25% of the fastest timed a
+second time in reverse order, the mean of both counts: forward, backward in the plan's
+schedule, Adam), which is the measurement this benchmark reports. ``--calibrate off``
+plans without timing the model first (``partition_distributed(calibrate=False)``). From the
+plan's records:
 
 * auto's regret: the measured time of its rank-1 pick / the measured fastest - 1;
 * ``tune=True``'s regret: the measured fastest of the 4 best-ranked / the fastest - 1;
@@ -44,16 +47,24 @@ def _cases() -> dict[str, Any]:
     }
 
 
-def rank_main(case: str) -> None:
+CALIBRATE = {"default": None, "on": True, "off": False}
+
+
+def rank_main(case: str, calibrate: str, min_seconds: float) -> None:
     """One rank: plan and tune with every candidate timed; rank 0 prints the records."""
     import torch
     import torch.distributed as dist
 
+    import partitioner.distributed_plan as tuning
+    import partitioner.planning.tune as tune
     from partitioner.distributed import partition_distributed
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    tuning.MIN_TIMED_SECONDS = min_seconds  # each candidate's timed steps per round
+    tune.MAX_TIMED_STEPS = 10_000  # the time decides, not the count
     model, x = _cases()[case]()
-    dpm = partition_distributed(model, (x,), strategy="auto", tune=64, backend="gloo")
+    dpm = partition_distributed(model, (x,), strategy="auto", tune=64, backend="gloo",
+                                calibrate=CALIBRATE[calibrate])
     if dist.get_rank() == 0:
         print("RECORDS " + json.dumps([{k: r.get(k) for k in (
             "label", "rank", "step_time", "measured_step_time", "tune_error", "config")}
@@ -61,7 +72,18 @@ def rank_main(case: str) -> None:
     dpm.close()
 
 
-def launch(case: str, ranks: int, timeout: float) -> list[dict[str, Any]]:
+def _steal() -> tuple[float, float]:
+    """Jiffies the hypervisor gave other guests (``steal``) and all jiffies, from
+    ``/proc/stat``: a case run while the VM's host was busy elsewhere is marked."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return float(fields[7]) if len(fields) > 7 else 0.0, float(sum(fields))
+
+
+def launch(case: str, ranks: int, timeout: float, extra: list[str]) -> list[dict[str, Any]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -70,9 +92,9 @@ def launch(case: str, ranks: int, timeout: float) -> list[dict[str, Any]]:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-of", case], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-of", case, *extra],
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode:
@@ -117,20 +139,33 @@ def main() -> None:
     parser.add_argument("--cases", default="tiny,mlp,wide,gpt")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--calibrate", choices=sorted(CALIBRATE), default="default",
+                        help="partition_distributed(calibrate=): default None (rank 0 times "
+                             "the model when it is cheap), on, off")
+    parser.add_argument("--min-seconds", type=float, default=1.0,
+                        help="each candidate's timed steps last at least this long per round "
+                             "(tune's own default is 0.3 s)")
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        rank_main(args.rank_of)
+        rank_main(args.rank_of, args.calibrate, args.min_seconds)
         return
+    extra = ["--calibrate", args.calibrate, "--min-seconds", str(args.min_seconds)]
     rows = []
     for case in args.cases.split(","):
         for ranks in [int(r) for r in args.ranks.split(",")]:
-            rows.append(report(case, ranks, launch(case, ranks, args.timeout)))
-    print("\n| case | auto's regret | tune=True regret | measured fastest |")
-    print("|---|---:|---:|---|")
+            before = _steal()
+            records = launch(case, ranks, args.timeout, extra)
+            after = _steal()
+            row = report(case, ranks, records)
+            row["steal"] = (after[0] - before[0]) / max(after[1] - before[1], 1.0)
+            print(f"  the VM's host took {row['steal']:.0%} of the cores meanwhile (steal)")
+            rows.append(row)
+    print("\n| case | auto's regret | tune=True regret | measured fastest | steal |")
+    print("|---|---:|---:|---|---:|")
     for r in rows:
         print(f"| {r['case']} | {r['auto_regret']:+.1%} | {r['tune_regret']:+.1%} | "
-              f"{r['best']} |")
+              f"{r['best']} | {r['steal']:.0%} |")
     kinds: dict[str, list[float]] = {}
     for r in rows:
         for kind, ratio in r["ratios"]:

@@ -45,6 +45,7 @@ from partitioner.distributed_plan import (
     AutoOptions,
     auto_options,
     check_sharding,
+    checked_counts,
     choose_plan,
     describe_cluster,
     local_batch,
@@ -54,6 +55,7 @@ from partitioner.distributed_plan import (
     run_settings,
     tuned_choice,
     virtual_stages_of,
+    with_calibration,
 )
 from partitioner.errors import StageCountError, StrategyError, TuneError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linear_grads
@@ -124,7 +126,8 @@ def partition_distributed(
         optimizer_sharding: bool | None = None, precision: str | None = None,
         mesh: Mesh | None = None, init_fn: InitFn | None = None,
         tune: bool | int = False, sharding: str | None = None,
-        sequence_parallel: bool = False, options: Options | None = None) -> DistributedModel:
+        sequence_parallel: bool = False, calibrate: bool | None = None,
+        options: Options | None = None) -> DistributedModel:
     """Partition ``model`` over the ranks of this torch.distributed run; keep this rank's stage.
 
     Call it on every rank with the same arguments (collective). Starts torch.distributed
@@ -216,6 +219,10 @@ def partition_distributed(
             and residual adds between the column/row pairs on ``seq / tp`` tokens per
             rank, a reduce-scatter and an all-gather in place of each all-reduce; stage
             boundaries stay whole. Refused with ``tp=1`` or ``virtual_stages > 1``.
+        calibrate: with ``"auto"``: rank 0 times the model's layers and Adam step on the
+            example batch, at the ranks' thread count, and plans with those times
+            (``partitioner.planning.calibrated``). ``None`` (default): when the world is this
+            host's CPU planned with its measured spec and the step is cheap; ``False``: never.
         options: the same settings as one :class:`partitioner.Options` value, shared with
             ``partition`` and ``make_plan`` (``mesh`` a ``Mesh`` or ``Degrees(pp=...)``,
             ``Schedule``, ``Precision``, ``Sharding``, ``checkpoint``, ``strategy``,
@@ -234,13 +241,13 @@ def partition_distributed(
         >>> dpm = partition_distributed(model, example_inputs=(x,), pp=2, dp=2, chunks=8,
         ...                             schedule="1f1b", checkpoint="never")  # doctest: +SKIP
     """
-    opts = resolve_options(options, **_sugar(
+    opts = resolve_options(options, **checked_counts(
         pp=pp, dp=dp, tp=tp, mesh=mesh, chunks=chunks, schedule=schedule,
         virtual_stages=virtual_stages, checkpoint=checkpoint, precision=precision,
         optimizer_sharding=optimizer_sharding, sharding=sharding, strategy=strategy,
         tune=tune, init_fn=init_fn, seed=seed, sequence_parallel=sequence_parallel))
     call = _parse(model, opts, plan, Fixed(tensor_parallel, balance, split_points,
-                                           memory_limit, cluster, memory_reserve),
+                                           memory_limit, cluster, memory_reserve, calibrate),
                   Running(loss_reduction, bucket_mb, fuse_weight_grads, failure, backend))
     info = init_distributed(backend)
     watchdog = start_watchdog(failure)
@@ -260,6 +267,7 @@ class Fixed:
     memory_limit: float | None = None
     cluster: Cluster | str | None = None
     memory_reserve: float | None = None
+    calibrate: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -301,19 +309,6 @@ class Planned:
     optimizer_sharding: bool
 
 
-def _sugar(**given: Any) -> dict[str, Any]:
-    """The keywords as given, with the counts checked as this front always has (a
-    ``StrategyError`` naming ``tp=`` or ``virtual_stages=``)."""
-    for key, what in (("tp", "a whole number of tensor-parallel shards >= 1"),
-                      ("virtual_stages", "the model chunks per pipeline rank, an int >= 1 "
-                                         "(2 or more for schedule='interleaved')")):
-        value = given[key]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise StrategyError(f"{key}={value!r}; pass {what}")
-    return given
-
-
 def _parse(model: nn.Module, opts: Options, plan: Plan | str | Path | None, fixed: Fixed,
            running: Running) -> Parsed:
     """The call checked and completed (no collective): tuning only with ``"auto"``, the
@@ -329,6 +324,7 @@ def _parse(model: nn.Module, opts: Options, plan: Plan | str | Path | None, fixe
     auto = auto_options(opts.strategy, given, pp, dp, tp, fixed.rules, schedule.chunks,
                         schedule.name, opts.checkpoint, fixed.balance, fixed.split_points,
                         fixed.memory_limit, fixed.cluster, fixed.memory_reserve)
+    auto = with_calibration(auto, fixed.calibrate)
     if auto is None:
         pp, dp, tp = mesh_sizes(given, pp, dp, tp)
         if fixed.rules is not None and tp == 1:
@@ -355,7 +351,8 @@ def _agree(call: Parsed) -> None:
         cluster=describe_cluster(fixed.cluster), memory_reserve=fixed.memory_reserve,
         virtual_stages=opts.schedule.virtual_stages,
         optimizer_sharding=opts.sharding.optimizer, precision=call.precision,
-        tune=call.count, sharding=call.sharding, sequence_parallel=opts.sequence_parallel))
+        tune=call.count, sharding=call.sharding, sequence_parallel=opts.sequence_parallel,
+        calibrate=fixed.calibrate))
 
 
 def _chosen(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...] | None,

@@ -37,12 +37,14 @@ from partitioner.cost.sequence_cost import sequence_parallel_workload
 from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
+from partitioner.planning.calibrated import calibrated
 from partitioner.planning.compile import shard_specs, split_layers
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
 from partitioner.planning.space import SearchSpace
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.tune import (
+    MIN_TIMED_SECONDS,
     restore_state,
     run_trials,
     snapshot_state,
@@ -75,7 +77,7 @@ from partitioner.runtime.schedule_registry import schedule_kind
 __all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
            "tensor_parallel_check", "tuned_choice", "fixed_options", "check_sharding",
            "auto_options", "mesh_sizes", "run_settings", "virtual_stages_of", "on_mesh",
-           "check_fingerprint", "plan_digest"]
+           "check_fingerprint", "plan_digest", "checked_counts", "with_calibration"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class AutoOptions:
             configuration fits memory without it.
         sequence_parallel: tensor-parallel configurations are costed with sequence
             parallelism (``partitioner.cost.sequence_cost``), as they will run.
+        calibrate: rank 0 times the model before the search
+            (``partitioner.planning.calibrated``; ``None``: when it should).
     """
 
     degrees: Degrees
@@ -109,6 +113,7 @@ class AutoOptions:
     precision: str = "fp32"
     optimizer_sharding: bool | None = None
     sequence_parallel: bool = False
+    calibrate: bool | None = None
 
 
 def describe_cluster(cluster: Cluster | str | None) -> str | None:
@@ -145,8 +150,8 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
         return None
     if cpu_spec() is REFERENCE_CPU:
         return REFERENCE_LOOPBACK
-    latency, bandwidth = probe_link()
-    return LinkSpec("gloo over loopback (measured)", bandwidth, latency)
+    latency, bandwidth, busy = probe_link()
+    return LinkSpec("gloo over loopback (measured)", bandwidth, latency, busy_latency=busy)
 
 
 def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,
@@ -224,13 +229,16 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
             device: torch.device) -> Plan:
     request = PlanRequest.make([device], "auto", example_inputs=example_inputs,
                                example_kwargs=example_kwargs, chunks=options.chunks,
-                               checkpoint=options.checkpoint, memory_limit=options.memory_limit)
+                               checkpoint=options.checkpoint, memory_limit=options.memory_limit,
+                               calibrate=options.calibrate)
     analysis = analyze(model, request.example_inputs, request.kwargs)
     assert analysis.workload is not None, "analyze() costs a model given example inputs"
     limit = min(request.memory_limit) if request.memory_limit else None
     reserve = DEFAULT_RESERVE if options.memory_reserve is None else options.memory_reserve
     capacity = capacity_of(cluster, reserve, limit)
-    workload = analysis.workload
+    # Ranks of this host's CPU: rank 0 times the model at the ranks' thread count (the
+    # others wait in the broadcast of its plan), as partition() does in one process.
+    workload = calibrated(analysis, request, cluster, analysis.workload)
     if options.sequence_parallel:
         workload = sequence_parallel_workload(workload)
 
@@ -334,7 +342,8 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
         assert dpm is not None
         try:
             seconds = time_training_steps(dpm, tuple(inputs or ()), kwargs,
-                                          batch_size([inputs, kwargs]) or 1)
+                                          batch_size([inputs, kwargs]) or 1,
+                                          min_seconds=MIN_TIMED_SECONDS, agree=_slowest)
             plans[index] = dpm.plan
         except Exception as failure:  # a rank failing mid-step leaves its peers waiting
             error, seconds = f"{type(failure).__name__}: {failure}", math.inf
@@ -355,6 +364,13 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
 
 
+def _slowest(seconds: float) -> float:
+    """The slowest rank's ``seconds`` (all-reduce MAX): the step count every rank takes."""
+    agreed = torch.tensor([seconds])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return float(agreed)
+
+
 def _agreed(seconds: float, error: str) -> float:
     """The slowest rank's ``seconds`` (all-reduce MAX); every rank raises when any failed
     (``inf``), so all skip the candidate together and the next one starts in step."""
@@ -363,6 +379,35 @@ def _agreed(seconds: float, error: str) -> float:
     if error or not math.isfinite(float(agreed)):
         raise RuntimeError(error or "failed on another rank")
     return float(agreed)
+
+
+def checked_counts(**given: Any) -> dict[str, Any]:
+    """``partition_distributed``'s keywords as given, with the counts checked as that front
+    always has (a ``StrategyError`` naming ``tp=`` or ``virtual_stages=``)."""
+    for key, what in (("tp", "a whole number of tensor-parallel shards >= 1"),
+                      ("virtual_stages", "the model chunks per pipeline rank, an int >= 1 "
+                                         "(2 or more for schedule='interleaved')")):
+        value = given[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise StrategyError(f"{key}={value!r}; pass {what}")
+    return given
+
+
+def with_calibration(auto: AutoOptions | None, calibrate: object) -> AutoOptions | None:
+    """``auto`` told whether rank 0 times the model before its search (``calibrate=``).
+
+    Raises:
+        StrategyError: ``calibrate`` is not a bool or ``None``, or ``True`` without
+            ``strategy="auto"`` (``auto`` is ``None``).
+    """
+    if calibrate is not None and not isinstance(calibrate, bool):
+        raise StrategyError(f"calibrate={calibrate!r}; pass True, False or None (time the "
+                            "model before planning when it is cheap on this host's CPU)")
+    if calibrate and auto is None:
+        raise StrategyError("calibrate=True times the model for the search of "
+                            "strategy='auto'; pass strategy='auto' or drop calibrate=")
+    return replace(auto, calibrate=calibrate) if auto is not None else None
 
 
 def fixed_options(config: dict[str, Any], inputs: Any, kwargs: Any) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from partitioner.cost.dtypes import dtype_name
+from partitioner.cost.links import LINKS, LinkSpec
 from partitioner.errors import DeviceError
 from partitioner.runtime import device as accelerators
 
@@ -262,43 +263,6 @@ def _size_problems(rows: tuple[tuple[float, ...], ...], width: int) -> list[str]
     return problems
 
 
-@dataclass(frozen=True)
-class LinkSpec:
-    """An alpha-beta link: a message of ``S`` bytes takes ``latency + S / bandwidth``.
-
-    Attributes:
-        name: a label.
-        bandwidth: bytes per second in one direction (datasheet).
-        latency: seconds per message (per step of a collective).
-        efficiency: fraction of ``bandwidth`` reached by collectives in practice.
-    """
-
-    name: str
-    bandwidth: float
-    latency: float
-    efficiency: float = 1.0
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not self.bandwidth > 0:
-            problems.append(f"bandwidth={self.bandwidth!r}; it must be > 0")
-        if not self.latency >= 0:
-            problems.append(f"latency={self.latency!r}; it must be >= 0")
-        if not 0 < self.efficiency <= 1:
-            problems.append(f"efficiency={self.efficiency!r}; it must be in (0, 1]")
-        if problems:
-            raise DeviceError(f"LinkSpec {self.name!r}: " + "; ".join(problems))
-
-    @property
-    def effective_bandwidth(self) -> float:
-        """``bandwidth * efficiency``: bytes per second a transfer actually gets."""
-        return self.bandwidth * self.efficiency
-
-    def time(self, nbytes: float) -> float:
-        """Seconds to send ``nbytes`` over this link."""
-        return self.latency + nbytes / self.effective_bandwidth if nbytes > 0 else 0.0
-
-
 _GiB = float(2**30)
 
 # Datasheet figures (dense, no sparsity); every efficiency below is a published measurement
@@ -358,25 +322,6 @@ REFERENCE_CPU = DeviceSpec(
 sharing gains of ``docs/design/003-cost-model.md``): what tests plan with, so plans do not
 depend on the machine's timings (``PARTITIONER_CPU_SPEC=reference``)."""
 
-# NVLink: 25 GB/s per link and direction (V100 6 links, A100 12, H100 18). NCCL's kernels
-# copy with 128-byte payloads, about 20 of a link's 25 GB/s (0.8), and on A100 other limits
-# hold the 12 links to about 230 of 300 GB/s (0.77): NCCL's maintainer in NVIDIA/nccl-tests
-# issue #149 (2023). InfiniBand, per NIC: nccl-tests issue #119 measured an all-reduce bus
-# bandwidth of 96 GB/s at the largest sizes (84.8 averaged over sizes down to 8 bytes) over
-# 4 HDR NICs rated 100 GB/s together: 0.9. PCIe 0.8 and every latency are assumptions.
-LINKS: dict[str, LinkSpec] = {
-    "nvlink2": LinkSpec("NVLink 2", 150e9, 5e-6, 0.8),
-    "nvlink3": LinkSpec("NVLink 3", 300e9, 5e-6, 230 / 300),
-    "nvlink4": LinkSpec("NVLink 4", 450e9, 5e-6, 0.8),
-    "pcie4": LinkSpec("PCIe 4.0 x16", 32e9, 10e-6, 0.8),
-    "ib-hdr": LinkSpec("InfiniBand HDR 200 Gb/s", 25e9, 10e-6, 0.9),
-    "ib-ndr": LinkSpec("InfiniBand NDR 400 Gb/s", 50e9, 10e-6, 0.9),
-    # CPU worlds (assumptions; pass cluster= to plan with another link): gloo between the
-    # ranks of one node goes through the kernel's loopback, and nodes meet over Ethernet.
-    "loopback": LinkSpec("gloo over loopback (assumed)", 5e9, 30e-6),
-    "ethernet-10g": LinkSpec("Ethernet 10 Gb/s (assumed)", 1.25e9, 50e-6, 0.9),
-}
-"""Link presets, by name: the one place links are defined."""
 
 _PRESET_LINKS = {"V100": ("nvlink2", "ib-hdr"), "A100-40GB": ("nvlink3", "ib-hdr"),
                  "A100-80GB": ("nvlink3", "ib-hdr"), "H100-SXM": ("nvlink4", "ib-ndr"),
@@ -400,6 +345,10 @@ class Cluster:
         nics_per_node: NICs per node (inter-node bandwidth of a node is this many links').
         local: torch device strings, when the cluster is this machine.
         specs: one spec per rank, when the devices differ.
+        processes: the local devices are ranks of a torch.distributed world (a process
+            each, ``partition_distributed``), not worker threads of one process: their
+            replicas all-reduce over the link instead of summing copies in memory, and
+            each rank steps its own optimizer at the same time as the others.
 
     Raises:
         DeviceError: a count is not positive, or a multi-node cluster has no inter-node link.
@@ -413,12 +362,15 @@ class Cluster:
     nics_per_node: int = 1
     local: tuple[str, ...] = ()
     specs: tuple[DeviceSpec, ...] = ()
+    processes: bool = False
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}; it must be an int >= 1"
                     for k in ("nodes", "devices_per_node", "nics_per_node")
                     if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int)
                     or getattr(self, k) < 1]
+        if not isinstance(self.processes, bool):
+            problems.append(f"processes={self.processes!r}; it must be a bool")
         if not problems and self.nodes > 1 and self.inter_node is None:
             problems.append(f"nodes={self.nodes} but inter_node is None; give the NIC link, "
                             "e.g. LINKS['ib-hdr']")

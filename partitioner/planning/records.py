@@ -84,7 +84,8 @@ def _cluster_dict(cluster: Cluster) -> dict[str, Any]:
             "devices_per_node": cluster.devices_per_node,
             "intra_node": asdict(cluster.intra_node),
             "inter_node": asdict(cluster.inter_node) if cluster.inter_node else None,
-            "nics_per_node": cluster.nics_per_node, "local": list(cluster.local)}
+            "nics_per_node": cluster.nics_per_node, "local": list(cluster.local),
+            "processes": cluster.processes}
 
 
 def _cluster_from(data: dict[str, Any]) -> Cluster:
@@ -93,4 +94,4 @@ def _cluster_from(data: dict[str, Any]) -> Cluster:
     inter = LinkSpec(**data["inter_node"]) if data["inter_node"] else None
     return Cluster(device, data["nodes"], data["devices_per_node"],
                    LinkSpec(**data["intra_node"]), inter, data["nics_per_node"],
-                   tuple(data["local"]))
+                   tuple(data["local"]), processes=bool(data.get("processes", False)))

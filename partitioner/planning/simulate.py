@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from partitioner.cost.devices import Cluster
+from partitioner.cost.optimizer_steps import optimizer_copies
 from partitioner.errors import SimulationError
 from partitioner.planning.predict import INPUT_SHARE, Prediction, StageProfile, replayed
 from partitioner.runtime.placement import stages_on
@@ -137,8 +138,9 @@ class _Simulation:
         shared = cluster.is_local and bool(spec.shared_speedup) and c.devices > 1
         self.shared = shared
         # One process steps each tensor-parallel shard of a stage, one after another (and
-        # the replicas' master only); ranks of a cluster step their own at once.
-        self.shards = c.tp if cluster.is_local else 1
+        # the replicas' master only); ranks of one host step their own at once, sharing its
+        # cores; ranks of a cluster elsewhere step their own at once.
+        self.shards = optimizer_copies(c.dp, c.tp, cluster) if cluster.is_local else 1
         self.stepped: set[int] = set()
         self.spec = spec
         self.hosts = [_Host(self.gain)] if shared else [_Host(lambda j, n: float(n))

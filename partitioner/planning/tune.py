@@ -100,12 +100,15 @@ def synthetic_loss(outputs: Any, targets: Any) -> torch.Tensor:
 def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
                         kwargs: dict[str, Any] | None, batch: int, *,
                         steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS,
-                        min_seconds: float = 0.0) -> float:
+                        min_seconds: float = 0.0,
+                        agree: Callable[[float], float] | None = None) -> float:
     """The median seconds of ``steps`` training steps of ``module`` on one batch, or of as
     many more (up to :data:`MAX_TIMED_STEPS`) as take ``min_seconds`` in all: three steps of
     10 ms are a few scheduler slices, which on a shared VM ranked candidates 10-60% apart
     differently from run to run (docs/benchmarks.md, "What one process pays"). Every rank
-    of a world must time the same steps: only one process passes ``min_seconds``.
+    of a world must time the same number of steps (each is collective): ranks pass
+    ``agree``, which turns this rank's first timed step into the one every rank counts
+    with (the slowest rank's, an all-reduce), so all take the same count.
 
     A step is what a plan's predicted step time covers: ``zero_grad``, forward and backward
     (``module.step`` in a partitioned module's schedule; ``loss.backward()`` for a plain
@@ -133,7 +136,8 @@ def time_training_steps(module: nn.Module, inputs: tuple[Any, ...],
         one_step()
     times = [one_step()]
     if min_seconds > 0:
-        wanted = math.ceil(min_seconds / max(times[0], 1e-6))
+        first = agree(times[0]) if agree is not None else times[0]
+        wanted = math.ceil(min_seconds / max(first, 1e-6))
         steps = max(steps, min(wanted, MAX_TIMED_STEPS))
     times += [one_step() for _ in range(steps - 1)]
     (optimizer or module).zero_grad(set_to_none=True)

@@ -185,7 +185,7 @@ def world_cluster(hostnames: Sequence[str], device_type: str, *,
     spec = cpu if cpu is not None else cpu_spec()
     intra = link if link is not None else LOOPBACK
     if nodes == 1:  # this machine: its ranks share its cores, as the search models
-        return Cluster(spec, 1, per, intra, None, 1, ("cpu",) * per)
+        return Cluster(spec, 1, per, intra, None, 1, ("cpu",) * per, processes=True)
     return Cluster(spec, nodes, per, intra, ETHERNET, 1)
 
 

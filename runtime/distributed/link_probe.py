@@ -7,12 +7,15 @@ one CPU host gloo's messages go through the kernel's loopback and wait for the r
 process to be scheduled: with more ranks than cores a message costs hundreds of
 microseconds, ten times the 30 assumed before (measured on the 2-core CI machine: 4 ranks,
 a 4-byte message one way 0.6 ms while other processes ran). :func:`probe_link` measures it
-in the world that will run the plan, on every rank at once as the plan's own transfers are:
-ranks ``2k`` and ``2k + 1`` exchange messages (a lone last rank waits), first small ones
-for the latency, then 8 MiB ones for the bandwidth (medians of round trips); the slowest
-pair's figures count, agreed by an all-reduce so every rank plans with the same link. It
-takes about 50 round trips.
-
+in the world that will run the plan: ranks ``2k`` and ``2k + 1`` exchange messages (a lone
+last rank waits), first small ones for the latency, then 8 MiB ones for the bandwidth
+(medians of round trips), and the slowest pair's figures count, agreed by an all-reduce so
+every rank plans with the same link. The latency is measured twice: one pair at a time
+(the others wait in a barrier), which is what a pipeline's hand-off pays while the other
+stages compute or wait, and every pair at once, which is what a collective pays when every
+replica's group reduces together. On the 2-core VM with 4 ranks the two were 65-90 us and
+about 2 ms (2026-12-04): planned with the second, a 4-stage pipeline of one micro-batch
+was predicted at 22 ms and ran 13-16 ms. It takes about 50 round trips per pair.
 Example:
     >>> probe_link  # doctest: +ELLIPSIS
     <function probe_link at 0x...>
@@ -54,26 +57,34 @@ def _round_trips(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> f
     return statistics.median(times)
 
 
-def probe_link() -> tuple[float, float]:
-    """``(latency, bandwidth)`` of one message between this world's ranks: seconds per
-    message and bytes per second, the slowest pair's (collective: every rank calls it).
+def probe_link() -> tuple[float, float, float]:
+    """``(latency, bandwidth, busy_latency)`` of one message between this world's ranks:
+    seconds per message with one pair exchanging at a time, bytes per second, and seconds
+    per message with every pair exchanging at once; the slowest pair's (collective: every
+    rank calls it).
 
     Raises:
         CommunicationError: a rank stopped answering (``communicating``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank + 1 if rank % 2 == 0 else rank - 1
+    first = rank % 2 == 0
     small, large = torch.zeros(1), torch.zeros(LARGE_BYTES // 4)
-    latency = per_large = 0.0
+    latency = busy = per_large = 0.0
     with communicating("measuring the link between ranks (send/recv pairs)"):
         dist.barrier()
-        if peer < world:
-            _round_trips(peer, rank % 2 == 0, small, 5)
-            latency = _round_trips(peer, rank % 2 == 0, small, SMALL_ROUNDS)
-            per_large = _round_trips(peer, rank % 2 == 0, large, 5)
-        agreed = torch.tensor([latency, per_large], dtype=torch.float64)
+        for pair in range(world // 2):  # one pair at a time: the others wait
+            if rank // 2 == pair and peer < world:
+                _round_trips(peer, first, small, 5)
+                latency = _round_trips(peer, first, small, SMALL_ROUNDS)
+            dist.barrier()
+        if peer < world:  # every pair at once
+            _round_trips(peer, first, small, 5)
+            busy = _round_trips(peer, first, small, SMALL_ROUNDS)
+            per_large = _round_trips(peer, first, large, 5)
+        agreed = torch.tensor([latency, per_large, busy], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large = (float(v) for v in agreed)
+    latency, per_large, busy = (float(v) for v in agreed)
     # The latency's share of a large message: at most half of it, whatever the noise.
-    bandwidth = LARGE_BYTES / max(per_large - latency, per_large / 2, 1e-9)
-    return latency, bandwidth
+    bandwidth = LARGE_BYTES / max(per_large - busy, per_large / 2, 1e-9)
+    return latency, bandwidth, max(busy, latency)

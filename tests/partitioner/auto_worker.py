@@ -8,8 +8,10 @@ slice) and compares with full-batch training in this process.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
 import json
 import os
 import sys
@@ -87,8 +89,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     name, batch, steps = case["model"], case["batch"], case.get("steps", 3)
     model, loss_fn, batches = build(name), loss_for(name), data(case["model"], batch, steps)
     expected, ref_losses = reference(model, batches, loss_fn)
-    dpm = partition_distributed(model, (batches[0][0],), strategy="auto", failure=POLICY,
-                                tune=case.get("tune", False), **case.get("fixed", {}))
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):  # what the calibration says it timed
+        dpm = partition_distributed(model, (batches[0][0],), strategy="auto", failure=POLICY,
+                                    tune=case.get("tune", False),
+                                    calibrate=case.get("calibrate"), **case.get("fixed", {}))
     mesh = dpm.plan.mesh
     local = batch // mesh.dp
     rows = slice(dpm.mesh.replica * local, (dpm.mesh.replica + 1) * local)
@@ -110,7 +115,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                   explain=dpm.plan.explain().splitlines()[-1],
                   measured=[r.get("measured_step_time") for r in dpm.plan.candidates],
                   predicted=[r.get("step_time") for r in dpm.plan.candidates],
-                  chosen=[bool(r.get("chosen")) for r in dpm.plan.candidates])
+                  chosen=[bool(r.get("chosen")) for r in dpm.plan.candidates],
+                  timed="in training passes of the whole model" in said.getvalue())
     dpm.close()
     return record
 

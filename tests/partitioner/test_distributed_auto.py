@@ -30,6 +30,8 @@ TWO = [
     dict(model="mlp", batch=16, fixed=dict(pp=2)),
     dict(model="gpt", batch=8, fixed=dict(pp=2, schedule="1f1b", chunks=2)),
     dict(model="mlp", batch=16, tune=2),  # tuned: the measured fastest of 2, weights restored
+    # Rank 0 times the model before planning; its weights and generator are left as they were.
+    dict(model="gpt", batch=8, calibrate=True),
 ]
 FOUR = [
     dict(model="mlp", batch=16),
@@ -72,6 +74,8 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int, world: int) -> None
         assert records[0]["explain"].startswith("tuned: timed 2 candidates")
     else:
         assert records[0]["explain"].startswith("chosen: ")
+    # Only rank 0 plans, so only rank 0 times the model (when asked).
+    assert [r["timed"] for r in records] == [bool(case.get("calibrate"))] + [False] * (world - 1)
     for r in records:
         assert r["max_diff"] < TOLERANCE, (r["rank"], r["max_diff"])
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOLERANCE, abs=TOLERANCE)

@@ -16,6 +16,7 @@ from partitioner.cost.comm import (
     reduce_scatter_time,
 )
 from partitioner.cost.devices import Cluster, LinkSpec
+from partitioner.errors import DeviceError
 
 LINK = LinkSpec("test", bandwidth=50e9, latency=2e-6)
 
@@ -53,6 +54,18 @@ def test_single_rank_and_empty_messages_cost_nothing() -> None:
 def test_effective_bandwidth_is_used() -> None:
     slow = LinkSpec("l", 100e9, 0.0, efficiency=0.5)
     assert p2p_time(1e9, slow) == pytest.approx(0.02)
+
+
+def test_collective_steps_pay_the_busy_latency_and_hand_offs_the_lone_one() -> None:
+    # Ranks outnumbering the cores: a message while every pair exchanges waits for its
+    # receiver to be scheduled (2 ms), one pair alone does not (0.1 ms).
+    busy = LinkSpec("loopback", 2e9, 1e-4, busy_latency=2e-3)
+    assert busy.step_latency == 2e-3 and LINK.step_latency == LINK.latency
+    assert p2p_time(1e6, busy) == pytest.approx(1e-4 + 1e6 / 2e9)
+    assert all_reduce_time(1e6, 2, busy) == pytest.approx(2 * (2e-3 + 1e6 / (2 * 2e9)))
+    assert all_gather_time(1e6, 4, busy) == pytest.approx(3 * (2e-3 + 1e6 / (4 * 2e9)))
+    with pytest.raises(DeviceError, match="busy_latency=-1.0"):
+        LinkSpec("bad", 1e9, 0.0, busy_latency=-1.0)
 
 
 def test_bad_arguments_are_reported_together() -> None:

@@ -113,3 +113,12 @@ def test_bad_values_are_refused() -> None:
     workload = _setting(False)[3]
     with pytest.raises(CostModelError, match="optimizer_scale=0"):
         Workload(workload.layers, workload.boundaries, workload.batch, optimizer_scale=0)
+
+
+def test_partition_distributed_refuses_bad_calibrate_values_before_any_collective() -> None:
+    from partitioner.distributed import partition_distributed
+    model, x = _model()
+    with pytest.raises(StrategyError, match="calibrate='yes'.*True, False or None"):
+        partition_distributed(model, (x,), strategy="auto", calibrate="yes")  # type: ignore[arg-type]
+    with pytest.raises(StrategyError, match="calibrate=True times the model for the search"):
+        partition_distributed(model, (x,), pp=2, calibrate=True)

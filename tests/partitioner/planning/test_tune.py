@@ -257,6 +257,13 @@ def test_short_steps_are_timed_until_they_last_long_enough() -> None:
     calls.clear()
     time_training_steps(Counted(), (x,), None, 2, steps=3, warmup=1, min_seconds=10.0)
     assert len(calls) == 1 + MAX_TIMED_STEPS  # capped: a tiny step never reaches 10 s
+    # Ranks count with the step time they agree on (the slowest rank's): a 100 s first
+    # step agreed makes 3 steps enough, whatever this process measured.
+    calls.clear()
+    seen: list[float] = []
+    time_training_steps(Counted(), (x,), None, 2, steps=3, warmup=1, min_seconds=10.0,
+                        agree=lambda t: seen.append(t) or 100.0)
+    assert len(calls) == 1 + 3 and len(seen) == 1 and 0 < seen[0] < 100
 
 
 def test_tuning_times_the_best_of_each_mesh_before_variants_of_one() -> None:

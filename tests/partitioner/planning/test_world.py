@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from models import mlp
 
 from partitioner.analysis import analyze
+from partitioner.cost.comm import all_reduce_time
 from partitioner.cost.device_names import ASSUMED_GPU
-from partitioner.cost.devices import REFERENCE_CPU, Cluster
+from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
+from partitioner.cost.optimizer_steps import optimizer_copies
 from partitioner.errors import DeviceError, MeshError, ScheduleError, StrategyError
 from partitioner.planning.auto import MULTI_PROCESS_RUNTIME, configurations, executable
+from partitioner.planning.predict import Config, predict
+from partitioner.planning.records import _cluster_dict, _cluster_from
 from partitioner.planning.space import SearchSpace
 from partitioner.planning.world import (
     ETHERNET,
@@ -37,6 +43,34 @@ def test_one_host_is_one_node_of_this_machine() -> None:
     cluster = world_cluster(["box"] * 4, "cpu", cpu=REFERENCE_CPU)
     assert (cluster.nodes, cluster.devices_per_node, cluster.is_local) == (1, 4, True)
     assert cluster.intra_node == LOOPBACK and cluster.device == REFERENCE_CPU
+
+
+def test_ranks_of_one_host_are_processes_not_threads(workload: object) -> None:
+    """The same 4 CPU devices as threads of one process (``partition``) and as ranks of a
+    world (``partition_distributed``): replicas of ranks all-reduce over the link, paying
+    the latency every pair sees at once, not a sum of copies in memory; each rank steps
+    its own optimizer at the same time as the others; pipeline hand-offs pay the latency
+    of a lone pair."""
+    link = LinkSpec("loopback", 2e9, 1e-4, busy_latency=2e-3)
+    ranks = world_cluster(["box"] * 4, "cpu", cpu=REFERENCE_CPU, link=link)
+    threads = replace(ranks, processes=False)
+    assert ranks.processes and ranks.is_local and not threads.processes
+    costs = workload.workload
+    config = Config(dp=2, pp=2)
+    as_ranks, as_threads = predict(costs, ranks, config), predict(costs, threads, config)
+    grads = sum(s.grad_bytes for s in as_ranks.stages[:1])
+    assert as_ranks.dp_times[0] == pytest.approx(all_reduce_time(grads, 2, link))
+    assert as_ranks.dp_times[0] > 2 * 2e-3  # two ring steps at the busy latency
+    assert as_threads.dp_times[0] < as_ranks.dp_times[0]
+    assert optimizer_copies(2, 1, threads) == 1
+    assert optimizer_copies(2, 1, ranks) == pytest.approx(2 / REFERENCE_CPU.speedup(4, 0.0))
+    # A pipeline's hand-off pays the lone pair's latency.
+    alone = predict(costs, ranks, Config(pp=4))
+    assert alone.stages[0].send == pytest.approx(link.time(alone.stages[0].send_bytes))
+    # What the plan records comes back as it was (the simulator and explain() read it).
+    assert _cluster_from(_cluster_dict(ranks)) == ranks
+    with pytest.raises(DeviceError, match="processes=1"):
+        replace(ranks, processes=1)
 
 
 def test_two_hosts_are_two_nodes() -> None:

@@ -12,7 +12,7 @@ from partitioner.runtime.distributed.link_probe import probe_link
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    latency, bandwidth = probe_link()
+    latency, bandwidth, busy = probe_link()
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "latency": latency,
-                                  "bandwidth": bandwidth}), flush=True)
+                                  "bandwidth": bandwidth, "busy": busy}), flush=True)
     dist.destroy_process_group()

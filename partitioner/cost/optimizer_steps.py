@@ -1,0 +1,30 @@
+"""How long a host spends on its devices' optimizer steps, in units of one step alone.
+
+One process (``partition``: worker threads, ``runtime/replicas.py``) steps each
+tensor-parallel shard of a stage once, one after another, in the caller's thread, and the
+replicas' master only (they copy its weights): ``tp`` steps per pipeline device. Ranks of one
+host (``partition_distributed``: a process each) step their own at the same time, ``dp x tp``
+per pipeline device, sharing the host's cores as memory-bound work shares them
+(``DeviceSpec.speedup`` of 0 FLOPs over all of the host's ranks): Adam streams its state.
+
+Example:
+    >>> from partitioner.cost.devices import REFERENCE_CPU, Cluster
+    >>> threads = Cluster(REFERENCE_CPU, 1, 4, local=("cpu",) * 4)
+    >>> ranks = Cluster(REFERENCE_CPU, 1, 4, local=("cpu",) * 4, processes=True)
+    >>> optimizer_copies(2, 1, threads), round(optimizer_copies(2, 1, ranks), 2)
+    (1, 2.86)
+"""
+
+from __future__ import annotations
+
+from partitioner.cost.devices import Cluster
+
+__all__ = ["optimizer_copies"]
+
+
+def optimizer_copies(dp: int, tp: int, cluster: Cluster) -> float:
+    """Steps of one pipeline device's optimizer the host spends time on (see the module
+    docstring); ``cluster`` has local devices, ``cluster.size`` of them busy at once."""
+    if not cluster.processes:
+        return tp
+    return dp * tp / cluster.spec(0).speedup(cluster.size, 0.0)
