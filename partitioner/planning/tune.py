@@ -42,6 +42,7 @@ from torch import nn
 from partitioner.errors import TuneError
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
+           "KEEP_WITHIN",
            "MIN_TIMED_SECONDS", "MAX_TIMED_STEPS",
            "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
            "time_training_steps", "run_trials", "tuned_order", "tuned_records", "snapshot_state",
@@ -59,6 +60,9 @@ MAX_TIMED_STEPS = 30
 """The most timed steps per candidate and round."""
 ROUNDS = 2
 """Rounds of timing: the candidates close to the fastest are timed again (:func:`run_trials`)."""
+KEEP_WITHIN = 0.03
+"""A better-ranked candidate measured within this share of the fastest is kept
+(:func:`tuned_records`): issue 18's goal for tuning's regret, the most a tie can cost."""
 RETIME_WITHIN = 0.25
 """Candidates measured within this share of the fastest are timed again: on a machine whose
 speed drifts by 10-25% over seconds (measured on the 2-core VM, docs/benchmarks.md "auto's
@@ -260,7 +264,20 @@ def contenders(measured: dict[int, float]) -> list[int]:
 def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
                   ) -> tuple[dict[str, Any], ...]:
     """The records with each trial's measured time (or error), the measured fastest chosen
-    (the predicted best stays chosen when no candidate ran)."""
+    (the predicted best stays chosen when no candidate ran).
+
+    Candidates measured within :data:`KEEP_WITHIN` of the fastest are a tie the timing
+    cannot break (one plan's steps measure 10-30% apart from one run to the next on the
+    2-core VM): of those the best-ranked is chosen, so tuning costs at most that share
+    where the measurement is not decisive and overrules the cost model where it is.
+
+    Example:
+        >>> records = [{"label": "a", "rank": 1}, {"label": "b", "rank": 2}]
+        >>> [r["chosen"] for r in tuned_records(records, [Trial(0, 1.00), Trial(1, 0.98)])]
+        [True, False]
+        >>> [r["chosen"] for r in tuned_records(records, [Trial(0, 1.00), Trial(1, 0.90)])]
+        [False, True]
+    """
     out = [dict(r) for r in records]
     for trial in trials:
         out[trial.index]["measured_step_time"] = trial.measured
@@ -270,7 +287,11 @@ def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
             out[trial.index]["tune_error"] = trial.error
     timed = [t for t in trials if t.measured is not None]
     if timed:
-        best = min(timed, key=lambda t: (t.measured, t.index)).index
+        fastest = min(t.measured for t in timed if t.measured is not None)
+        close = [t for t in timed
+                 if t.measured is not None and t.measured <= fastest * (1 + KEEP_WITHIN)]
+        best = min(close, key=lambda t: (records[t.index].get("rank", t.index + 1),
+                                         t.index)).index
         for i, r in enumerate(out):
             r["chosen"] = i == best
     return tuple(out)

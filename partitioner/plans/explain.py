@@ -91,7 +91,12 @@ def tuned_line(ranked: Sequence[dict[str, Any]]) -> str:
         text += (f"; the measured fastest is {best['label']} at "
                  f"{format_seconds(best['measured_step_time'])} (predicted "
                  f"{format_seconds(best['step_time'])})")
-        if best is not first and first.get("measured_step_time") is not None:
+        kept = next((r for r in timed if r.get("chosen")), best)
+        if kept is not best:
+            behind = kept["measured_step_time"] / best["measured_step_time"] - 1
+            text += (f"; kept the better-ranked {kept['label']}, {behind:.1%} behind: too "
+                     "close for the timing to tell apart")
+        elif best is not first and first.get("measured_step_time") is not None:
             slower = first["measured_step_time"] / best["measured_step_time"] - 1
             text += (f"; the predicted best, {first['label']}, measured "
                      f"{format_seconds(first['measured_step_time'])} ({slower:.1%} slower)")

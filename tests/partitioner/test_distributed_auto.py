@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from distributed_harness import launch, results
 
+from partitioner.planning.tune import KEEP_WITHIN
 from partitioner.runtime.schedule_registry import Runtime, schedule_names
 
 WORKER = Path(__file__).with_name("auto_worker.py")
@@ -66,11 +67,12 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int, world: int) -> None
     assert records[0]["schedule"] in schedule_names([Runtime.MULTI_PROCESS])
     assert case["batch"] % (dp * records[0]["chunks"]) == 0
     if case.get("tune"):
-        # Every rank times the same candidates and agrees on the measured fastest.
+        # Every rank times the same candidates and agrees on the measured fastest (or a
+        # better-ranked one within KEEP_WITHIN of it, a tie the timing cannot break).
         measured = records[0]["measured"]
         assert sum(m is not None for m in measured) == case["tune"], measured
         chosen = records[0]["chosen"].index(True)
-        assert measured[chosen] == min(m for m in measured if m is not None)
+        assert measured[chosen] <= min(m for m in measured if m is not None) * (1 + KEEP_WITHIN)
         assert records[0]["explain"].startswith("tuned: timed 2 candidates")
     else:
         assert records[0]["explain"].startswith("chosen: ")

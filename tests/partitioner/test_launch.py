@@ -76,8 +76,14 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process() -> None:
 
 
 def _records(text: str, tag: str) -> list[dict[str, object]]:
-    return [json.loads(line[len(tag) + 1:]) for line in text.splitlines()
-            if line.startswith(tag + " ")]
+    """Every ``TAG {json}`` in ``text``. Two ranks' prints reach torchrun's one stdout and
+    can meet on one line (``...}ATTEMPT {...}``, seen once on CI's machine), so the records
+    are found by their tag, not by line."""
+    decoder, found, start = json.JSONDecoder(), [], 0
+    while (at := text.find(tag + " {", start)) != -1:
+        record, start = decoder.raw_decode(text, at + len(tag) + 1)
+        found.append(record)
+    return found
 
 
 @pytest.mark.slow

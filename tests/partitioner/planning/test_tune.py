@@ -11,6 +11,7 @@ import partitioner.api as api
 from partitioner import partition
 from partitioner.errors import PartitionError, TuneError
 from partitioner.planning.tune import (
+    KEEP_WITHIN,
     MAX_TIMED_STEPS,
     Trial,
     run_trials,
@@ -19,7 +20,7 @@ from partitioner.planning.tune import (
     tune_count,
     tuned_records,
 )
-from partitioner.plans.explain import explain, one_device_line
+from partitioner.plans.explain import explain, one_device_line, tuned_line
 
 
 def _model() -> nn.Sequential:
@@ -63,6 +64,22 @@ def test_tuned_records_choose_the_measured_fastest_and_keep_failures() -> None:
     assert records[0]["chosen"] is True  # the input is not changed
     untimed = tuned_records(records, [Trial(1, None, "x")])
     assert [r["chosen"] for r in untimed] == [True, False, False]
+
+
+def test_a_tie_the_timing_cannot_break_keeps_the_better_ranked_candidate() -> None:
+    # b measured 2% ahead of a is within KEEP_WITHIN: a, ranked first, stays; c measured
+    # 10% ahead of both is decisive. explain() says which it kept and why.
+    records = [{"label": "a", "rank": 1, "chosen": True, "step_time": 1.0},
+               {"label": "b", "rank": 2, "chosen": False, "step_time": 1.1}]
+    tuned = tuned_records(records, [Trial(0, 0.100), Trial(1, 0.098)])
+    assert [r["chosen"] for r in tuned] == [True, False] and KEEP_WITHIN == 0.03
+    line = tuned_line(tuned)
+    assert "the measured fastest is b at 98 ms" in line
+    assert "kept the better-ranked a, 2.0% behind: too close for the timing" in line
+    three = [*records, {"label": "c", "rank": 3, "chosen": False, "step_time": 1.2}]
+    tuned = tuned_records(three, [Trial(0, 0.100), Trial(1, 0.098), Trial(2, 0.088)])
+    assert [r["chosen"] for r in tuned] == [False, False, True]
+    assert "kept" not in tuned_line(tuned)
 
 
 def test_run_trials_skips_a_failing_candidate_with_its_reason() -> None:
