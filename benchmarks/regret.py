@@ -324,7 +324,9 @@ def main() -> None:
             tuned = partition(copy.deepcopy(model), ["cpu"] * devices, example_inputs=(x,),
                               tune=True)
             tuned_label = next(r["label"] for r in tuned.plan.candidates if r.get("chosen"))
+            said = next((n for n in tuned.plan.notes if n.startswith("tuned:")), "")
             tuned.close()
+            print(f"\n{case.name} x{devices}, tune=True in this process: {said}")
             rows.append(report(case, devices, runs, picked, tuned_label))
             if discarded:
                 print(f"  ({discarded} steps discarded: other processes were busy)")
