@@ -58,7 +58,7 @@ from partitioner.cost.memory import (
     optimizer_temporaries,
     optimizer_traffic,
 )
-from partitioner.cost.optimizer_steps import optimizer_copies
+from partitioner.cost.optimizer_steps import optimizer_copies, overlaps
 from partitioner.errors import ConfigError
 from partitioner.planning.solver import InfeasibleError, PartitionProblem, evaluate, solve
 from partitioner.runtime.checkpointing import (
@@ -566,11 +566,11 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
             # FSDP gathers the parameters twice and reduce-scatters the gradients.
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
                 * (1.5 if workload.fsdp else 1.0) if config.dp > 1 else 0.0
-        # The sharded optimizer's reduce-scatter starts after the last backward. Ranks of
-        # one CPU host hide nothing: gloo's thread needs the cores the backward is using
-        # (dp=2 on 2 cores: the all-reduce of a 3.4 ms backward still waited 2.9 ms after it).
+        # The sharded optimizer's reduce-scatter starts after the last backward. CPU ranks
+        # hide nothing: gloo's thread needs the cores the backward uses (dp=2, 2 cores: a
+        # 3.4 ms backward's all-reduce waited 2.9 ms after it); GPU ranks reduce on a stream.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
-            and not cluster.is_local and not config.optimizer_sharding else 0
+            and overlaps(cluster) and not config.optimizer_sharding else 0
         # Plus a fixed cost per parameter tensor (one flat buffer when sharded).
         tensors = 1 if config.optimizer_sharding else sum(
             lay.param_tensors for s in mine for lay in workload.layers[s.first:s.last])

@@ -177,7 +177,7 @@ def world_cluster(hostnames: Sequence[str], device_type: str, *,
         cluster = _gpu_cluster(gpu_name, gpu_memory, nodes, per)
         if nodes == 1:
             cluster = replace(cluster, local=tuple(str(accelerators.device(k))
-                                                   for k in range(per)))
+                                                   for k in range(per)), processes=True)
         return cluster
     if device_type != "cpu":
         raise DeviceError(f"ranks on {device_type!r} devices; strategy='auto' plans for 'cpu' "

@@ -12,7 +12,7 @@ from partitioner.analysis import analyze
 from partitioner.cost.comm import all_reduce_time
 from partitioner.cost.device_names import ASSUMED_GPU
 from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
-from partitioner.cost.optimizer_steps import optimizer_copies
+from partitioner.cost.optimizer_steps import optimizer_copies, overlaps
 from partitioner.errors import DeviceError, MeshError, ScheduleError, StrategyError
 from partitioner.planning.auto import MULTI_PROCESS_RUNTIME, configurations, executable
 from partitioner.planning.predict import Config, predict
@@ -97,6 +97,20 @@ def test_gpu_preset_from_its_name() -> None:
     cluster = world_cluster(["a"] * 8 + ["b"] * 8, "cuda", gpu_name="NVIDIA H100 80GB HBM3",
                             gpu_memory=80 * 2**30)
     assert cluster.device.name == "H100-SXM" and cluster.nodes == 2
+
+
+def test_gpu_ranks_of_one_node_all_reduce_beside_the_backward(workload: object) -> None:
+    # One node's GPU ranks are processes (NCCL all-reduce over NVLink, not one process's
+    # copies), and their reduction hides behind the last backward; CPU ranks' does not.
+    gpu = world_cluster(["a"] * 2, "cuda", gpu_name="NVIDIA H100 80GB HBM3",
+                        gpu_memory=80 * 2**30)
+    assert gpu.processes and gpu.is_local and overlaps(gpu)
+    cpu = world_cluster(["a"] * 2, "cpu", cpu=REFERENCE_CPU)
+    assert cpu.processes and not overlaps(cpu)
+    config = Config(dp=2)
+    grads = sum(s.grad_bytes for s in predict(workload.workload, gpu, config).stages)
+    reduce = predict(workload.workload, gpu, config).dp_times[0]
+    assert reduce == pytest.approx(all_reduce_time(grads, 2, gpu.group_link([0, 1])))
 
 
 def test_unknown_gpu_is_planned_as_the_assumed_mid_range_one() -> None:
