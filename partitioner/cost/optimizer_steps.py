@@ -25,10 +25,21 @@ __all__ = ["optimizer_copies", "overlaps"]
 
 def optimizer_copies(dp: int, tp: int, cluster: Cluster) -> float:
     """Steps of one pipeline device's optimizer the host spends time on (see the module
-    docstring); ``cluster`` has local devices, ``cluster.size`` of them busy at once."""
+    docstring); ``cluster`` has local devices, ``cluster.size`` of them busy at once. Ranks
+    on devices that share nothing (GPUs) each step their own once: 1.
+
+    Example:
+        >>> gpus = Cluster.preset("A100-80GB")
+        >>> optimizer_copies(2, 2, Cluster(gpus.device, 1, 4, local=("cuda:0",) * 4,
+        ...                                processes=True))
+        1.0
+    """
     if not cluster.processes:
         return tp
-    return dp * tp / cluster.spec(0).speedup(cluster.size, 0.0)
+    spec = cluster.spec(0)
+    if not spec.shared_speedup:
+        return 1.0
+    return dp * tp / spec.speedup(cluster.size, 0.0)
 
 
 def overlaps(cluster: Cluster) -> bool:

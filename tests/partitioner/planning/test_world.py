@@ -105,6 +105,7 @@ def test_gpu_ranks_of_one_node_all_reduce_beside_the_backward(workload: object) 
     gpu = world_cluster(["a"] * 2, "cuda", gpu_name="NVIDIA H100 80GB HBM3",
                         gpu_memory=80 * 2**30)
     assert gpu.processes and gpu.is_local and overlaps(gpu)
+    assert optimizer_copies(2, 1, gpu) == 1.0  # each GPU steps its own optimizer, once
     cpu = world_cluster(["a"] * 2, "cpu", cpu=REFERENCE_CPU)
     assert cpu.processes and not overlaps(cpu)
     config = Config(dp=2)
