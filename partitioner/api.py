@@ -196,7 +196,8 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
         tune: measured tuning (``partitioner.planning.tune``): ``True`` builds 4 of the best-ranked
             candidates (``n``: that many; the best of each mesh first), times a few training steps
             of each on the example batch (forward, backward, Adam step; the model's weights are
-            restored afterwards) and runs the measured fastest. ``plan.candidates`` record the
+            restored afterwards) and runs the measured fastest, or a better-ranked candidate
+            measured within 3% of it (a tie the timing cannot break). ``plan.candidates`` record the
             predicted and measured step times and ``plan.explain()`` prints both; a candidate that
             fails is skipped with its reason. Default ``False``: the cost model's choice.
         options: the same settings as one value, shared with :func:`make_plan` and

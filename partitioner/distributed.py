@@ -204,10 +204,10 @@ def partition_distributed(
             tensors (default: the module's ``reset_parameters()``), run with the random
             generator seeded from ``seed`` and the module's name.
         tune: with ``strategy="auto"``: ``True`` builds 4 best-ranked candidates of rank 0's search
-            (each mesh's best first; ``n``: that many) on every rank, times a few training steps of
-            each (the slowest rank's median), restores the model's tensors and runs the measured
-            fastest; ``plan.candidates`` and ``plan.explain()`` show the predicted and measured step
-            times (``partitioner.planning.tune``).
+            (each mesh's best first; ``n``: that many) on every rank, times 0.3 s of training steps
+            of each (the slowest rank's median), restores the model's tensors and runs the measured
+            fastest (a better-ranked one within 3% of it: a tie); ``plan.candidates`` and
+            ``plan.explain()`` show the predicted and measured step times (``planning.tune``).
         sharding: what the ``dp`` replicas cut among them (``partitioner.sharding``):
             ``None``/``"none"``, ``"optimizer"`` (``optimizer_sharding=True``) or
             ``"fsdp"``: parameters, gradients and optimizer state by torch's FSDP2, the
