@@ -374,11 +374,10 @@ def _slowest(seconds: float) -> float:
 def _agreed(seconds: float, error: str) -> float:
     """The slowest rank's ``seconds`` (all-reduce MAX); every rank raises when any failed
     (``inf``), so all skip the candidate together and the next one starts in step."""
-    agreed = torch.tensor([seconds])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    if error or not math.isfinite(float(agreed)):
+    agreed = _slowest(seconds)
+    if error or not math.isfinite(agreed):
         raise RuntimeError(error or "failed on another rank")
-    return float(agreed)
+    return agreed
 
 
 def checked_counts(**given: Any) -> dict[str, Any]:

@@ -566,9 +566,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
             # FSDP gathers the parameters twice and reduce-scatters the gradients.
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
                 * (1.5 if workload.fsdp else 1.0) if config.dp > 1 else 0.0
-        # The sharded optimizer's reduce-scatter starts after the last backward. CPU ranks
-        # hide nothing: gloo's thread needs the cores the backward uses (dp=2, 2 cores: a
-        # 3.4 ms backward's all-reduce waited 2.9 ms after it); GPU ranks reduce on a stream.
+        # The sharded optimizer's reduce-scatter starts after the last backward; where the
+        # others hide behind it: ``optimizer_steps.overlaps``.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
             and overlaps(cluster) and not config.optimizer_sharding else 0
         # Plus a fixed cost per parameter tensor (one flat buffer when sharded).

@@ -248,17 +248,17 @@ def tuned_order(records: Sequence[dict[str, Any]], count: int) -> list[int]:
     return sorted(picked, key=ranked.index)
 
 
-def contenders(measured: dict[int, float]) -> list[int]:
-    """The candidates measured within :data:`RETIME_WITHIN` of the fastest.
+def contenders(measured: dict[int, float], within: float = RETIME_WITHIN) -> list[int]:
+    """The candidates measured within ``within`` (a share) of the fastest.
 
     Example:
-        >>> contenders({0: 1.0, 1: 1.2, 2: 1.5})
-        [0, 1]
+        >>> contenders({0: 1.0, 1: 1.2, 2: 1.5}), contenders({0: 1.0, 1: 1.2}, within=0.03)
+        ([0, 1], [0])
     """
     if not measured:
         return []
     best = min(measured.values())
-    return [i for i, t in measured.items() if t <= best * (1 + RETIME_WITHIN)]
+    return [i for i, t in measured.items() if t <= best * (1 + within)]
 
 
 def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
@@ -287,11 +287,9 @@ def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
             out[trial.index]["tune_error"] = trial.error
     timed = [t for t in trials if t.measured is not None]
     if timed:
-        fastest = min(t.measured for t in timed if t.measured is not None)
-        close = [t for t in timed
-                 if t.measured is not None and t.measured <= fastest * (1 + KEEP_WITHIN)]
-        best = min(close, key=lambda t: (records[t.index].get("rank", t.index + 1),
-                                         t.index)).index
+        close = contenders({t.index: t.measured for t in timed if t.measured is not None},
+                           within=KEEP_WITHIN)
+        best = min(close, key=lambda i: (records[i].get("rank", i + 1), i))
         for i, r in enumerate(out):
             r["chosen"] = i == best
     return tuple(out)
