@@ -415,7 +415,8 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
     made = on_mesh(replace(made, schedule=schedule, precision=call.precision,
                            sequence_parallel=sequence), shape, virtual)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
-        made = replace(made, candidates=chosen.candidates, notes=(*chosen.notes, *made.notes))
+        notes = tuple(dict.fromkeys((*chosen.notes, *made.notes)))  # each line once
+        made = replace(made, candidates=chosen.candidates, notes=notes)
     _check_layers(analysis, made, given is not None)
     return Planned(made, analysis, shard_plan, shape, virtual, bool(sharded))
 
