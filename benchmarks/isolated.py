@@ -1,23 +1,30 @@
-"""Contenders timed each in a process of its own, one step at a time, in rounds.
+"""Contenders timed each in a process of its own, a burst of steps at a time, in rounds.
 
 Several partitioned modules alive in one process slow each other even while idle: on the
 2-core VM the unpartitioned MLP of ``regret.py`` took 7.5 ms a step alone, 10.0 ms while a
 ``dp=2 x pp=2`` module of the same model sat idle beside it, and 8.5 ms once that module
 was closed (docs/benchmarks.md, "auto's regret", 2026-12-03 18:20 UTC). A user runs one
 plan in a process, so each contender here lives in its own process (``spawn``) and the
-parent asks them in turn for one training step: drift in the machine's speed still hits
-every contender alike, and no contender's threads or allocator state weigh on another's.
+parent asks them in turn for a burst of training steps: drift in the machine's speed still
+hits every contender alike, and no contender's threads or allocator state weigh on another's.
+
+A burst is what a training loop runs: steps back to back. One step timed after the process
+sat idle is not: on this VM the second step after 0.3 s of idle took 20-24 ms for a
+``dp=2 x pp=2`` plan that runs 14-17 ms a step back to back, and 17-19 ms for a ``pp=4``
+one that runs 16.5 ms (docs/benchmarks.md, 2026-12-04 13:30 UTC), which ranked the two the
+wrong way round.
 
 The child builds its contender from a picklable description (:class:`Spec`) with a builder
 function importable by name (its ``predicted`` attribute, if any, goes back to the parent),
-runs warm-up steps, then answers each ``"step"`` with the
-step's seconds and the share of the cores other processes kept busy meanwhile (the parent
-and the idle siblings wait on pipes and use none).
+runs warm-up steps, then answers each ``("burst", seconds)`` with the median of the steps it
+ran back to back for that long (after an untimed lead-in step, at least one timed) and the
+share of the cores other processes kept busy meanwhile (the parent and the idle siblings
+wait on pipes and use none).
 
 Example (not run here: it spawns processes)::
 
     pool = Isolated([Spec("regret", "contender_module", ("mlp", 2, record))])
-    seconds, foreign = pool.step(0)
+    seconds, foreign = pool.step(0, burst=0.2)
     pool.close()
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import statistics
 import sys
 import time
 import traceback
@@ -63,18 +71,21 @@ def _child(spec: Spec, warmup: int, conn: Connection) -> None:
     conn.send(("ready", getattr(contender, "predicted", None)))
     while True:
         command = conn.recv()
-        if command != "step":
+        if not (isinstance(command, tuple) and command[0] == "burst"):
             break
         try:
-            contender.step()  # lead-in: the timed step follows one of its own
+            contender.step()  # lead-in: the timed steps follow one of their own
             load = cpu_sample()
+            times: list[float] = []
             begin = time.perf_counter()
-            contender.step()
+            while not times or time.perf_counter() - begin < command[1]:
+                start = time.perf_counter()
+                contender.step()
+                times.append(time.perf_counter() - start)
         except Exception:
             conn.send(("error", traceback.format_exc(limit=3)))
             return
-        seconds = time.perf_counter() - begin
-        conn.send(("step", (seconds, foreign_share(load) or 0.0)))
+        conn.send(("step", (statistics.median(times), foreign_share(load) or 0.0)))
     close = getattr(contender, "close", None)
     if callable(close):
         close()
@@ -126,17 +137,18 @@ class Isolated:
     def built(self) -> list[int]:
         return sorted(self._children)
 
-    def step(self, i: int) -> tuple[float, float]:
-        """One timed training step of contender ``i`` (right after an untimed one, as in a
-        training loop, once the machine had :attr:`settle` seconds of quiet): (seconds,
-        share of the cores other processes kept busy meanwhile).
+    def step(self, i: int, burst: float = 0.0) -> tuple[float, float]:
+        """Timed training steps of contender ``i`` run back to back for ``burst`` seconds
+        (at least one, right after an untimed one, as in a training loop), once the machine
+        had :attr:`settle` seconds of quiet: (their median seconds, share of the cores other
+        processes kept busy meanwhile).
 
         Raises:
             RuntimeError: the contender failed (it is dropped from :attr:`built`).
         """
         process, conn = self._children[i]
         time.sleep(self.settle)
-        conn.send("step")
+        conn.send(("burst", burst))
         kind, detail = _receive(conn, process)
         if kind != "step":
             del self._children[i]

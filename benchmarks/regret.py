@@ -6,9 +6,10 @@ every candidate the search ranked (``plan.candidates``, up to 10), the plain 1F1
 over all the devices and the unpartitioned model on one device, each in a process of its
 own (``benchmarks/isolated.py``: modules alive beside each other in one process slowed each
 other by up to a third), and times training steps of each (``zero_grad``, ``pm.step`` with
-a loss over the outputs, Adam step) in rounds, one step of each per round in a rotating
-order, so drift in the machine's load hits them alike; a step during which other processes
-kept more than ``--max-foreign`` of the cores busy is discarded and run again. Then
+a loss over the outputs, Adam step) in rounds: each round a burst of steps back to back
+(``--burst`` seconds, as a training loop runs them) of each contender in a rotating order,
+so drift in the machine's load hits them alike; a burst during which other processes kept
+more than ``--max-foreign`` of the cores busy is discarded and run again. Then
 ``partition(..., tune=True)`` plans the case again and its pick is looked up in the same
 table.
 
@@ -215,12 +216,11 @@ def contenders(case: Case, devices: int) -> tuple[list[Run], str, Any]:
 
 
 def time_all(runs: list[Run], rounds: int, warmup: int, max_foreign: float,
-             attempts: int, min_seconds: float = 0.0, max_rounds: int = 40
-             ) -> tuple[list[Run], int]:
-    """Time every run in its own process (``isolated.Isolated``), one step of each per
-    round in a rotating order, until each has ``rounds`` timed steps lasting
-    ``min_seconds`` in all (at most ``max_rounds``); the runs that could not be built are
-    reported and dropped."""
+             attempts: int, burst: float = 0.2) -> tuple[list[Run], int]:
+    """Time every run in its own process (``isolated.Isolated``), in rounds: each round a
+    burst of steps back to back (``burst`` seconds) of each run in a rotating order, until
+    each has ``rounds`` bursts (a run's time: the median of its bursts' median steps); the
+    runs that could not be built are reported and dropped."""
     pool = Isolated([r.spec for r in runs], warmup=warmup)
     try:
         for i, error in sorted(pool.errors.items()):
@@ -230,14 +230,13 @@ def time_all(runs: list[Run], rounds: int, warmup: int, max_foreign: float,
                 runs[i].predicted = predicted
         discarded = 0
         for attempt in range(attempts):
-            waiting = [i for i in pool.built if len(runs[i].times) < rounds or (
-                sum(runs[i].times) < min_seconds and len(runs[i].times) < max_rounds)]
+            waiting = [i for i in pool.built if len(runs[i].times) < rounds]
             if not waiting:
                 break
             k = attempt % len(waiting)
             for i in waiting[k:] + waiting[:k]:
                 try:
-                    seconds, foreign = pool.step(i)
+                    seconds, foreign = pool.step(i, burst)
                 except RuntimeError as error:
                     print(f"  {runs[i].label}: failed ({str(error).strip().splitlines()[-1]})")
                     continue
@@ -301,18 +300,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
     parser.add_argument("--devices", default="2,4", help="device counts, comma-separated")
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps per candidate "
-                        "(at least)")
-    parser.add_argument("--min-seconds", type=float, default=0.4,
-                        help="more rounds until each candidate's timed steps last this long "
-                             "(at most --max-rounds): five steps of 10-20 ms measured the "
-                             "same plan 15%% apart from one process to the next")
-    parser.add_argument("--max-rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="bursts of timed steps per candidate")
+    parser.add_argument("--burst", type=float, default=0.2,
+                        help="seconds of steps back to back in each burst (at least one "
+                             "step): a step timed alone after its process sat idle ran "
+                             "up to 1.5x slow")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
     parser.add_argument("--max-foreign", type=float, default=0.15,
-                        help="discard a step if other processes kept more than this share "
+                        help="discard a burst if other processes kept more than this share "
                              "of the cores busy during it (1 keeps every step)")
-    parser.add_argument("--max-attempts", type=int, default=120)
+    parser.add_argument("--max-attempts", type=int, default=40)
     args = parser.parse_args()
     names = [n for n in args.cases.split(",") if n]
     rows = []
@@ -320,7 +318,7 @@ def main() -> None:
         for devices in [int(d) for d in args.devices.split(",")]:
             runs, picked, (model, x) = contenders(case, devices)
             runs, discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
-                                       args.max_attempts, args.min_seconds, args.max_rounds)
+                                       args.max_attempts, args.burst)
             tuned = partition(copy.deepcopy(model), ["cpu"] * devices, example_inputs=(x,),
                               tune=True)
             tuned_label = next(r["label"] for r in tuned.plan.candidates if r.get("chosen"))
@@ -329,7 +327,7 @@ def main() -> None:
             print(f"\n{case.name} x{devices}, tune=True in this process: {said}")
             rows.append(report(case, devices, runs, picked, tuned_label))
             if discarded:
-                print(f"  ({discarded} steps discarded: other processes were busy)")
+                print(f"  ({discarded} bursts discarded: other processes were busy)")
             del runs, model, x
             gc.collect()
     summary(rows)
