@@ -37,7 +37,11 @@ from partitioner.cost.links import LINKS, LinkSpec
 from partitioner.errors import DeviceError
 from partitioner.runtime import device as accelerators
 
-__all__ = ["DeviceSpec", "LinkSpec", "Cluster", "DEVICES", "LINKS", "parse_devices",
+FRESH_RAMP = 8.0
+"""Tensors from ``fresh_threshold / FRESH_RAMP`` up are partly faulted in afresh
+(:meth:`DeviceSpec.fresh_time`): measured on glibc, 4 MiB never, 8 and 16 MiB in part."""
+
+__all__ = ["DeviceSpec", "LinkSpec", "Cluster", "DEVICES", "LINKS", "FRESH_RAMP", "parse_devices",
            "interpolate_speedup", "link_bandwidth", "dtype_name", "REFERENCE_CPU"]
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ class DeviceSpec:
             written (page faults, the kernel zeroing pages); 0: allocations reuse memory (a
             GPU's caching allocator).
         fresh_threshold: tensors of at least this many bytes get newly mapped memory on
-            every allocation (glibc's ``malloc``: above 32 MiB, its largest mmap threshold).
+            every allocation (glibc's ``malloc``: above 32 MiB, its largest mmap threshold);
+            from ``1 / FRESH_RAMP`` of it up, a share of them (:meth:`fresh_time`).
         action_overhead: seconds the pipeline runtime spends per stage action (one
             micro-batch's forward or backward on one stage: handing it to the stage's
             worker, its stash, autograd bookkeeping), beyond the ops themselves. Measured
@@ -188,11 +193,30 @@ class DeviceSpec:
         return self.matmul_rate(flops, dtype) * efficiency / self.matmul_efficiency
 
     def fresh_time(self, nbytes: float) -> float:
-        """Seconds of first-touching a newly allocated tensor of ``nbytes`` (0 when the
-        allocator reuses memory of that size)."""
-        if not self.fresh_bandwidth or nbytes < max(self.fresh_threshold, 1.0):
+        """Seconds of first-touching a newly allocated tensor of ``nbytes``: all of it from
+        ``fresh_threshold`` up, none below ``fresh_threshold / FRESH_RAMP`` (the allocator
+        reuses memory of that size), a share rising with ``log(nbytes)`` in between.
+
+        glibc's ``malloc`` maps tensors above its mmap threshold (at most 32 MiB) afresh on
+        every allocation, and tensors below it come from a heap whose top it returns to the
+        system once more than twice the threshold is free there: Adam's step over 16 MiB
+        weights faulted in 0.4-1.0 of its two temporaries every step, over 8 MiB weights
+        0.2, over 4 MiB ones none (``docs/benchmarks.md``, "Memory faulted in below glibc's
+        threshold"). A step at the threshold predicted a 4-way tensor-parallel split of
+        ``benchmarks/regret.py``'s ``wide`` model (16 MiB shards of 64 MiB weights) 3.2x
+        fast.
+
+        Example:
+            >>> spec = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, fresh_bandwidth=1e9,
+            ...                   fresh_threshold=32 * 2**20)
+            >>> [round(spec.fresh_time(m * 2**20) * 1e3, 1) for m in (2, 4, 8, 16, 32, 64)]
+            [0.0, 0.0, 2.8, 11.2, 33.6, 67.1]
+        """
+        full = max(self.fresh_threshold, 1.0)
+        if not self.fresh_bandwidth or nbytes <= full / FRESH_RAMP:
             return 0.0
-        return nbytes / self.fresh_bandwidth
+        share = min(1.0, math.log(nbytes * FRESH_RAMP / full) / math.log(FRESH_RAMP))
+        return share * nbytes / self.fresh_bandwidth
 
     @property
     def achievable_bandwidth(self) -> float:

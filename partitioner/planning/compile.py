@@ -133,6 +133,11 @@ def split_layers(analysis: Analysis, model: nn.Module, tp: int,
     return regrouped(analysis, merged), TensorParallelSplit(shard_plan, names, analysis)
 
 
+_SEARCH_NOTES = ("chosen:", "tuned:")
+"""The notes of the search and of tuning, which the stages cut for a tensor-parallel plan
+keep from the plan that chose them (tuning's said nothing when it picked such a plan)."""
+
+
 def device_groups_of(request: PlanRequest, mesh: Mesh) -> list[list[Any]]:
     """The first replica's devices, one group of ``tp`` per pipeline stage."""
     devices = list(request.devices)[:mesh.pp * mesh.tp]
@@ -158,8 +163,8 @@ def split_plan(model: nn.Module, analysis: Analysis, request: PlanRequest, plan:
     chosen = replace(made, candidates=plan.candidates,
                      predicted_step_time=plan.predicted_step_time,
                      predicted_bubble=plan.predicted_bubble,
-                     notes=(*(n for n in made.notes if not n.startswith("chosen:")),
-                            *(n for n in plan.notes if n.startswith("chosen:"))),
+                     notes=(*(n for n in made.notes if not n.startswith(_SEARCH_NOTES)),
+                            *(n for n in plan.notes if n.startswith(_SEARCH_NOTES))),
                      planner=replace(made.planner or PlannerInputs(),
                                      strategy=request.strategy, mesh=request.mesh))
     if mesh.dp > 1:

@@ -189,6 +189,33 @@ def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
     assert not any(n.startswith("chosen:") for n in pm.plan.notes)
 
 
+def test_tuning_that_picks_a_tensor_parallel_plan_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stages cut for a tensor-parallel pick keep tuning's note (they kept only the
+    search's, so explain() did not say that tuning had overruled the ranking)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
+                          nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    x = torch.randn(32, 256)
+    ranked = sorted(partition(model, ["cpu"] * 2, example_inputs=(x,)).plan.candidates,
+                    key=lambda r: r["rank"])
+    wanted = next(r for r in ranked if r["config"]["tp"] > 1)
+    assert wanted["rank"] > 1  # the ranking's pick is not tensor-parallel
+
+    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int,
+             min_seconds: float = 0.0) -> float:
+        mesh = getattr(getattr(module, "plan", None), "mesh", None)
+        return 1.0 if mesh is not None and mesh.tp > 1 else 2.0
+
+    monkeypatch.setattr(api, "time_training_steps", fake)
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=10)
+    assert pm.plan.mesh.tp == 2
+    tuned = [n for n in pm.plan.notes if n.startswith("tuned:")]
+    assert len(tuned) == 1 and "the measured fastest is dp=1 tp=2" in tuned[0]
+    assert tuned[0] in pm.plan.explain()
+    assert torch.allclose(pm(x), model(x), atol=1e-5)
+
+
 def test_partition_tune_keeps_the_plan_when_a_candidate_fails(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
