@@ -197,9 +197,10 @@ def partition(model: nn.Module, devices: Any, strategy: str | None = None, *,
             candidates (``n``: that many; the best of each mesh first), times a few training steps
             of each on the example batch (forward, backward, Adam step; the model's weights are
             restored afterwards) and runs the measured fastest, or a better-ranked candidate
-            measured within 3% of it (a tie the timing cannot break). ``plan.candidates`` record the
-            predicted and measured step times and ``plan.explain()`` prints both; a candidate that
-            fails is skipped with its reason. Default ``False``: the cost model's choice.
+            measured within 10% of it (a tie the timing cannot break). ``plan.candidates``
+            record the predicted and measured step times and ``plan.explain()`` prints both; a
+            candidate that fails is skipped with its reason. Default ``False``: the cost
+            model's choice.
         options: the same settings as one value, shared with :func:`make_plan` and
             ``partition_distributed`` (:class:`partitioner.Options`: ``strategy``,
             ``mesh``, ``schedule=Schedule(name, chunks, virtual_stages)``,

@@ -206,7 +206,7 @@ def partition_distributed(
         tune: with ``strategy="auto"``: ``True`` builds 4 best-ranked candidates of rank 0's search
             (each mesh's best first; ``n``: that many) on every rank, times 0.3 s of training steps
             of each (the slowest rank's median), restores the model's tensors and runs the measured
-            fastest (a better-ranked one within 3% of it: a tie); ``plan.candidates`` and
+            fastest (a better-ranked one within 10% of it: a tie); ``plan.candidates`` and
             ``plan.explain()`` show the predicted and measured step times (``planning.tune``).
         sharding: what the ``dp`` replicas cut among them (``partitioner.sharding``):
             ``None``/``"none"``, ``"optimizer"`` (``optimizer_sharding=True``) or

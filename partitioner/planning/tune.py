@@ -58,15 +58,21 @@ MIN_TIMED_SECONDS = 0.3
 """In one process, each candidate's timed steps of a round last at least this long in all."""
 MAX_TIMED_STEPS = 30
 """The most timed steps per candidate and round."""
-ROUNDS = 2
-"""Rounds of timing: the candidates close to the fastest are timed again (:func:`run_trials`)."""
-KEEP_WITHIN = 0.03
+ROUNDS = 3
+"""Rounds of timing (:func:`run_trials`): every candidate in the first two, in opposite
+orders; those close to the fastest in the third. A candidate's time is the median of its
+rounds."""
+KEEP_WITHIN = 0.10
 """A better-ranked candidate measured within this share of the fastest is kept
-(:func:`tuned_records`): issue 18's goal for tuning's regret, the most a tie can cost."""
+(:func:`tuned_records`). Tuning's timing in the planning process read candidates 4-10%
+apart in either order of what each measured apart in processes of their own, stepping for
+seconds (``benchmarks/regret.py``, 2026-12-04 13:20 UTC: four of six overrulings within
+10% made the plan 12-41% slower, docs/benchmarks.md "Timed in bursts"): below this share
+the timing is no evidence against the ranking."""
 RETIME_WITHIN = 0.25
-"""Candidates measured within this share of the fastest are timed again: on a machine whose
-speed drifts by 10-25% over seconds (measured on the 2-core VM, docs/benchmarks.md "auto's
-regret"), one round does not rank them the same way twice."""
+"""Candidates measured within this share of the fastest after two rounds are timed a third
+time: on a machine whose speed drifts by 10-25% over seconds (measured on the 2-core VM,
+docs/benchmarks.md "auto's regret"), two rounds do not rank them the same way twice."""
 
 
 def tune_count(tune: object) -> int:
@@ -168,7 +174,7 @@ class Trial:
 
     Attributes:
         index: the candidate's position in the records.
-        measured: its step time in seconds, the mean of its rounds' medians (``None``: it
+        measured: its step time in seconds, the median of its rounds' medians (``None``: it
             could not run).
         error: why it could not run.
         rounds: how many rounds timed it.
@@ -185,12 +191,13 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
                rounds: int = ROUNDS) -> list[Trial]:
     """Time ``count`` candidates with ``measure(record)``: those :func:`tuned_order` picks.
 
-    Every candidate is timed once in rank order; then, for each further round, the
-    candidates measured within :data:`RETIME_WITHIN` of the fastest so far are timed again,
-    in the reverse order (a machine whose speed drifts over the seconds tuning takes then
-    favours none of them), and each one's measured time is the mean of its rounds. The
-    ranking of the contenders is what a round decides; candidates far behind are not timed
-    twice.
+    The first two rounds time every candidate, in rank order and then in the reverse order
+    (a machine whose speed drifts over the seconds tuning takes favours none of them); each
+    further round times again, in rank order, the candidates within
+    :data:`RETIME_WITHIN` of the fastest so far. A candidate's measured time is the median
+    of its rounds: one round that met a slow moment of the machine (they read a plan up to
+    1.5x apart on the 2-core VM) does not decide, as it did when only the candidates close
+    after the first round were timed again.
 
     A candidate that fails to build or run is skipped with its error (the first line of
     it): tuning never loses the plan.
@@ -208,15 +215,15 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
 
     for i in order:
         attempt(i)
-    for _ in range(rounds - 1):
-        close = contenders({i: statistics.mean(s) for i, s in samples.items()
-                            if i not in errors})
-        if len(close) < 2:
+    for k in range(1, rounds):
+        ok = [i for i in order if i not in errors]
+        timed = contenders({i: statistics.median(samples[i]) for i in ok}) if k > 1 else ok
+        if len(timed) < 2:
             break
-        for i in sorted(close, key=order.index, reverse=True):
+        for i in (sorted(timed, key=order.index, reverse=k % 2 == 1)):
             attempt(i)
     return [Trial(i, None, errors[i]) if i in errors else
-            Trial(i, statistics.mean(samples[i]), rounds=len(samples[i])) for i in order]
+            Trial(i, statistics.median(samples[i]), rounds=len(samples[i])) for i in order]
 
 
 def tuned_order(records: Sequence[dict[str, Any]], count: int) -> list[int]:
