@@ -22,7 +22,7 @@ Per case it prints each candidate's predicted and measured step time and their r
 At the end: the median measured / predicted per kind of plan (pipeline, tensor parallel,
 replicas, mixes) and the regrets' median and maximum.
 
-Run (a quiet machine; about 10 minutes for every case):
+Run (a quiet machine; 30-40 minutes for every case):
     python benchmarks/regret.py
     python benchmarks/regret.py --cases mlp,gpt --devices 2 --rounds 5
 """
