@@ -11,7 +11,7 @@ hits every contender alike, and no contender's threads or allocator state weigh 
 A burst is what a training loop runs: steps back to back. One step timed after the process
 sat idle is not: on this VM the second step after 0.3 s of idle took 20-24 ms for a
 ``dp=2 x pp=2`` plan that runs 14-17 ms a step back to back, and 17-19 ms for a ``pp=4``
-one that runs 16.5 ms (docs/benchmarks.md, 2026-12-04 13:30 UTC), which ranked the two the
+one that runs 16.5 ms (docs/benchmarks.md, "Timed in bursts"), which ranked the two the
 wrong way round.
 
 The child builds its contender from a picklable description (:class:`Spec`) with a builder

@@ -201,10 +201,9 @@ class DeviceSpec:
         every allocation, and tensors below it come from a heap whose top it returns to the
         system once more than twice the threshold is free there: Adam's step over 16 MiB
         weights faulted in 0.4-1.0 of its two temporaries every step, over 8 MiB weights
-        0.2, over 4 MiB ones none (``docs/benchmarks.md``, "Memory faulted in below glibc's
-        threshold"). A step at the threshold predicted a 4-way tensor-parallel split of
-        ``benchmarks/regret.py``'s ``wide`` model (16 MiB shards of 64 MiB weights) 3.2x
-        fast.
+        0.2, over 4 MiB ones none (``docs/benchmarks.md``, "Timed in bursts"). A step at
+        the threshold predicted a 4-way tensor-parallel split of ``benchmarks/regret.py``'s
+        ``wide`` model (16 MiB shards of 64 MiB weights) 3.2x fast.
 
         Example:
             >>> spec = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, fresh_bandwidth=1e9,
