@@ -39,6 +39,7 @@ from partitioner.errors import (
     TuneError,
 )
 from partitioner.planning.compile import (
+    SEARCH_NOTES,
     TensorParallelSplit,
     compile_model,
     device_groups_of,
@@ -340,7 +341,7 @@ def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanReques
     tuned = tuned_records(records, trials)
     index = next(i for i, r in enumerate(tuned) if r.get("chosen"))
     base = made if index == 0 else plan_of(records[index])
-    notes = tuple(n for n in base.notes if not n.startswith(("chosen:", "tuned:")))
+    notes = tuple(n for n in base.notes if not n.startswith(SEARCH_NOTES))
     return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
 
 

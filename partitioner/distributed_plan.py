@@ -38,7 +38,7 @@ from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, 
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
 from partitioner.planning.calibrated import calibrated
-from partitioner.planning.compile import shard_specs, split_layers
+from partitioner.planning.compile import SEARCH_NOTES, shard_specs, split_layers
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
 from partitioner.planning.space import SearchSpace
@@ -360,7 +360,7 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     tuned = tuned_records(records, trials)
     index = next(i for i, r in enumerate(tuned) if r.get("chosen"))
     base = chosen if index == 0 or index not in plans else plans[index]
-    notes = tuple(n for n in chosen.notes if not n.startswith(("chosen:", "tuned:")))
+    notes = tuple(n for n in chosen.notes if not n.startswith(SEARCH_NOTES))
     return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
 
 

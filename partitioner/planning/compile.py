@@ -47,7 +47,7 @@ from partitioner.plans.plan import Mesh, Plan, PlannerInputs, ShardSpec
 from partitioner.request import PlanRequest
 
 __all__ = ["Compiled", "TensorParallelSplit", "compile_model", "split_layers", "split_plan",
-           "tensor_parallel_record", "device_groups_of", "shard_specs"]
+           "tensor_parallel_record", "device_groups_of", "shard_specs", "SEARCH_NOTES"]
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,10 @@ def split_layers(analysis: Analysis, model: nn.Module, tp: int,
     return regrouped(analysis, merged), TensorParallelSplit(shard_plan, names, analysis)
 
 
-_SEARCH_NOTES = ("chosen:", "tuned:")
-"""The notes of the search and of tuning, which the stages cut for a tensor-parallel plan
-keep from the plan that chose them (tuning's said nothing when it picked such a plan)."""
+SEARCH_NOTES = ("chosen:", "tuned:")
+"""The prefixes of the search's and tuning's notes: a plan rebuilt from a candidate keeps
+them from the plan that chose it, once (the stages cut for a tensor-parallel pick lost
+tuning's; tuning replaces both with its own)."""
 
 
 def device_groups_of(request: PlanRequest, mesh: Mesh) -> list[list[Any]]:
@@ -163,8 +164,8 @@ def split_plan(model: nn.Module, analysis: Analysis, request: PlanRequest, plan:
     chosen = replace(made, candidates=plan.candidates,
                      predicted_step_time=plan.predicted_step_time,
                      predicted_bubble=plan.predicted_bubble,
-                     notes=(*(n for n in made.notes if not n.startswith(_SEARCH_NOTES)),
-                            *(n for n in plan.notes if n.startswith(_SEARCH_NOTES))),
+                     notes=(*(n for n in made.notes if not n.startswith(SEARCH_NOTES)),
+                            *(n for n in plan.notes if n.startswith(SEARCH_NOTES))),
                      planner=replace(made.planner or PlannerInputs(),
                                      strategy=request.strategy, mesh=request.mesh))
     if mesh.dp > 1:

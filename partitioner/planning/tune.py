@@ -220,7 +220,7 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
         timed = contenders({i: statistics.median(samples[i]) for i in ok}) if k > 1 else ok
         if len(timed) < 2:
             break
-        for i in (sorted(timed, key=order.index, reverse=k % 2 == 1)):
+        for i in sorted(timed, key=order.index, reverse=k % 2 == 1):
             attempt(i)
     return [Trial(i, None, errors[i]) if i in errors else
             Trial(i, statistics.median(samples[i]), rounds=len(samples[i])) for i in order]
