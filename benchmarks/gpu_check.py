@@ -13,7 +13,10 @@ It runs, in order:
    replicas (both fp32: the one-process tensor-parallel and replica runtimes run fp32),
    each timed over ``--steps`` training steps (forward, backward, Adam) beside the plan's
    predicted step time;
-3. one markdown table of the results for ``docs/benchmarks.md``.
+   plus the plain pipeline in fp32 and what ``strategy="auto"`` picks on two ``cuda:0``
+   devices;
+3. one markdown table of the results for ``docs/benchmarks.md``;
+4. one Llama 3 8B layer op by op against the cost model (``gpu_llama_block.py``).
 
 Without CUDA it says so and exits 0 (the test suite runs it that way); ``--dry-run`` lists
 what it would run.
@@ -31,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("one device", "pipeline bf16", "tensor parallel", "replicas")
+CASES = ("one device", "pipeline", "pipeline bf16", "tensor parallel", "replicas", "auto")
+TEST_TIMEOUT = 300.0
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +45,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--skip-tests", action="store_true", help="skip the GPU-marked tests")
+    parser.add_argument("--skip-layer", action="store_true",
+                        help="skip the Llama layer's op-by-op timing (gpu_llama_block.py)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and exit")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch < 2 or args.seq < 1:
@@ -49,8 +55,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def gpu_tests() -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
-                            "no:cacheprovider"], cwd=ROOT)
+    """The GPU-marked tests; a run past ``TEST_TIMEOUT`` seconds counts as failed."""
+    try:
+        return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                                "no:cacheprovider", "-rfEs"], cwd=ROOT, timeout=TEST_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        print(f"gpu_check: the GPU-marked tests ran past {TEST_TIMEOUT:.0f} s")
+        return 1
 
 
 def _timed(step: Callable[[], None], steps: int, warmup: int) -> float:
@@ -87,8 +98,10 @@ def run_case(name: str, args: argparse.Namespace) -> tuple[float | None, float]:
         predicted = None
     else:
         options: dict[str, Any] = {
+            "pipeline": dict(strategy="pipeline", chunks=4, schedule="1f1b"),
             "pipeline bf16": dict(strategy="pipeline", chunks=4, schedule="1f1b",
                                   precision="bf16"),
+            "auto": dict(strategy="auto"),
             "tensor parallel": dict(mesh=Mesh(dp=1, pp=1, tp=2)),
             "replicas": dict(mesh=Mesh(dp=2, pp=1, tp=1)),
         }[name]
@@ -123,12 +136,14 @@ def table(rows: list[tuple[str, float | None, float]], device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.dry_run:
-        print("would run: the GPU-marked tests; then " + ", ".join(CASES))
+        print("would run: the GPU-marked tests; then " + ", ".join(CASES)
+              + "; then one Llama layer op by op")
         return 0
     import torch
     if not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device here (run it on a machine with a GPU)")
         return 0
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     failed = 0 if args.skip_tests else gpu_tests()
     rows = []
     for name in CASES:
@@ -139,7 +154,15 @@ def main(argv: list[str] | None = None) -> int:
             failed = 1
             continue
         rows.append((name, predicted, measured))
-    print(table(rows, torch.cuda.get_device_name(0)))
+        print(f"{name}: predicted {predicted}, measured {measured}", flush=True)
+    print(table(rows, torch.cuda.get_device_name(0)), flush=True)
+    if not args.skip_layer:
+        import gpu_llama_block
+        try:
+            gpu_llama_block.main([])
+        except Exception as error:
+            print(f"Llama layer: failed ({type(error).__name__}: {error})")
+            failed = 1
     return failed
 
 

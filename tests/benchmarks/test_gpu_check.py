@@ -43,3 +43,21 @@ def test_without_cuda_it_says_so_and_exits_0() -> None:
     dry = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
                          text=True, timeout=120)
     assert dry.returncode == 0 and "tensor parallel" in dry.stdout
+
+
+LAYER = SCRIPT.with_name("gpu_llama_block.py")
+
+
+def test_the_llama_layer_check_runs_small_on_a_cpu() -> None:
+    """``--small`` times every piece of a small Llama layer on the CPU and prints one row
+    each; without ``--small`` and without CUDA it skips."""
+    done = subprocess.run([sys.executable, str(LAYER), "--small", "--reps", "1", "--warmup",
+                           "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for row in ("| q |", "| k, v |", "| gate, up |", "| down |", "| attention |",
+                "| element-wise (layer - the above) |", "| decoder layer |"):
+        assert row in done.stdout, done.stdout
+    if not torch.cuda.is_available():
+        skipped = subprocess.run([sys.executable, str(LAYER)], capture_output=True, text=True,
+                                 timeout=120)
+        assert skipped.returncode == 0 and "skipped, no CUDA device" in skipped.stdout

@@ -1,0 +1,153 @@
+"""What ``partition`` returns keeps its contract on a GPU: every one-process runtime on
+``cuda`` devices gives the whole model's outputs, gradients and losses.
+
+Marked ``gpu``: skipped without CUDA (``tests/conftest.py``), run by
+``python benchmarks/gpu_check.py``. ``PARTITIONER_GPU_TEST_DEVICE=cpu python -m pytest -m gpu
+tests/runtime/test_cuda.py`` runs the same checks on "cpu" devices, to try their logic on a
+machine without one. Every case compares with the model on one device in fp32 (TF32 off),
+so differences are the order of sums only; bf16 against the model under autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tp_models import TinyGPT, gpt2
+
+from partitioner import Mesh, partition
+
+pytestmark = pytest.mark.gpu
+DEVICE = os.environ.get("PARTITIONER_GPU_TEST_DEVICE", "cuda:0")
+ON_GPU = DEVICE.startswith("cuda")
+LR = 0.5  # large enough that a wrong gradient moves a weight past the tolerance
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32() -> Iterator[None]:
+    """TF32 off: fp32 products exact enough to compare at 1e-4."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _lm_loss(logits: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = getattr(logits, "logits", logits)
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, 64, (8, 16), generator=g),
+            torch.randint(0, 64, (8, 16), generator=g))
+
+
+def _reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+               precision: str | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and state after one SGD step of ``model`` on one device over the whole batch."""
+    model = copy.deepcopy(model).to(DEVICE)
+    dtype = torch.device(DEVICE).type
+    with torch.autocast(dtype, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss = _lm_loss(model(x.to(DEVICE)), y.to(DEVICE))
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return loss.item(), {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _check(pm: Any, x: torch.Tensor, y: torch.Tensor,
+           expected: tuple[float, dict[str, torch.Tensor]], tol: float) -> None:
+    """One step of ``pm`` and an SGD step over its parameters give the loss and the state."""
+    loss = pm.step(x, y, _lm_loss)
+    torch.optim.SGD(pm.parameters(), lr=LR).step()
+    assert loss == pytest.approx(expected[0], rel=tol, abs=tol)
+    state = {k: v.detach().cpu() for k, v in pm.state_dict().items()}
+    assert state.keys() == expected[1].keys()
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected[1][key], rtol=tol, atol=tol, msg=key)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_a_pipeline_on_gpu_stages_trains_as_the_model(schedule: str) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4)
+    x, y = _batch()
+    expected = _reference(model, x, y)
+    with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline", chunks=4,
+                   schedule=schedule) as pm:
+        _check(pm, x, y, expected, 1e-4)
+        assert all(str(p.device) == DEVICE or p.device.type == torch.device(DEVICE).type
+                   for p in model.parameters())
+
+
+def test_a_pipeline_from_the_cpu_to_the_gpu() -> None:
+    """Stages on different devices: the boundary crosses from host to GPU and back."""
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4)
+    x, y = _batch()
+    expected = _reference(model, x, y)
+    with partition(model, ["cpu", DEVICE], example_inputs=(x,), strategy="pipeline",
+                   chunks=2, schedule="1f1b") as pm:
+        _check(pm, x, y, expected, 1e-4)
+        out = pm(x)
+        assert out.device.type == torch.device(DEVICE).type
+
+
+def test_bf16_pipeline_on_gpu_matches_autocast() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4)
+    x, y = _batch()
+    expected = _reference(model, x, y, precision="bf16")
+    with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline", chunks=2,
+                   precision="bf16") as pm:
+        _check(pm, x, y, expected, 3e-2)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(dp=1, pp=1, tp=2), Mesh(dp=2, pp=1, tp=1),
+                                  Mesh(dp=2, pp=2, tp=1), Mesh(dp=1, pp=2, tp=2)],
+                         ids=str)
+def test_tensor_parallel_and_replicas_on_gpu_train_as_the_model(mesh: Mesh) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4)
+    x, y = _batch()
+    expected = _reference(model, x, y)
+    devices = [DEVICE] * (mesh.dp * mesh.pp * mesh.tp)
+    with partition(model, devices, example_inputs=(x,), mesh=mesh, chunks=2) as pm:
+        _check(pm, x, y, expected, 1e-4)
+
+
+def test_transformers_gpt2_pipeline_on_gpu() -> None:
+    torch.manual_seed(0)
+    model = gpt2(n_layer=2)
+    x, y = _batch()
+    expected = _reference(model, x, y)
+    with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline",
+                   chunks=2) as pm:
+        _check(pm, x, y, expected, 1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="measures CUDA memory")
+def test_checkpointing_on_gpu_keeps_fewer_activations() -> None:
+    """Peak GPU memory of one step: checkpoint="always" must hold less than "never"."""
+    peaks = {}
+    for mode in ("never", "always"):
+        torch.manual_seed(0)
+        model = TinyGPT(n_layer=4, n_embd=256, n_head=4, seq=256)
+        x = torch.randint(0, 64, (16, 256))
+        with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline",
+                       chunks=2, checkpoint=mode) as pm:
+            pm.step(x, x, _lm_loss)  # warm: allocator and gradients in place
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            pm.step(x, x, _lm_loss)
+            torch.cuda.synchronize()
+            peaks[mode] = torch.cuda.max_memory_allocated() - base
+        del model, pm
+        torch.cuda.empty_cache()
+    assert peaks["always"] < 0.8 * peaks["never"], peaks
