@@ -16,7 +16,8 @@ It runs, in order:
    plus the plain pipeline in fp32 and what ``strategy="auto"`` picks on two ``cuda:0``
    devices;
 3. one markdown table of the results for ``docs/benchmarks.md``;
-4. one Llama 3 8B layer op by op against the cost model (``gpu_llama_block.py``).
+4. the host's time per launched op (``gpu_dispatch.py``);
+5. one Llama 3 8B layer op by op against the cost model (``gpu_llama_block.py``).
 
 Without CUDA it says so and exits 0 (the test suite runs it that way); ``--dry-run`` lists
 what it would run.
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, predicted, measured))
         print(f"{name}: predicted {predicted}, measured {measured}", flush=True)
     print(table(rows, torch.cuda.get_device_name(0)), flush=True)
+    import gpu_dispatch
+    gpu_dispatch.main([])
     if not args.skip_layer:
         import gpu_llama_block
         try:

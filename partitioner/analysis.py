@@ -37,6 +37,7 @@ from partitioner.passes.dead_code import eliminate_dead_code
 from partitioner.passes.flatten_sequential import assign_layer_paths
 from partitioner.passes.group_layers import Layer, group_layers
 from partitioner.passes.guard_inputs import guard_inputs
+from partitioner.passes.place_graph import capture_device, place_graph
 from partitioner.passes.private_rng import route_dropout
 from partitioner.passes.protect_inputs import protect_inputs
 from partitioner.passes.shape_prop import propagate_shapes
@@ -285,6 +286,7 @@ def build_stage_graphs(analysis: Analysis, plan: Plan,
     if analysis.captured.rules is not None:
         # Every micro-batch passes stage 0 first: refuse sizes the capture does not hold for.
         guard_inputs(graphs[0], analysis.captured.rules)
+    origin = capture_device(gm)  # before the first stage moves the model's tensors
     for gm_j, device in zip(graphs, devices):
         route_dropout(gm_j)
         protect_inputs(gm_j)
@@ -292,7 +294,7 @@ def build_stage_graphs(analysis: Analysis, plan: Plan,
             made = materializer(torch.device(device))
             materialize_module(gm_j, made, everywhere=(made.model, gm))
             unbake_meta(gm_j, torch.device(device))  # captured on meta, runs here
-        gm_j.to(torch.device(device))
+        place_graph(gm_j, torch.device(device), origin)
     return graphs
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from partitioner.analysis import Analysis, build_stage_graphs, output_rows, recapture
 from partitioner.errors import DeviceError, PrecisionError, StrategyError
 from partitioner.passes.fuse_weight_grads import fuse_weight_grads, fusion_threshold
+from partitioner.passes.place_graph import place_graph
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.sequence_parallel import (
     sequence_parallel as apply_sequence_parallel,
@@ -142,7 +143,8 @@ def _graph_replicas(model: nn.Module, analysis: Analysis, plan: Plan, request: P
         twin = copy.deepcopy(model, memo)
         if len(group) == 1:
             twin.to(group[0])
-        replicas.append(_replica(twin, _copied(base, memo, group), analysis, plan, group))
+        graphs = _copied(base, memo, group, plan, groups[0])
+        replicas.append(_replica(twin, graphs, analysis, plan, group))
     return replicas
 
 
@@ -176,15 +178,20 @@ def _mode_graphs(model: nn.Module, analysis: Analysis, plan: Plan, request: Plan
                 current = recapture(model, analysis, training, request.example_inputs,
                                     request.kwargs)
             graphs = _local_stage_graphs(current, plan)
-            for gm, device in zip(graphs, group):
-                gm.to(device)
+            for gm, device in zip(graphs, stage_devices(plan, group), strict=True):
+                place_graph(gm, device)
             cache[training] = graphs
         return cache[training]
     return factory
 
 
-def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device]
-            ) -> GraphFactory:
+def stage_devices(plan: Plan, group: list[torch.device]) -> list[torch.device]:
+    """Per stage of ``plan`` (virtual stages too), its device in a replica's ``group``."""
+    return [group[j] for j in plan.placement]
+
+
+def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device],
+            plan: Plan, base_group: list[torch.device]) -> GraphFactory:
     """A replica's stage graphs: copies of ``base``'s whose tensors and submodules are the
     model copy's (``memo``, from deep-copying the model), moved to ``group``."""
     cache: dict[bool, list[fx.GraphModule]] = {}
@@ -192,8 +199,9 @@ def _copied(base: GraphFactory, memo: dict[int, Any], group: list[torch.device]
     def factory(training: bool) -> list[fx.GraphModule]:
         if training not in cache:
             graphs = copy.deepcopy(base(training), dict(memo))
-            for gm, device in zip(graphs, group):
-                gm.to(device)
+            for gm, device, origin in zip(graphs, stage_devices(plan, group),
+                                          stage_devices(plan, base_group), strict=True):
+                place_graph(gm, device, origin)  # arguments naming replica 0's device too
             cache[training] = graphs
         return cache[training]
     return factory

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from partitioner.passes.base import PassResult
 
-__all__ = ["unbake_meta", "bake_meta", "holds_meta_device"]
+__all__ = ["unbake_meta", "bake_meta", "holds_meta_device", "replace_device"]
 
 _META = torch.device("meta")
 
@@ -51,7 +51,7 @@ def unbake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
     device = torch.device(device)
     if device.type == "meta":
         return PassResult(gm, False)
-    return _replace_device(gm, _META, device)
+    return replace_device(gm, _META, device)
 
 
 def bake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
@@ -63,10 +63,11 @@ def bake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
     Returns:
         A :class:`PassResult`; ``modified`` says whether a node changed.
     """
-    return _replace_device(gm, torch.device(device), _META)
+    return replace_device(gm, torch.device(device), _META)
 
 
-def _replace_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> PassResult:
+def replace_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> PassResult:
+    """Every ``old`` device in ``gm``'s nodes' arguments becomes ``new`` (in place)."""
     modified = False
     for node in gm.graph.nodes:
         if not _holds((node.args, node.kwargs), old):

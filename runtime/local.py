@@ -71,7 +71,7 @@ from partitioner.runtime.microbatch import (
 )
 from partitioner.runtime.placement import Placement, looped, stages_on
 from partitioner.runtime.precision import check_precision
-from partitioner.runtime.rng import current_generator
+from partitioner.runtime.rng import current_generator, draw_seed
 from partitioner.runtime.schedule import Action, Phase, Schedule, clock_ticks, pipeline_depth
 from partitioner.runtime.schedule_registry import GPIPE, Runtime, check_runtime
 from partitioner.runtime.stage import StageRunner
@@ -250,8 +250,7 @@ class LocalPipeline:
         # per call), else torch's global one: replicas drawing from the global generator at
         # once got their seeds in thread order, and a run did not repeat under manual_seed.
         installed = current_generator()
-        seed = int(torch.randint(0, 2**62, (1,), generator=installed,
-                                 device=installed.device if installed else None).item())
+        seed = draw_seed(installed)
         for k, runner in enumerate(self.runners):
             if grad:
                 runner.reset(seed + k)

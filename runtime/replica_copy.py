@@ -151,6 +151,11 @@ def _assign(target: torch.Tensor, source: torch.Tensor) -> bool:
     if target.dtype != source.dtype or target.shape != source.shape:
         target.data = source.detach().to(target.device, copy=True)
         return True
+    if target.device.type != "cpu" or source.device.type != "cpu":
+        # On an accelerator comparing first costs more than copying: ``torch.equal`` waits
+        # for the device (one host sync per tensor, hundreds a step), a copy is queued.
+        target.copy_(source.detach(), non_blocking=target.device.type != "cpu")
+        return True
     value = source.detach().to(target.device)
     if torch.equal(target, value):
         return False

@@ -34,7 +34,7 @@ from torch import nn
 
 from partitioner.runtime.device import fork_rng
 
-__all__ = ["seeded_call", "use_generator", "current_generator", "use_shard_generator",
+__all__ = ["draw_seed", "seeded_call", "use_generator", "current_generator", "use_shard_generator",
            "current_shard_generator", "dropout", "dropout_module", "fork"]
 
 _local = threading.local()
@@ -87,6 +87,19 @@ def fork(generator: torch.Generator) -> torch.Generator:
     return copy
 
 
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A seed in ``[0, 2**62)`` drawn from ``generator`` (torch's global CPU generator when
+    ``None``), on the generator's own device: a GPU generator cannot draw a CPU tensor.
+
+    Example:
+        >>> draw_seed(torch.Generator().manual_seed(0)) == draw_seed(
+        ...     torch.Generator().manual_seed(0))
+        True
+    """
+    device = generator.device if generator is not None else None
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+
+
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Inverted dropout drawing its mask from the thread's generator."""
     if not training or p == 0.0:
@@ -118,8 +131,7 @@ def seeded_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     generator = current_generator()
     if generator is None or not module.training:
         return module(*args, **kwargs)
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator,
-                             device=generator.device).item())
+    seed = draw_seed(generator)
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     with _GLOBAL, fork_rng(tensors):
         torch.manual_seed(seed)

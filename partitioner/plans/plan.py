@@ -229,13 +229,28 @@ class Plan:
                             "list one stage per device and model chunk")
         if not p or n != p * v:
             return problems
-        kind = SCHEDULES.get(self.schedule)
-        where = kind.place(p, v) if kind is not None else looped(p, v)
+        where = self.placement
         problems += [f"stages[{k}].device is {s.device!r} but devices[{where[k]}] is "
                      f"{self.devices[where[k]]!r}: the plan would report one and run on the "
                      "other; make them the same" for k, s in enumerate(self.stages)
                      if s.device != self.devices[where[k]]]
         return problems
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Per stage ``k``, the index in :attr:`devices` of the device that runs it: the
+        schedule's placement (``k % P`` but for ``v_shape``: ``partitioner.runtime.placement``).
+
+        Example:
+            >>> plan = Plan("pipeline", ("cpu", "cpu"), tuple(
+            ...     Stage(k, "cpu", (f"l{k}",)) for k in range(4)), schedule="interleaved",
+            ...     virtual_stages=2)
+            >>> plan.placement
+            (0, 1, 0, 1)
+        """
+        p, v = len(self.devices), self.virtual_stages
+        kind = SCHEDULES.get(self.schedule)
+        return kind.place(p, v) if kind is not None else looped(p, v)
 
     def __hash__(self) -> int:
         return hash((self.strategy, self.devices, self.stages, self.chunks, self.checkpoint,

@@ -238,7 +238,9 @@ def _check_shapes(gm: fx.GraphModule, out: fx.GraphModule, prop: Propagation, tp
     problems = []
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            # Shapes found on a meta-built model are on meta; the rank's tensors are real.
+            # The rank's inputs arrive on its device (the stage moves them there), whatever
+            # device the capture saw them on (meta for a meta-built model, the CPU for a
+            # model captured there and run on a GPU).
             home = next((t.device for t in [*out.parameters(), *out.buffers()]), None)
             inputs = [pytree.tree_map(lambda v: _fake(v, home), n.meta.get("val"))
                       for n in placeholders]
@@ -275,9 +277,9 @@ def _check_shapes(gm: fx.GraphModule, out: fx.GraphModule, prop: Propagation, tp
 
 def _fake(value: Any, device: torch.device | None = None) -> Any:
     """Inside a fake mode: a fresh tensor of ``value``'s shape and dtype (on ``device``
-    when ``value`` is on the meta device and ``device`` is given)."""
+    when given, else on ``value``'s)."""
     if isinstance(value, torch.Tensor):
-        where = device if value.is_meta and device is not None else value.device
+        where = device if device is not None else value.device
         return torch.empty(tuple(value.shape), dtype=value.dtype, device=where)
     return value
 

@@ -198,8 +198,7 @@ class TensorParallelStage(nn.Module):
 
 
 def _draw_seed() -> int:
-    generator = rng.current_generator()
-    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    return rng.draw_seed(rng.current_generator())
 
 
 def _to(value: Any, device: torch.device, grad: bool) -> Any:
