@@ -85,6 +85,10 @@ VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64 (as Megatron-LM and na
 # so that tensor parallelism can split the embedding and the head
 
 
+class SkipCase(Exception):
+    """A case this machine cannot run (said, not counted as a failure)."""
+
+
 def build_case(name: str, args: argparse.Namespace) -> tuple[Any, Callable[[], None],
                                                                float | None]:
     """(module, one training step, predicted seconds per step) of one case on ``cuda:0``."""
@@ -114,7 +118,13 @@ def build_case(name: str, args: argparse.Namespace) -> tuple[Any, Callable[[], N
             "tensor parallel": dict(mesh=Mesh(dp=1, pp=1, tp=2)),
             "replicas": dict(mesh=Mesh(dp=2, pp=1, tp=1)),
         }[name]
-        module = partition(model, ["cuda:0"] * 2, example_inputs=(x,), **options)
+        devices = ["cuda:0"] * 2
+        if name == "tensor parallel":
+            if torch.cuda.device_count() < 2:
+                raise SkipCase("tensor-parallel ranks in one process need a GPU each "
+                               "(partitioner refuses two on one GPU)")
+            devices = ["cuda:0", "cuda:1"]
+        module = partition(model, devices, example_inputs=(x,), **options)
         predicted = module.plan.predicted_step_time
         print(f"{name}: {module.plan.explain().splitlines()[0]}", flush=True)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-5)
@@ -167,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in CASES:
         try:
             predicted, measured = run_case(name, args)
+        except SkipCase as why:
+            print(f"{name}: skipped ({why})")
+            continue
         except Exception as error:
             print(f"{name}: failed ({type(error).__name__}: {error})")
             failed = 1

@@ -68,6 +68,7 @@ from partitioner.runtime.schedule_registry import (
     schedule_kind,
     schedule_names,
 )
+from partitioner.runtime.tensor_parallel.stage import rank_device_problem
 
 __all__ = ["RuntimeSupport", "LOCAL_RUNTIME", "MULTI_PROCESS_RUNTIME", "local_support",
            "runtime_support",
@@ -154,6 +155,11 @@ def executable(config: Config, cluster: Cluster,
                 "(the one-process replicas step one optimizer; partition_distributed does)")
     if config.tp > 1 and not support.tensor_parallel:
         return f"tp={config.tp}: {support.name} has no tensor parallelism"
+    if config.tp > 1 and support.name == LOCAL_RUNTIME.name:
+        groups = [cluster.local[k:k + config.tp] for k in range(0, len(cluster.local), config.tp)]
+        problem = next(filter(None, map(rank_device_problem, groups)), None)
+        if problem is not None:
+            return problem
     if config.schedule not in support.schedules:
         return f"schedule {config.schedule!r}: {support.name} runs {list(support.schedules)}"
     if config.tp > 1 and support.tp_schedules is not None \

@@ -38,13 +38,40 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner.errors import TensorParallelExecutionError
+from partitioner.errors import TensorParallelError, TensorParallelExecutionError
 from partitioner.runtime import rng
+from partitioner.runtime.device import is_accelerator
 from partitioner.runtime.stage import locate_node
 from partitioner.runtime.tensor_parallel.collectives import CollectiveAborted, ThreadGroup
 from partitioner.runtime.worker import Worker
 
-__all__ = ["TensorParallelStage", "TensorParallelExecutionError"]
+__all__ = ["TensorParallelStage", "TensorParallelExecutionError", "rank_device_problem"]
+
+
+def rank_device_problem(devices: Sequence[torch.device | str]) -> str | None:
+    """Why tensor-parallel ranks on ``devices`` cannot run in one process, or ``None``.
+
+    Ranks on one CPU run: a CPU backward runs on the thread that calls it. On a GPU the
+    autograd engine runs every backward of that device on one thread of its own, so two
+    ranks on one GPU would wait for each other's all-reduce inside it forever (seen on an
+    H200 with ``tp=2`` on ``cuda:0`` twice).
+
+    Example:
+        >>> rank_device_problem(["cpu", "cpu"]) is None
+        True
+        >>> rank_device_problem(["cuda:0", "cuda:1"]) is None
+        True
+        >>> print(rank_device_problem(["cuda:0", "cuda:0"]).split(":")[0])
+        tensor-parallel ranks share cuda
+    """
+    seen = [torch.device(d) for d in devices]
+    shared = sorted({str(d) for d in seen if is_accelerator(d) and seen.count(d) > 1})
+    if not shared:
+        return None
+    return (f"tensor-parallel ranks share {shared[0]}: autograd runs every backward of one "
+            "GPU on a single thread, where one rank's all-reduce would wait forever for "
+            "another's; give each rank of a stage its own GPU, or run replicas or a pipeline "
+            "on the shared one")
 
 _COMM_ATTR = "_tp_comm"
 
@@ -63,6 +90,9 @@ class TensorParallelStage(nn.Module):
         super().__init__()
         if len(ranks) != len(devices) or not ranks:
             raise ValueError(f"{len(ranks)} rank graphs for {len(devices)} devices")
+        problem = rank_device_problem(devices)
+        if problem is not None:
+            raise TensorParallelError(problem)
         self.ranks = nn.ModuleList(ranks)
         self.devices = [torch.device(d) for d in devices]
         self.group = ThreadGroup(self.devices, timeout)

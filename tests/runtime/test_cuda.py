@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tp_models import TinyGPT, gpt2
 
 from partitioner import Mesh, partition
+from partitioner.errors import TensorParallelError
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("PARTITIONER_GPU_TEST_DEVICE", "cuda:0")
@@ -108,17 +109,47 @@ def test_bf16_pipeline_on_gpu_matches_autocast() -> None:
         _check(pm, x, y, expected, 3e-2)
 
 
-@pytest.mark.parametrize("mesh", [Mesh(dp=1, pp=1, tp=2), Mesh(dp=2, pp=1, tp=1),
-                                  Mesh(dp=2, pp=2, tp=1), Mesh(dp=1, pp=2, tp=2)],
-                         ids=str)
-def test_tensor_parallel_and_replicas_on_gpu_train_as_the_model(mesh: Mesh) -> None:
+@pytest.mark.parametrize("mesh", [Mesh(dp=2, pp=1, tp=1), Mesh(dp=2, pp=2, tp=1)], ids=str)
+def test_replicas_on_one_gpu_train_as_the_model(mesh: Mesh) -> None:
+    """Replicas (and replicas of pipelines, whose interleaved virtual stages once stayed on
+    the CPU) on one GPU."""
     torch.manual_seed(0)
     model = TinyGPT(n_layer=4)
     x, y = _batch()
     expected = _reference(model, x, y)
-    devices = [DEVICE] * (mesh.dp * mesh.pp * mesh.tp)
-    with partition(model, devices, example_inputs=(x,), mesh=mesh, chunks=2) as pm:
+    with partition(model, [DEVICE] * (mesh.dp * mesh.pp), example_inputs=(x,), mesh=mesh,
+                   chunks=2) as pm:
         _check(pm, x, y, expected, 1e-4)
+
+
+def _gpus(n: int) -> list[str]:
+    if not ON_GPU:
+        return [DEVICE] * n
+    if torch.cuda.device_count() < 2:
+        pytest.skip("tensor parallelism in one process needs a GPU per rank")
+    return [f"cuda:{k % torch.cuda.device_count()}" for k in range(n)]
+
+
+@pytest.mark.parametrize("mesh", [Mesh(dp=1, pp=1, tp=2), Mesh(dp=1, pp=2, tp=2)], ids=str)
+def test_tensor_parallel_on_gpus_trains_as_the_model(mesh: Mesh) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4)
+    x, y = _batch()
+    expected = _reference(model, x, y)
+    with partition(model, _gpus(mesh.pp * mesh.tp), example_inputs=(x,), mesh=mesh,
+                   chunks=2) as pm:
+        _check(pm, x, y, expected, 1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="ranks on one CPU run")
+def test_tensor_parallel_ranks_on_one_gpu_are_refused() -> None:
+    """Seen on an H200: they hung in the first backward (one autograd thread per GPU)."""
+    model = TinyGPT(n_layer=2)
+    x, _ = _batch()
+    with pytest.raises(TensorParallelError, match="ranks share"):
+        partition(model, [DEVICE] * 2, example_inputs=(x,), mesh=Mesh(dp=1, pp=1, tp=2))
+    with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="auto") as pm:
+        assert pm.plan.mesh is None or pm.plan.mesh.tp == 1
 
 
 def test_transformers_gpt2_pipeline_on_gpu() -> None:

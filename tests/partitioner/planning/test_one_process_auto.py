@@ -238,3 +238,20 @@ def test_a_small_head_split_by_tensor_parallelism_plans() -> None:
     model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     plan = make_plan(model, ["cpu"] * 2, example_inputs=(torch.randn(256, 32),))
     assert plan.mesh is not None and plan.mesh.dp * plan.mesh.pp * plan.mesh.tp == 2
+
+
+def test_tensor_parallel_ranks_on_one_gpu_are_not_executable() -> None:
+    """auto must not offer what the runtime refuses: two tensor-parallel ranks on one GPU
+    (replicas and pipelines there run)."""
+    from partitioner.cost.devices import DEVICES, LINKS
+    from partitioner.planning.auto import Config
+
+    shared = Cluster(DEVICES["H200"], 1, 4, LINKS["pcie4"], None, 1,
+                     ("cuda:0", "cuda:0", "cuda:1", "cuda:1"))
+    assert "ranks share cuda:0" in str(executable(Config(tp=2, pp=2), shared))
+    assert executable(Config(dp=2, pp=2), shared) is None
+    assert executable(Config(tp=2, pp=2), Cluster.local_devices(
+        ["cpu"] * 4, [DEVICES["H200"]] * 4)) is None
+    apart = Cluster(DEVICES["H200"], 1, 4, LINKS["pcie4"], None, 1,
+                    ("cuda:0", "cuda:1", "cuda:0", "cuda:1"))
+    assert executable(Config(tp=2, pp=2), apart) is None

@@ -75,3 +75,11 @@ def test_shard_store_makes_each_tensor_once_per_rank() -> None:
     assert torch.equal(store.tensor("w", w, 1, cpu), w.detach()[2:])
     with pytest.raises(TensorParallelError, match="tied weights across devices"):
         store.tensor("w", w, 0, torch.device("meta"))
+
+
+def test_ranks_sharing_one_gpu_are_refused_before_they_deadlock() -> None:
+    """Seen on an H200: tp=2 on ``cuda:0`` twice hung in the first backward (autograd runs a
+    GPU's backward on one thread, where rank 0's all-reduce waited for rank 1 forever)."""
+    gm = fx.symbolic_trace(nn.Linear(4, 4))
+    with pytest.raises(TensorParallelError, match=r"ranks share cuda:0.*its own GPU"):
+        TensorParallelStage([gm, gm], [torch.device("cuda:0")] * 2)
