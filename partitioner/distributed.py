@@ -62,6 +62,7 @@ from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linea
 from partitioner.passes.fuse_weight_grads import fusion_threshold
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.outline_layers import outline_layers
+from partitioner.passes.place_graph import capture_device, place_graph
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.passes.unbake_meta import unbake_meta
@@ -586,7 +587,10 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
     if shard_plan is None:
         if made is not None:
             materialize_module(graph, made)
-        return route_module_randomness(graph.to(device)).graph_module, None
+        # Tensor constants and the capture's device (a model captured on the CPU, trained
+        # on this rank's GPU) follow the stage, not only its parameters.
+        place_graph(graph, device, capture_device(graph))
+        return route_module_randomness(graph).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
     later = made if isinstance(made, DeferredInit) else None
     source = made.tensor if made is not None and later is None else None

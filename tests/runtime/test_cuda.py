@@ -182,3 +182,88 @@ def test_checkpointing_on_gpu_keeps_fewer_activations() -> None:
         del model, pm
         torch.cuda.empty_cache()
     assert peaks["always"] < 0.8 * peaks["never"], peaks
+
+
+@pytest.mark.parametrize("schedule, virtual", [("interleaved", 2), ("v_shape", 2)])
+def test_virtual_stage_schedules_on_gpu_train_as_the_model(schedule: str, virtual: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=6)
+    x, y = _batch()
+    expected = _reference(model, x, y)
+    with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline", chunks=4,
+                   schedule=schedule, virtual_stages=virtual) as pm:
+        _check(pm, x, y, expected, 1e-4)
+
+
+def test_checkpoint_replay_on_gpu_redraws_the_same_dropout_masks() -> None:
+    """A checkpointed stage replays its forward with the generator state saved before it
+    (on the GPU's generator): its gradients equal those of the same run without
+    checkpointing, and a run repeats under the same seed."""
+    def grads(mode: str, seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyGPT(n_layer=4, dropout=0.2)
+        x, y = _batch()
+        with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline",
+                       chunks=2, checkpoint=mode) as pm:
+            torch.manual_seed(seed)
+            pm.step(x, y, _lm_loss)
+            return {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
+                    if p.grad is not None}
+    never, always, again = grads("never", 7), grads("always", 7), grads("never", 7)
+    other = grads("never", 8)
+    for key in never:
+        torch.testing.assert_close(always[key], never[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(again[key], never[key]), key
+    assert any(not torch.equal(other[k], never[k]) for k in never), "dropout drew nothing"
+
+
+def test_fp16_pipeline_on_gpu_scales_the_loss_and_trains_as_autocast() -> None:
+    if not ON_GPU:
+        pytest.skip("fp16 autocast is a GPU precision")
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4)
+    x, y = _batch()
+    reference = copy.deepcopy(model).to(DEVICE)
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = reference(x.to(DEVICE))
+    want = _lm_loss(out, y.to(DEVICE)).item()
+    with partition(model, [DEVICE] * 2, example_inputs=(x,), strategy="pipeline", chunks=2,
+                   precision="fp16") as pm:
+        assert pm.scaler is not None
+        optimizer = torch.optim.SGD(pm.parameters(), lr=LR)
+        loss = pm.step(x, y, _lm_loss)
+        assert loss == pytest.approx(want, rel=2e-2)
+        grad = next(p.grad for p in pm.parameters() if p.grad is not None)
+        assert torch.isfinite(grad).all()
+        before = [p.detach().clone() for p in pm.parameters()]
+        pm.scaler.step(optimizer)
+        pm.scaler.update()
+        assert any(not torch.equal(b, p) for b, p in zip(before, pm.parameters()))
+
+
+@pytest.mark.parametrize("built_on", ["cpu", "meta"])
+def test_transformers_llama_on_gpu_stages(built_on: str) -> None:
+    """transformers' Llama (rotary inv_freq, GQA) as a bf16 pipeline on GPU stages, built
+    on the CPU (its captured positions and devices must follow the stage) or on meta
+    (materialized on the GPU by its own initialization): its logits are the whole model's
+    with the same weights under autocast."""
+    from hf_models import batches, build
+
+    torch.manual_seed(0)
+    if built_on == "meta":
+        with torch.device("meta"):
+            model = build("llama")
+        options: dict[str, Any] = dict(init_fn=model._init_weights)
+    else:
+        model, options = build("llama"), {}
+    ids = batches(1)[0][0]
+    with partition(model, [DEVICE] * 2, "pipeline", example_inputs=(ids,), chunks=2,
+                   precision="bf16", **options) as pm:
+        whole = build("llama").to(DEVICE)
+        whole.load_state_dict(pm.state_dict())
+        with torch.no_grad():
+            got = pm(ids).logits.float()
+            with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+                want = whole(ids.to(DEVICE)).logits.float()
+        assert got.device.type == torch.device(DEVICE).type
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
