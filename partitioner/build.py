@@ -282,6 +282,10 @@ def build_tensor_parallel(model: nn.Module, setup: TensorParallelSetup, *,
             ranks = [shard_graph(gm, shardings, r, check=r == 0,
                                  make_tensor=store.factory(r, groups[j][r], ids)).graph_module
                      for r in range(len(groups[j]))]
+            # The stage graph names its plan device in its arguments; each rank, its own.
+            origin = torch.device(plan.stages[j].device)
+            for rank, device in zip(ranks, groups[j], strict=True):
+                place_graph(rank, device, origin)
             for rank in ranks:
                 if sequence_parallel:
                     apply_sequence_parallel(rank, gm, len(ranks))

@@ -587,9 +587,7 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
     if shard_plan is None:
         if made is not None:
             materialize_module(graph, made)
-        # Tensor constants and the capture's device (a model captured on the CPU, trained
-        # on this rank's GPU) follow the stage, not only its parameters.
-        place_graph(graph, device, capture_device(graph))
+        place_graph(graph, device, capture_device(graph))  # constants, capture's device
         return route_module_randomness(graph).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
     later = made if isinstance(made, DeferredInit) else None

@@ -267,3 +267,19 @@ def test_transformers_llama_on_gpu_stages(built_on: str) -> None:
                 want = whole(ids.to(DEVICE)).logits.float()
         assert got.device.type == torch.device(DEVICE).type
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_transformers_llama_tensor_parallel_on_gpus() -> None:
+    """Llama built on the CPU, split over a GPU per rank: each rank's graph names its own
+    GPU where the capture baked the CPU (positions, masks)."""
+    from hf_models import batches, build
+
+    torch.manual_seed(0)
+    model = build("llama")
+    ids = batches(1)[0][0]
+    whole = copy.deepcopy(model).to(DEVICE)
+    with partition(model, _gpus(2), example_inputs=(ids,), mesh=Mesh(dp=1, pp=1, tp=2)) as pm:
+        with torch.no_grad():
+            got = pm(ids).logits
+            want = whole(ids.to(DEVICE)).logits
+        torch.testing.assert_close(got.to(want.device), want, rtol=1e-4, atol=1e-4)
