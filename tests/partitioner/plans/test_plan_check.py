@@ -6,12 +6,13 @@ import json
 from importlib import resources
 from typing import Any
 
-import jsonschema
 import pytest
 
 from partitioner import Plan
 from partitioner.errors import PartitionError
 from partitioner.plans.plan import PlanFormatError, Stage
+
+jsonschema = pytest.importorskip("jsonschema")  # a test extra (absent on the GPU machine)
 
 BASE: dict[str, Any] = {"format": "partitioner.plan", "version": 1, "strategy": "pipeline",
                         "devices": ["cpu", "cpu"],
