@@ -74,10 +74,12 @@ def one_device_line(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> s
         how, mine, theirs = "predicted", winner["step_time"], alone["step_time"]
     else:
         return ""
+    why = ("the devices share one host's cores" if str(alone["device"]).startswith("cpu")
+           else "what the devices add does not pay for the plan's transfers and launches")
     return (f"the unpartitioned model on one device ({alone['device']}) is {how} faster than "
             f"this plan over {devices} devices: {format_seconds(theirs)} against "
-            f"{format_seconds(mine)} per step; train it unpartitioned (the devices share "
-            "one host's cores) unless it does not fit one device's memory.")
+            f"{format_seconds(mine)} per step; train it unpartitioned ({why}) unless it "
+            "does not fit one device's memory.")
 
 
 def tuned_line(ranked: Sequence[dict[str, Any]]) -> str:

@@ -261,6 +261,10 @@ def test_explain_says_first_when_one_device_is_faster() -> None:
     line = one_device_line([winner], info)
     assert line.startswith("the unpartitioned model on one device (cpu) is predicted faster")
     assert "1 ms against 2 ms" in line and "over 2 devices" in line
+    assert "(the devices share one host's cores)" in line
+    on_gpu = one_device_line([winner], {"one_device": {**info["one_device"],
+                                                       "device": "cuda:0"}})
+    assert "host's cores" not in on_gpu and "transfers and launches" in on_gpu
     measured = {**info["one_device"], "step_time": 5e-3, "measured_step_time": 3e-3}
     tuned = {**winner, "measured_step_time": 4e-3}
     assert "is measured faster" in one_device_line([tuned], {"one_device": measured})
