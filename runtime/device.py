@@ -111,9 +111,15 @@ def record_event(dev: torch.device) -> Any:
 
 
 def wait_event(dev: torch.device, event: Any) -> None:
-    """Make ``dev``'s current stream wait for ``event`` (no-op for ``None`` or a CPU)."""
-    if event is not None and is_accelerator(dev):
+    """Make ``dev``'s current stream wait for ``event``; on a CPU the thread itself waits
+    (a GPU's work handed to a CPU stage must be done before the CPU reads it); a no-op for
+    ``None``."""
+    if event is None:
+        return
+    if is_accelerator(dev):
         torch.cuda.current_stream(dev).wait_event(event)
+    else:
+        event.synchronize()
 
 
 def keep_alive(tensor: torch.Tensor, dev: torch.device) -> None:

@@ -1,9 +1,10 @@
 """Hand values from one stage to the next, across devices.
 
-A stage's outputs are flattened to leaves; tensors travel to the next device (on CUDA with
+A stage's outputs are flattened to leaves; tensors travel to the next device (onto CUDA with
 ``non_blocking`` copies on the receiving worker's stream, after waiting on an event the sender
-recorded, so no stream ever waits on the whole device) and arrive as fresh autograd leaves,
-which is where the receiving stage's backward stops and hands gradients back.
+recorded, so no stream ever waits on the whole device; to the CPU with blocking copies, which
+a CPU stage can read at once) and arrive as fresh autograd leaves, which is where the
+receiving stage's backward stops and hands gradients back.
 
 Example:
     >>> import torch
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from partitioner.runtime.device import keep_alive, record_event, wait_event
+from partitioner.runtime.device import is_accelerator, keep_alive, record_event, wait_event
 
 __all__ = ["Handoff", "send", "receive", "move_leaves"]
 
@@ -60,9 +61,13 @@ def move_leaves(leaves: list[Any], device: torch.device, *, grad: bool = True,
     floating-point values.
     """
     moved = []
+    # Queued (non-blocking) only onto an accelerator, whose stream orders the copy before
+    # its reads. A non-blocking copy from a GPU to the CPU lands in pinned memory and
+    # returns at once: the CPU stage would read it before it arrived.
+    queued = is_accelerator(device)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            copy = leaf.detach().to(device, non_blocking=True)
+            copy = leaf.detach().to(device, non_blocking=queued)
             keep_alive(leaf, device)
             if grad and (leaf.requires_grad or (floating and leaf.is_floating_point())):
                 copy.requires_grad_(True)

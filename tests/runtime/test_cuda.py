@@ -86,17 +86,21 @@ def test_a_pipeline_on_gpu_stages_trains_as_the_model(schedule: str) -> None:
                    for p in model.parameters())
 
 
-def test_a_pipeline_from_the_cpu_to_the_gpu() -> None:
-    """Stages on different devices: the boundary crosses from host to GPU and back."""
+@pytest.mark.parametrize("first", ["cpu", "gpu"])
+def test_a_pipeline_between_the_cpu_and_the_gpu(first: str) -> None:
+    """Stages on different devices: the boundary crosses from host to GPU and back (or from
+    GPU to host first: a CPU stage must not read a copy still in flight)."""
     torch.manual_seed(0)
-    model = TinyGPT(n_layer=4)
-    x, y = _batch()
+    model = TinyGPT(n_layer=4, n_embd=128, seq=64)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (16, 64), generator=g) for _ in range(2))
     expected = _reference(model, x, y)
-    with partition(model, ["cpu", DEVICE], example_inputs=(x,), strategy="pipeline",
-                   chunks=2, schedule="1f1b") as pm:
+    devices = ["cpu", DEVICE] if first == "cpu" else [DEVICE, "cpu"]
+    with partition(model, devices, example_inputs=(x,), strategy="pipeline", chunks=4,
+                   schedule="1f1b") as pm:
         _check(pm, x, y, expected, 1e-4)
         out = pm(x)
-        assert out.device.type == torch.device(DEVICE).type
+        assert out.device == torch.device(devices[-1])
 
 
 def test_bf16_pipeline_on_gpu_matches_autocast() -> None:
