@@ -62,7 +62,7 @@ from partitioner.passes.fuse_weight_grads import fuse_weight_grads as fuse_linea
 from partitioner.passes.fuse_weight_grads import fusion_threshold
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.outline_layers import outline_layers
-from partitioner.passes.place_graph import capture_device, place_graph
+from partitioner.passes.place_graph import place_graph
 from partitioner.passes.private_rng import route_module_randomness
 from partitioner.passes.tensor_parallel.rewrite import COMM_ATTR
 from partitioner.passes.unbake_meta import unbake_meta
@@ -449,6 +449,7 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     rank's stage (or its tensor-parallel slice) on its device, handed to the runtime."""
     made, shape, virtual, running = planned.plan, planned.shape, planned.virtual, call.running
     graphs = _stage_graphs(model, planned, info)
+    origin = model_device(model)  # the device the graphs name, before a stage moves
     sharded = planned.optimizer_sharding and call.sharding != "fsdp"  # FSDP cuts it itself
     settings = RunSettings(made.schedule, made.chunks, made.checkpoint,
                            running.loss_reduction, int(running.bucket_mb * 2**20),
@@ -463,12 +464,12 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     source = deferred if deferred is not None else real
     if virtual > 1:
         placement = schedule_kind(made.schedule).place(shape.pp, virtual)
-        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, source)[0]
+        stages = {k: _rank_stage(graphs[k], model, None, ranks, info.device, origin, source)[0]
                   for k in stages_on(placement, ranks.stage)}
         shards = None
     else:
         stage, shards = _rank_stage(graphs[ranks.stage], model, planned.shard_plan, ranks,
-                                    info.device, source, made.sequence_parallel)
+                                    info.device, origin, source, made.sequence_parallel)
         stages = {ranks.stage: stage}
     fusing = fusion_threshold(made.chunks, made.schedule, info.device.type)
     for graph in stages.values() if running.fuse_weight_grads else ():
@@ -492,9 +493,8 @@ def _stage_graphs(model: nn.Module, planned: Planned, info: DistInfo) -> list[fx
     graphs = build_stage_graphs(planned.analysis, replace(
         made, devices=(str(home),) * len(here), stages=here, virtual_stages=1,
         mesh=Mesh(dp=shape.dp, pp=len(here), tp=shape.tp)))
-    if home.type == "meta":  # the capture ran on meta; the stages run here
-        for graph in graphs:
-            unbake_meta(graph, info.device)
+    for graph in graphs if home.type == "meta" else ():  # captured on meta; runs here
+        unbake_meta(graph, info.device)
     return graphs
 
 
@@ -576,7 +576,7 @@ def _check_layers(analysis: Analysis, plan: Plan, given: bool) -> None:
 
 
 def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan | None,
-                mesh: ProcessMesh, device: torch.device,
+                mesh: ProcessMesh, device: torch.device, origin: torch.device,
                 made: Materializer | DeferredInit | None = None, sequence_parallel: bool = False
                 ) -> tuple[fx.GraphModule, ShardState | None]:
     """This rank's stage graph on its device and, when the stage is split over ``tp``
@@ -587,14 +587,14 @@ def _rank_stage(graph: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan |
     if shard_plan is None:
         if made is not None:
             materialize_module(graph, made)
-        place_graph(graph, device, capture_device(graph))  # constants, capture's device
+        place_graph(graph, device, origin)  # its constants, and ``origin`` in its arguments
         return route_module_randomness(graph).graph_module, None
     comm = ProcessGroupCommunicator(mesh.group("tp"))
     later = made if isinstance(made, DeferredInit) else None
     source = made.tensor if made is not None and later is None else None
     stage = route_module_randomness(shard_stage(
         graph, model, shard_plan, mesh.shard, device, source, sequence_parallel,
-        derive=later.derived if later is not None else None)).graph_module
+        derive=later.derived if later is not None else None, origin=origin)).graph_module
     setattr(stage, COMM_ATTR, comm)
     keep_non_persistent(stage, non_persistent_names(graph))
     return stage, ShardState(stage_shardings(graph, model, shard_plan), mesh.shard, comm)

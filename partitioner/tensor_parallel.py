@@ -330,7 +330,8 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
                 source: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 sequence_parallel: bool = False,
                 derive: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
-                                 torch.Tensor] | None = None) -> fx.GraphModule:
+                                 torch.Tensor] | None = None,
+                origin: torch.device | None = None) -> fx.GraphModule:
     """Rank ``rank``'s graph of one pipeline stage (for runtimes placing stages themselves).
 
     Args:
@@ -349,6 +350,8 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
         derive: instead of ``source``, the rank's tensors put off until first use
             (``partitioner.runtime.deferred_init.DeferredInit.derived``: placeholders of
             the slices' shapes, filled by slicing the whole values later).
+        origin: the device the stage graph's arguments name (where it was cut; by default
+            where its first tensor is): it becomes ``device`` in the rank's graph.
 
     Returns:
         The rank's graph; set its ``_tp_comm`` attribute to the rank's communicator
@@ -358,7 +361,7 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
     ids = first_names(model)
     store = ShardStore(shard_plan.shardings, source, derive)
     shardings = attr_shardings(stage, ids, shard_plan.shardings)
-    origin = capture_device(stage)
+    origin = origin or capture_device(stage)
     out = shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module
     place_graph(out, device, origin)  # the capture's device in its arguments: the rank's

@@ -62,7 +62,10 @@ def place_graph(gm: fx.GraphModule, device: torch.device | str,
         if node.op != "get_attr":
             continue
         owner_path, _, name = str(node.target).rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
+        try:
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+        except AttributeError:  # an attribute of a non-module: not a tensor this can move
+            continue
         value = getattr(owner, name, None)
         registered = name in owner._parameters or name in owner._buffers
         if isinstance(value, torch.Tensor) and not registered and value.device != device:
