@@ -16,7 +16,8 @@ It runs, in order:
    plus the plain pipeline in fp32 and what ``strategy="auto"`` picks on two ``cuda:0``
    devices;
 3. one markdown table of the results for ``docs/benchmarks.md``;
-4. the host's time per launched op (``gpu_dispatch.py``);
+4. the host's time per launched op (``gpu_dispatch.py``) and each case's profiled steps:
+   kernels per step, the GPU's busy share (``gpu_step_profile.py``; ``--skip-profile``);
 5. one Llama 3 8B layer op by op against the cost model (``gpu_llama_block.py``).
 
 Without CUDA it says so and exits 0 (the test suite runs it that way); ``--dry-run`` lists
@@ -47,6 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--skip-tests", action="store_true", help="skip the GPU-marked tests")
+    parser.add_argument("--skip-profile", action="store_true",
+                        help="skip the profiled steps of each case (gpu_step_profile.py)")
     parser.add_argument("--skip-layer", action="store_true",
                         help="skip the Llama layer's op-by-op timing (gpu_llama_block.py)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and exit")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.dry_run:
         print("would run: the GPU-marked tests; then " + ", ".join(CASES)
-              + "; then one Llama layer op by op")
+              + "; then the host's time per op, each case profiled, one Llama layer op by op")
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -190,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, torch.cuda.get_device_name(0)), flush=True)
     import gpu_dispatch
     gpu_dispatch.main([])
+    if not args.skip_profile:  # kernels per step and the GPU's busy share, per case
+        import gpu_step_profile
+        gpu_step_profile.main(["--cases", ",".join(name for name, _, _ in rows), "--rows", "6",
+                               "--batch", str(args.batch), "--seq", str(args.seq)])
     if not args.skip_layer:
         import gpu_llama_block
         try:
