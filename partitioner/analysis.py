@@ -37,13 +37,13 @@ from partitioner.passes.dead_code import eliminate_dead_code
 from partitioner.passes.flatten_sequential import assign_layer_paths
 from partitioner.passes.group_layers import Layer, group_layers
 from partitioner.passes.guard_inputs import guard_inputs
-from partitioner.passes.place_graph import capture_device, place_graph
+from partitioner.passes.place_graph import place_graph
 from partitioner.passes.private_rng import route_dropout
 from partitioner.passes.protect_inputs import protect_inputs
 from partitioner.passes.shape_prop import propagate_shapes
 from partitioner.passes.split_stages import split_stages
-from partitioner.passes.unbake_meta import unbake_meta
 from partitioner.plans.plan import Plan
+from partitioner.runtime.device import model_device
 from partitioner.runtime.materialize import MaterializerFactory, materialize_module
 from partitioner.runtime.microbatch import MEAN, SUM, OutputHint, batch_size, scatter
 
@@ -286,14 +286,13 @@ def build_stage_graphs(analysis: Analysis, plan: Plan,
     if analysis.captured.rules is not None:
         # Every micro-batch passes stage 0 first: refuse sizes the capture does not hold for.
         guard_inputs(graphs[0], analysis.captured.rules)
-    origin = capture_device(gm)  # before the first stage moves the model's tensors
+    origin = model_device(gm)  # before the first stage moves the model's tensors
     for gm_j, device in zip(graphs, devices):
         route_dropout(gm_j)
         protect_inputs(gm_j)
         if materializer is not None and torch.device(device).type != "meta":
             made = materializer(torch.device(device))
             materialize_module(gm_j, made, everywhere=(made.model, gm))
-            unbake_meta(gm_j, torch.device(device))  # captured on meta, runs here
         place_graph(gm_j, torch.device(device), origin)
     return graphs
 

@@ -75,7 +75,7 @@ from partitioner.plans.plan import Plan
 from partitioner.plans.plan_precision import distributed_precision
 from partitioner.request import PlanRequest
 from partitioner.runtime.deferred_init import DeferredInit
-from partitioner.runtime.device import batches_sends
+from partitioner.runtime.device import batches_sends, model_device
 from partitioner.runtime.distributed.agreement import check_same_settings
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.data_parallel import DEFAULT_BUCKET_BYTES
@@ -90,7 +90,6 @@ from partitioner.runtime.distributed.model import (
     RunSettings,
     assemble,
     find_ties,
-    model_device,
 )
 from partitioner.runtime.materialize import (
     InitFn,

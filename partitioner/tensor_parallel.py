@@ -50,7 +50,7 @@ from partitioner.build import (
 from partitioner.cost.devices import parse_devices
 from partitioner.cost.sequence_cost import sequence_parallel_workload
 from partitioner.errors import DeviceError, ExampleInputsError, MemoryLimitError, ScheduleError
-from partitioner.passes.place_graph import capture_device, place_graph
+from partitioner.passes.place_graph import place_graph
 from partitioner.passes.private_rng import route_dropout, route_module_randomness
 from partitioner.passes.tensor_parallel.sequence_parallel import (
     sequence_parallel as apply_sequence_parallel,
@@ -361,7 +361,7 @@ def shard_stage(stage: fx.GraphModule, model: nn.Module, shard_plan: ShardPlan, 
     ids = first_names(model)
     store = ShardStore(shard_plan.shardings, source, derive)
     shardings = attr_shardings(stage, ids, shard_plan.shardings)
-    origin = origin or capture_device(stage)
+    origin = origin or accelerators.model_device(stage)
     out = shard_graph(stage, shardings, rank, make_tensor=store.factory(
         rank, torch.device(device), ids)).graph_module
     place_graph(out, device, origin)  # the capture's device in its arguments: the rank's

@@ -8,8 +8,9 @@ node's arguments (``arange(n, device=cpu)`` for ``arange(n, device=x.device)``).
 captured on the CPU whose stage runs on a GPU then mixes devices in its first op ("Expected
 all tensors to be on the same device"). :func:`place_graph` moves the constants too and,
 when the graph was captured on another device, turns that device in every argument into
-the stage's (as ``unbake_meta`` does for the meta device; a ``.to("cpu")`` the model wrote
-is then indistinguishable from a baked device and follows the stage too).
+the stage's: the meta device of a meta-built model (``unbake_meta``), or the CPU a model
+was captured on (a ``.to("cpu")`` the model wrote is then indistinguishable from a baked
+device and follows the stage too).
 
 Example:
     >>> import torch
@@ -31,31 +32,26 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch import nn
 
 from partitioner.passes.base import PassResult
 from partitioner.passes.unbake_meta import replace_device
 
-__all__ = ["place_graph", "capture_device"]
-
-
-def capture_device(gm: nn.Module) -> torch.device | None:
-    """The device ``gm``'s tensors are on (its first parameter's or buffer's), if any."""
-    return next((t.device for t in [*gm.parameters(), *gm.buffers()]), None)
+__all__ = ["place_graph"]
 
 
 def place_graph(gm: fx.GraphModule, device: torch.device | str,
                 captured_on: torch.device | None = None) -> PassResult:
     """``gm``'s parameters, buffers and tensor constants on ``device`` (in place); with
-    ``captured_on`` (not meta, not ``device``), that device in every node's arguments
-    becomes ``device``.
+    ``captured_on`` (where the graph was captured: ``runtime.device.model_device`` of the
+    model before any stage moved), that device in every node's arguments becomes
+    ``device``.
 
     Returns:
         A :class:`PassResult`; ``modified`` says whether a constant moved or a node changed.
     """
     device = torch.device(device)
     modified = False
-    if captured_on is not None and captured_on.type != "meta" and captured_on != device:
+    if captured_on is not None and captured_on != device:
         modified = replace_device(gm, captured_on, device).modified
     gm.to(device)
     for node in gm.graph.nodes:

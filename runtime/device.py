@@ -23,11 +23,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from partitioner.errors import DistributedInitError
 
 __all__ = ["ACCELERATOR", "DEVICE_TYPES", "BACKENDS", "is_accelerator", "available", "count",
-           "device", "current", "set_current", "new_stream", "on_stream",
+           "device", "current", "set_current", "new_stream", "on_stream", "model_device",
            "record_event", "wait_event", "keep_alive", "autocast_enabled", "fork_rng",
            "properties", "default_backend", "backend_for", "check_backend", "batches_sends",
            "collective_device", "rank_device", "memory_allocated"]
@@ -199,3 +200,13 @@ def rank_device(backend: str, local_rank: int) -> torch.device | None:
         return None
     set_current(local_rank)
     return device(local_rank)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s first tensor lives (CPU for a model without tensors); the meta
+    device when any tensor is there (a meta-built model, this rank's stage materialized)."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return torch.device("meta")
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")

@@ -59,7 +59,7 @@ from partitioner.errors import BackwardError, ReplicaError
 from partitioner.runtime.loss_head import LOSS_REDUCTIONS, check_loss
 from partitioner.runtime.microbatch import OutputHint, batch_size, gather, join_rules, split_grad
 from partitioner.runtime.replica_copy import ReplicaTensors
-from partitioner.runtime.rng import use_generator
+from partitioner.runtime.rng import draw_seed, use_generator
 from partitioner.runtime.transfer import move_leaves
 from partitioner.runtime.worker import Worker, shared_threads
 from partitioner.runtime.wrapper import ModelWrapper
@@ -215,7 +215,7 @@ class ReplicatedModule(ModelWrapper):
             if copy.training != self.training:
                 copy.train(self.training)
         self._tensors.refresh()
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = draw_seed()
         for r, generator in enumerate(self._generators):
             generator.manual_seed(seed + r)
 

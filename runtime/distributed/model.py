@@ -35,6 +35,7 @@ from torch import nn
 
 from partitioner.errors import CheckpointError, StrategyError
 from partitioner.runtime.deferred_init import DeferredInit
+from partitioner.runtime.device import model_device
 from partitioner.runtime.distributed.boundaries import BoundaryPredictor
 from partitioner.runtime.distributed.checkpoint_io import load_checkpoint, save_checkpoint
 from partitioner.runtime.distributed.data_parallel import (
@@ -72,7 +73,7 @@ from partitioner.runtime.stage import StageRunner
 from partitioner.runtime.tensor_parallel.shard_state import ShardState
 from partitioner.runtime.wrapper import GroupNorms, ModelWrapper
 
-__all__ = ["DistributedModel", "RunSettings", "assemble", "find_ties", "model_device",
+__all__ = ["DistributedModel", "RunSettings", "assemble", "find_ties",
            "sharding_problem"]
 
 Binder = Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]
@@ -113,16 +114,6 @@ class RunSettings:
     precision: str = "fp32"
     sharding: str = "none"
     fsdp_units: tuple[str, ...] = ()
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where ``model``'s first tensor lives (CPU for a model without tensors); the meta
-    device when any tensor is there (a meta-built model, this rank's stage materialized)."""
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return torch.device("meta")
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
 
 
 def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],

@@ -122,7 +122,7 @@ class TensorParallelStage(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         leaves, spec = pytree.tree_flatten(list(inputs))
-        seed = _draw_seed()
+        seed = rng.draw_seed(rng.current_generator())
         grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves))
@@ -225,10 +225,6 @@ class TensorParallelStage(nn.Module):
             self.close()
         except Exception:
             pass
-
-
-def _draw_seed() -> int:
-    return rng.draw_seed(rng.current_generator())
 
 
 def _to(value: Any, device: torch.device, grad: bool) -> Any:

@@ -11,8 +11,9 @@ import torch
 import torch.fx as fx
 
 from partitioner.build import stage_devices
-from partitioner.passes.place_graph import capture_device, place_graph
+from partitioner.passes.place_graph import place_graph
 from partitioner.plans.plan import Plan, Stage
+from partitioner.runtime.device import model_device
 
 META = torch.device("meta")
 
@@ -51,7 +52,7 @@ def test_an_exported_graph_leaves_constants_and_devices_behind_on_to() -> None:
 
 def test_every_tensor_and_the_capture_device_follow_the_stage() -> None:
     gm = torch.export.export(_Positions(), (torch.ones(2, 3),), strict=False).module()
-    origin = capture_device(gm)
+    origin = model_device(gm)
     assert origin == torch.device("cpu")
     assert place_graph(gm, META, origin).modified
     assert {k: t.device.type for k, t in _tensors(gm).items()} == dict.fromkeys(
