@@ -298,9 +298,14 @@ def example_error(model: nn.Module, args: tuple[Any, ...],
     """An error naming the example inputs if the model itself rejects them, else ``None``.
 
     Runs ``model`` once without gradients and puts its buffers back afterwards (a
-    training-mode batch norm would otherwise count the batch).
+    training-mode batch norm would otherwise count the batch). A model built on the meta
+    device cannot tell: called on real inputs it fails on its own meta tensors ("Cannot copy
+    out of meta tensor", ``.item()`` of a meta mask) whatever the inputs are, so it gets
+    ``None`` and the caller's own error stands.
     """
-    buffers = [b for b in model.buffers() if not b.is_meta]
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return None
+    buffers = list(model.buffers())
     saved = [b.detach().clone() for b in buffers]
     try:
         with torch.no_grad():

@@ -10,13 +10,14 @@ Analyses write their findings to ``node.meta`` under the keys listed in :data:`M
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.fx as fx
 
 from partitioner.errors import PassError
 
-__all__ = ["PassResult", "PassError", "META_KEYS", "require_meta"]
+__all__ = ["PassResult", "PassError", "META_KEYS", "require_meta", "graph_modules"]
 
 #: The ``node.meta`` keys the passes write, and what each holds.
 META_KEYS = {
@@ -42,3 +43,13 @@ def require_meta(gm: fx.GraphModule, key: str, pass_name: str) -> None:
     if missing:
         raise PassError(f"{pass_name} needs node.meta[{key!r}] ({META_KEYS.get(key, key)}); "
                         f"missing on {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and every graph it holds: the body of a higher-order op (a ``torch.no_grad()``
+    block is ``wrap_with_set_grad_enabled`` calling a ``submod_N`` graph, an autocast block
+    ``wrap_with_autocast``) is a submodule with a graph of its own, which a pass rewriting
+    devices, dtypes or constants must rewrite too."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield module

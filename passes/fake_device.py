@@ -34,6 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from partitioner.passes.base import graph_modules
 from partitioner.passes.unbake_meta import bake_meta
 
 __all__ = ["fake_device", "restore_meta"]
@@ -91,10 +92,11 @@ def restore_meta(gm: fx.GraphModule, model: nn.Module, device: torch.device) -> 
                     store[name] = own[key]
                 elif tensor is not None and tensor.device.type != "meta":
                     store[name] = torch.empty_like(tensor, device="meta")
-    for name, value in list(vars(gm).items()):
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
-                and value.device.type != "meta" and name not in gm._buffers:
-            setattr(gm, name, torch.empty_like(value, device="meta"))
+    for graph in graph_modules(gm):  # a no_grad block's graph may hold constants too
+        for name, value in list(vars(graph).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                    and value.device.type != "meta" and name not in graph._buffers:
+                setattr(graph, name, torch.empty_like(value, device="meta"))
     bake_meta(gm, device)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from partitioner.passes.base import PassResult
+from partitioner.passes.base import PassResult, graph_modules
 from partitioner.passes.unbake_meta import replace_device
 
 __all__ = ["place_graph"]
@@ -54,6 +54,14 @@ def place_graph(gm: fx.GraphModule, device: torch.device | str,
     if captured_on is not None and captured_on != device:
         modified = replace_device(gm, captured_on, device).modified
     gm.to(device)
+    for graph in graph_modules(gm):  # a no_grad block's body may hold constants too
+        modified = _move_constants(graph, device) or modified
+    return PassResult(gm, modified)
+
+
+def _move_constants(gm: fx.GraphModule, device: torch.device) -> bool:
+    """Move the unregistered tensors ``gm``'s ``get_attr`` nodes read onto ``device``."""
+    modified = False
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -67,4 +75,4 @@ def place_graph(gm: fx.GraphModule, device: torch.device | str,
         if isinstance(value, torch.Tensor) and not registered and value.device != device:
             setattr(owner, name, value.to(device))
             modified = True
-    return PassResult(gm, modified)
+    return modified

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.fx as fx
 
-from partitioner.passes.base import PassResult
+from partitioner.passes.base import PassResult, graph_modules
 from partitioner.runtime.precision import masked_fill_saturated, where_saturated
 
 __all__ = ["unbake_dtypes"]
@@ -53,6 +53,13 @@ def unbake_dtypes(gm: fx.GraphModule) -> PassResult:
         A :class:`PassResult`; ``modified`` says whether a node changed.
     """
     modified = False
+    for graph in graph_modules(gm):  # a no_grad block's body too
+        modified = _unbake(graph) or modified
+    return PassResult(gm, modified)
+
+
+def _unbake(gm: fx.GraphModule) -> bool:
+    modified = False
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -67,7 +74,7 @@ def unbake_dtypes(gm: fx.GraphModule) -> PassResult:
     if modified:
         gm.graph.lint()
         gm.recompile()
-    return PassResult(gm, modified)
+    return modified
 
 
 def _drop_dtype(node: fx.Node) -> bool:

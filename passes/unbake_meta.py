@@ -34,11 +34,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partitioner.passes.base import PassResult
+from partitioner.passes.base import PassResult, graph_modules
 
 __all__ = ["unbake_meta", "bake_meta", "holds_meta_device", "replace_device"]
 
 _META = torch.device("meta")
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 
 
 def unbake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
@@ -67,9 +68,23 @@ def bake_meta(gm: fx.GraphModule, device: torch.device) -> PassResult:
 
 
 def replace_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> PassResult:
-    """Every ``old`` device in ``gm``'s nodes' arguments becomes ``new`` (in place)."""
+    """Every ``old`` device in ``gm``'s nodes' arguments becomes ``new`` (in place), in
+    ``gm``'s graph and in every graph it holds: the body of a higher-order op
+    (``wrap_with_set_grad_enabled`` for a ``torch.no_grad()`` block, ``wrap_with_autocast``)
+    is a submodule graph of its own, and a rotary embedding under ``@torch.no_grad()`` keeps
+    its ``.to(x.device)`` there. An autocast block's device type follows too
+    (:func:`_follow_autocast`)."""
+    modified = False
+    for graph in graph_modules(gm):
+        modified = _replace_in(graph, old, new) or modified
+    return PassResult(gm, modified)
+
+
+def _replace_in(gm: fx.GraphModule, old: torch.device, new: torch.device) -> bool:
     modified = False
     for node in gm.graph.nodes:
+        if _follow_autocast(node, old, new):
+            modified = True
         if not _holds((node.args, node.kwargs), old):
             continue
         node.args = _replaced(node.args, old, new)
@@ -78,7 +93,22 @@ def replace_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> 
     if modified:
         gm.graph.lint()
         gm.recompile()
-    return PassResult(gm, modified)
+    return modified
+
+
+def _follow_autocast(node: fx.Node, old: torch.device, new: torch.device) -> bool:
+    """An autocast block's device type (``wrap_with_autocast("cpu", ...)``, a string, from
+    ``torch.autocast(x.device.type, enabled=False)``) follows the tensors: left on the
+    capture's type it would not turn off the stage's own autocast on a GPU. A meta-built
+    model's blocks name the device it was faked on, whatever it was; no block can name
+    meta (autocast has no meta type), so baking leaves them."""
+    if node.target is not _AUTOCAST or not node.args or not isinstance(node.args[0], str):
+        return False
+    kind = node.args[0]
+    if new.type == "meta" or kind == new.type or (old.type != "meta" and kind != old.type):
+        return False
+    node.args = (new.type, *node.args[1:])
+    return True
 
 
 def holds_meta_device(value: Any) -> bool:

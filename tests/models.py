@@ -154,6 +154,49 @@ def encoder_model(width: int = 16, layers: int = 4) -> nn.Module:
     return _Encoder(width, layers)
 
 
+class _NoGradRotary(nn.Module):
+    """A rotary embedding as transformers 5.17 wrote it: ``@torch.no_grad()`` and a
+    ``.to(x.device)`` inside, which ``torch.export`` keeps in a submodule graph of its own
+    (``wrap_with_set_grad_enabled``) with the capture's device baked in."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inv = self.inv_freq[None, :, None].float().expand(positions.shape[0], -1, 1)
+        inv = inv.to(x.device)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            freqs = (inv @ positions[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class NoGradRotary(nn.Module):
+    """Two linears around :class:`_NoGradRotary` (inputs ``(batch, seq, 8)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _NoGradRotary()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        cos, sin = self.rotary(x, positions)
+        return self.second(self.first(x) * cos + sin)
+
+    @staticmethod
+    def init(module: nn.Module) -> None:
+        """An ``init_fn`` for a meta-built one: the linears' own reset, the frequencies."""
+        if isinstance(module, _NoGradRotary):
+            fresh = _NoGradRotary().inv_freq
+            module.inv_freq = fresh.to(module.inv_freq.device)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+
 def grads_match(model: nn.Module, reference: nn.Module) -> None:
     """Every parameter of ``model`` has the gradient of its twin in ``reference`` (or none
     where the twin has none)."""

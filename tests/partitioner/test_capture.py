@@ -10,7 +10,7 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.analysis import analyze
-from partitioner.capture import capture
+from partitioner.capture import capture, example_error
 from partitioner.errors import (
     ChunksError,
     ExampleInputsError,
@@ -233,3 +233,13 @@ def test_a_transformers_model_with_caching_on_is_captured_without_its_cache() ->
     torch.testing.assert_close(pm(ids).logits, model(ids, use_cache=False).logits)
     pm.close()
 
+
+
+def test_a_meta_built_model_is_not_blamed_on_its_example_inputs() -> None:
+    """Called on real inputs, a meta-built model fails on its own meta tensors whatever the
+    inputs are ("Cannot copy out of meta tensor"): that is no verdict on the inputs (an
+    H200 run reported transformers' Llama's right inputs as not fitting)."""
+    with torch.device("meta"):
+        model = mlp()
+    assert example_error(model, (torch.ones(2, 12),), {}) is None
+    assert example_error(mlp(), (torch.ones(2, 5),), {}) is not None

@@ -71,3 +71,38 @@ def test_an_export_captured_model_runs_in_low_precision(precision: str) -> None:
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
     pm.close()
+
+
+class _NoGradCast(nn.Module):
+    """The fp32 cast inside a ``torch.no_grad()`` block: export keeps the block as a graph
+    of its own (``wrap_with_set_grad_enabled``), with its own dtype assertions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        with torch.no_grad():
+            gate = h.to(torch.float32).sigmoid()
+        return self.second(h * gate.to(h.dtype))
+
+
+def test_a_no_grad_blocks_dtype_assertions_go_too() -> None:
+    """Regression: the pass rewrote the top graph only, so a cast in a ``no_grad`` block
+    kept ``_assert_tensor_metadata(dtype=float32)`` and failed under bf16 autocast."""
+    torch.manual_seed(0)
+    model, x = _NoGradCast(), torch.randn(8, 8)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    inner = [m for name, m in gm.named_children() if isinstance(m, torch.fx.GraphModule)]
+    assert inner, "export no longer makes a no_grad block a graph of its own"
+    assert unbake_dtypes(gm).modified
+    asserts = [n for graph in gm.modules() if isinstance(graph, torch.fx.GraphModule)
+               for n in graph.graph.nodes
+               if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    assert asserts and all(n.kwargs.get("dtype") is None for n in asserts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(x,), chunks=2,
+                   precision="bf16", calibrate=False)
+    torch.testing.assert_close(pm(x).float(), expected.float(), atol=2e-2, rtol=2e-2)
