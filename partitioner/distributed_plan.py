@@ -150,8 +150,9 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
         return None
     if cpu_spec() is REFERENCE_CPU:
         return REFERENCE_LOOPBACK
-    latency, bandwidth, busy = probe_link()
-    return LinkSpec("gloo over loopback (measured)", bandwidth, latency, busy_latency=busy)
+    latency, bandwidth, busy, wake = probe_link()
+    return LinkSpec("gloo over loopback (measured)", bandwidth, latency, busy_latency=busy,
+                    wake=wake)
 
 
 def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,

@@ -19,8 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partitioner.errors import DeviceError
+from partitioner.runtime.distributed.link_probe import WAKE_GAP
 
-__all__ = ["LinkSpec", "LINKS"]
+__all__ = ["LinkSpec", "LINKS", "WAKE_GAP", "WAKE_FLOOR"]
+
+WAKE_FLOOR = 0.25
+"""The share of :attr:`LinkSpec.wake` any wait costs: on the 2-core CI VM a small MLP's
+forward and backward after waits of 0.5, 2 and 5 ms for a gloo message ran 0.08-0.30,
+0.22-0.59 and 0.50-0.90 ms over the same back to back (about ``0.15 ms + 0.1 x the wait``):
+a quarter of the 5 ms figure, and the rest in proportion to the wait."""
+
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,13 @@ class LinkSpec:
             at once (all replicas' gradient all-reduce, every tensor-parallel group's),
             where ranks outnumber the cores and each message waits for its receiver to be
             scheduled (``partitioner.runtime.distributed.link_probe``); ``None``: ``latency``.
+        wake: seconds a rank's compute loses when it starts right after waiting
+            ``WAKE_GAP`` or longer for a message (a process that blocked lets its core idle
+            or run another process: on the 2-core CI VM the next forward and backward of a
+            small MLP ran 0.5-0.9 ms slower after 5 ms); a shorter wait loses less
+            (:meth:`wake_time`).
+            Measured by the link probe between the ranks of one CPU host; 0: none (the
+            presets, and GPU ranks, whose host only launches).
     """
 
     name: str
@@ -44,6 +59,7 @@ class LinkSpec:
     latency: float
     efficiency: float = 1.0
     busy_latency: float | None = None
+    wake: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -55,6 +71,8 @@ class LinkSpec:
             problems.append(f"efficiency={self.efficiency!r}; it must be in (0, 1]")
         if self.busy_latency is not None and not self.busy_latency >= 0:
             problems.append(f"busy_latency={self.busy_latency!r}; it must be >= 0 or None")
+        if not self.wake >= 0:
+            problems.append(f"wake={self.wake!r}; it must be >= 0")
         if problems:
             raise DeviceError(f"LinkSpec {self.name!r}: " + "; ".join(problems))
 
@@ -67,6 +85,21 @@ class LinkSpec:
     def effective_bandwidth(self) -> float:
         """``bandwidth * efficiency``: bytes per second a transfer actually gets."""
         return self.bandwidth * self.efficiency
+
+    def wake_time(self, waited: float) -> float:
+        """Seconds a rank's next action loses after waiting ``waited`` seconds for a
+        message: :data:`WAKE_FLOOR` of ``wake`` for any wait (the process blocked and its
+        core ran another), rising in proportion to all of it at ``WAKE_GAP``; nothing when
+        the message was there (``waited`` 0).
+
+        Example:
+            >>> link = LinkSpec("loopback", 2e9, 1e-4, wake=4e-4)
+            >>> [round(link.wake_time(w) * 1e6) for w in (0.0, 1e-5, 2e-3, 5e-3, 1e-2)]
+            [0, 101, 220, 400, 400]
+        """
+        if waited <= 0:
+            return 0.0
+        return self.wake * (WAKE_FLOOR + (1 - WAKE_FLOOR) * min(waited / WAKE_GAP, 1.0))
 
     def time(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` over this link."""

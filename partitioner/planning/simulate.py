@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from partitioner.cost.comm import all_reduce_time
 from partitioner.cost.devices import Cluster
 from partitioner.cost.optimizer_steps import optimizer_copies
 from partitioner.errors import SimulationError
@@ -62,7 +63,7 @@ from partitioner.runtime.schedule import Action, Phase
 from partitioner.runtime.schedule_registry import make_schedule, schedule_kind
 
 __all__ = ["SimulationError", "SimulationResult", "simulate", "predict_step",
-           "refine", "REDUCE", "OPTIMIZER"]
+           "refine", "REDUCE", "OPTIMIZER", "loss_all_reduce_time"]
 
 REDUCE = "all-reduce"
 """The kind of a device's gradient all-reduce (or replica sum) in ``SimulationResult.updates``."""
@@ -164,6 +165,14 @@ class _Simulation:
         self.remaining_b = [sum(1 for a in acts if a.phase.frees) for acts in self.order]
         self.tags: dict[int, tuple[str, Any]] = {}
         self.updates: list[tuple[int, str, float, float]] = []
+        # Ranks of a torch.distributed world (processes): an action that waited for its
+        # message starts on an idle core (``LinkSpec.wake``), and every rank all-reduces
+        # the step's loss before its optimizer steps (``DistributedPipeline._reduce_loss``).
+        self.processes = cluster.processes
+        self.link = cluster.intra_node
+        self.free_since = [0.0] * c.pp
+        self.loss_time = loss_all_reduce_time(cluster, c.devices)
+        self.ready_to_step: list[int] = []
 
     def gain(self, j: int, n: int) -> float:
         """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
@@ -214,7 +223,8 @@ class _Simulation:
         self.current[j] = action
         self.started[action] = self.now
         self.account_memory(j, action)
-        self.run_on_host(j, self.duration(action), ("compute", action))
+        wake = self.link.wake_time(self.now - self.free_since[j]) if self.processes else 0.0
+        self.run_on_host(j, self.duration(action) + wake, ("compute", action))
 
     def account_memory(self, j: int, action: Action) -> None:
         stage = self.stages[action.stage]
@@ -266,6 +276,7 @@ class _Simulation:
     def finish_compute(self, j: int, action: Action) -> None:
         self.timeline.append((action, self.started[action], self.now))
         self.busy[j] = False
+        self.free_since[j] = self.now
         stage: StageProfile = self.stages[action.stage]
         k, i = action.stage, action.microbatch
         if action.phase is Phase.FORWARD:
@@ -345,12 +356,22 @@ class _Simulation:
                 # thread with all of its intra-op threads, once backward has returned.
                 self.stepped.add(payload)
                 if len(self.stepped) == self.config.pp:
-                    begin = max(self.now, pipeline_end)
+                    # Ranks of a world all-reduce the loss first (``loss_time``; 0 in one).
+                    begin = max(self.now, pipeline_end) + self.loss_time
                     for j in range(self.config.pp):
                         end = begin + self.shards * self.p.optimizer_times[j]
                         self.transfers.append((f"optimizer device {j}", begin, end))
                         self.updates.append((j, OPTIMIZER, begin, end))
                         finished[j], begin = end, end
+            elif self.processes and kind == "optimizer":
+                # Every rank all-reduces the loss first: none steps before the last is done.
+                self.ready_to_step.append(payload)
+                if len(self.ready_to_step) == self.config.pp:
+                    self.push(max(self.now, pipeline_end) + self.loss_time, "step", None)
+            elif kind == "step":
+                for j in self.ready_to_step:
+                    self.run_on_host(j, self.shards * self.p.optimizer_times[j],
+                                     ("optimizer", self.now))
             else:
                 self.run_on_host(payload, self.shards * self.p.optimizer_times[payload],
                                  ("optimizer", self.now))
@@ -382,6 +403,23 @@ class _Simulation:
                                 bubble, tuple(s + peak for s, peak in zip(static, self.peak)),
                                 tuple(self.timeline), tuple(self.transfers),
                                 tuple(sorted(self.updates, key=lambda u: (u[2], u[0]))))
+
+
+def loss_all_reduce_time(cluster: Cluster, ranks: int) -> float:
+    """Seconds of the one-number all-reduce of the step's loss over a world of ``ranks``
+    processes (0 for one process's devices): a ring of lone hand-offs, since every rank but
+    the last to finish its backward is waiting in it already.
+
+    Example:
+        >>> from partitioner.cost.devices import REFERENCE_CPU
+        >>> from partitioner.planning.world import REFERENCE_LOOPBACK, world_cluster
+        >>> c = world_cluster(["h"] * 4, "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
+        >>> round(loss_all_reduce_time(c, 4) / REFERENCE_LOOPBACK.latency)  # 2 (n - 1) steps
+        6
+    """
+    if not cluster.processes or ranks < 2:
+        return 0.0
+    return all_reduce_time(8.0, ranks, replace(cluster.intra_node, busy_latency=None))
 
 
 def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:

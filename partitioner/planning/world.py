@@ -65,12 +65,14 @@ LOOPBACK = LINKS["loopback"]
 ETHERNET = LINKS["ethernet-10g"]
 """Between CPU nodes, and GPU nodes of no preset (the link preset ``"ethernet-10g"``)."""
 
-REFERENCE_LOOPBACK = LinkSpec("gloo over loopback (reference CI machine)", 1.3e9, 60e-6)
+REFERENCE_LOOPBACK = LinkSpec("gloo over loopback (reference CI machine)", 1.3e9, 60e-6,
+                              wake=3e-4)
 """The link planned with beside the reference CPU spec (``PARTITIONER_CPU_SPEC=reference``,
 so tests plan deterministically); ``partition_distributed`` measures the link of a
 one-node CPU world otherwise (``link_probe``). Medians measured by
 ``link_probe.probe_link`` on the 2-core CI machine with 2 and 4 ranks (51-74 us a message,
-1.1-1.9 GB/s), while other processes ran."""
+1.1-1.9 GB/s), while other processes ran; the wake 0.12-0.48 ms with 4 ranks
+(2026-12-04)."""
 
 DEFAULT_RESERVE = 0.10
 """Share of each device's memory a plan leaves unused (allocator slack, fragmentation)."""

@@ -16,6 +16,12 @@ stages compute or wait, and every pair at once, which is what a collective pays 
 replica's group reduces together. On the 2-core VM with 4 ranks the two were 65-90 us and
 about 2 ms (2026-12-04): planned with the second, a 4-stage pipeline of one micro-batch
 was predicted at 22 ms and ran 13-16 ms. It takes about 50 round trips per pair.
+
+A rank that waits lets its core idle, and its next compute runs slow: on that VM a 4-rank
+pipeline of a small MLP spent 0.2-0.5 ms more on each action than the same work took back
+to back, 1.8x its stages' predicted compute. The probe measures that too, per pair: the
+receiver times a small forward and backward back to back, then right after waiting while
+its peer computes for :data:`WAKE_GAP` (``LinkSpec.wake``: the excess).
 Example:
     >>> probe_link  # doctest: +ELLIPSIS
     <function probe_link at 0x...>
@@ -25,19 +31,29 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from partitioner.runtime.distributed.comm_failure import communicating
 
-__all__ = ["probe_link", "SMALL_ROUNDS", "LARGE_BYTES"]
+__all__ = ["probe_link", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP", "WAKE_ROUNDS"]
 
 SMALL_ROUNDS = 40
 """Round trips of a 4-byte message timed for the latency (after 5 not timed)."""
 
 LARGE_BYTES = 8 << 20
 """The message size timed for the bandwidth (5 round trips)."""
+
+WAKE_GAP = 5e-3
+"""Seconds a rank waits for its peer before its compute is timed for the wake cost; a rank
+waiting this long or longer loses all of ``LinkSpec.wake``, a shorter wait its share
+(measured on the 2-core CI VM, a small MLP's forward and backward after waits of 0.5, 2 and
+5 ms over the same back to back: 0.08-0.30, 0.22-0.59 and 0.50-0.90 ms)."""
+
+WAKE_ROUNDS = 15
+"""Rounds timed for the wake cost (about 5.5 ms each)."""
 
 
 def _round_trips(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
@@ -57,11 +73,59 @@ def _round_trips(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> f
     return statistics.median(times)
 
 
-def probe_link() -> tuple[float, float, float]:
-    """``(latency, bandwidth, busy_latency)`` of one message between this world's ranks:
-    seconds per message with one pair exchanging at a time, bytes per second, and seconds
-    per message with every pair exchanging at once; the slowest pair's (collective: every
-    rank calls it).
+def _wake(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
+    """Seconds a rank's compute loses right after waiting for a message: the receiver
+    times a small forward and backward back to back (the steady figure the cost model's
+    compute times are), then, each round, waits while its peer computes for
+    :data:`WAKE_GAP` and times it once; the median of those over the steady one (0 on the
+    peer, which computes without waiting)."""
+    work = _reference_work()
+    steady = 0.0
+    if not first:
+        for _ in range(10):
+            work()
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - start)
+        steady = statistics.median(times)
+    colds = []
+    for _ in range(rounds):
+        if first:
+            end = time.perf_counter() + WAKE_GAP
+            while time.perf_counter() < end:  # the peer computes: this rank's core is busy
+                work()
+            dist.send(tensor, peer)
+            dist.recv(tensor, peer)
+        else:
+            dist.recv(tensor, peer)
+            start = time.perf_counter()
+            work()
+            colds.append(time.perf_counter() - start)
+            dist.send(tensor, peer)
+    return max(statistics.median(colds) - steady, 0.0) if colds else 0.0
+
+
+def _reference_work() -> Callable[[], None]:
+    """A forward and backward of a small MLP (about 0.2 ms on one core of the CI VM)."""
+    generator = torch.Generator().manual_seed(0)
+    w1 = torch.randn(128, 256, generator=generator, requires_grad=True)
+    w2 = torch.randn(256, 128, generator=generator, requires_grad=True)
+    x = torch.randn(64, 128, generator=generator)
+
+    def work() -> None:
+        w1.grad = w2.grad = None
+        (torch.relu(x @ w1) @ w2).sum().backward()
+    return work
+
+
+def probe_link() -> tuple[float, float, float, float]:
+    """``(latency, bandwidth, busy_latency, wake)`` of the link between this world's
+    ranks: seconds per message with one pair exchanging at a time, bytes per second,
+    seconds per message with every pair exchanging at once, and seconds a rank's compute
+    loses after waiting :data:`WAKE_GAP` for a message (``LinkSpec.wake``); the slowest
+    pair's (collective: every rank calls it).
 
     Raises:
         CommunicationError: a rank stopped answering (``communicating``).
@@ -70,21 +134,22 @@ def probe_link() -> tuple[float, float, float]:
     peer = rank + 1 if rank % 2 == 0 else rank - 1
     first = rank % 2 == 0
     small, large = torch.zeros(1), torch.zeros(LARGE_BYTES // 4)
-    latency = busy = per_large = 0.0
+    latency = busy = per_large = wake = 0.0
     with communicating("measuring the link between ranks (send/recv pairs)"):
         dist.barrier()
         for pair in range(world // 2):  # one pair at a time: the others wait
             if rank // 2 == pair and peer < world:
                 _round_trips(peer, first, small, 5)
                 latency = _round_trips(peer, first, small, SMALL_ROUNDS)
+                wake = _wake(peer, first, small, WAKE_ROUNDS)
             dist.barrier()
         if peer < world:  # every pair at once
             _round_trips(peer, first, small, 5)
             busy = _round_trips(peer, first, small, SMALL_ROUNDS)
             per_large = _round_trips(peer, first, large, 5)
-        agreed = torch.tensor([latency, per_large, busy], dtype=torch.float64)
+        agreed = torch.tensor([latency, per_large, busy, wake], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large, busy = (float(v) for v in agreed)
+    latency, per_large, busy, wake = (float(v) for v in agreed)
     # The latency's share of a large message: at most half of it, whatever the noise.
     bandwidth = LARGE_BYTES / max(per_large - busy, per_large / 2, 1e-9)
-    return latency, bandwidth, max(busy, latency)
+    return latency, bandwidth, max(busy, latency), wake

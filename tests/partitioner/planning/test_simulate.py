@@ -14,7 +14,7 @@ from torch import nn
 
 import partitioner.planning.simulate
 from partitioner import make_plan
-from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.devices import Cluster, DeviceSpec, LinkSpec
 from partitioner.cost.memory import MemoryBreakdown
 from partitioner.cost.transformer_model import GPTShape, gpt_workload
 from partitioner.planning.predict import Config, Prediction, StageProfile, predict
@@ -243,3 +243,42 @@ def test_replicas_and_shards_in_one_process_share_the_hosts_compute() -> None:
     alone = simulate(_equal_stages(Config(pp=2, chunks=8)), host4).pipeline_time
     assert simulate(_equal_stages(Config(dp=2, pp=2, chunks=8)), host4).pipeline_time \
         == pytest.approx(2 * alone, rel=0.05)
+
+
+def test_ranks_that_waited_for_a_message_start_on_a_cold_core() -> None:
+    """Across processes an action that waited for its message pays the link's ``wake``
+    (``LinkSpec.wake_time`` of the wait), one that found it there nothing; threads of one
+    process pay none (their hand-off is in the spec's ``action_overhead``)."""
+    own = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10)  # no sharing: times stay exact
+    link = LinkSpec("loopback", 1e9, 0.0, wake=0.4)
+    threads = Cluster(own, devices_per_node=2, intra_node=link)
+    ranks = replace(threads, processes=True)
+    prediction = _equal_stages(Config(pp=2, chunks=1))  # F 1 s, B 2 s, nothing overlaps
+    plain = simulate(prediction, threads)
+    assert plain.pipeline_time == pytest.approx(2 * 3.0)
+    cold = simulate(prediction, ranks)
+    starts = {str(action): (start, end) for action, start, end in cold.timeline}
+    # 1F0 waited 1 s for 0F0 (above WAKE_GAP): the whole wake.
+    assert starts["1F0"] == pytest.approx((1.0, 2.0 + 0.4))
+    # 1B0 follows 1F0 on the same rank: its input is there, no wake.
+    assert starts["1B0"] == pytest.approx((2.4, 4.4))
+    # 0B0 waited from 1.0 to 4.4 for the gradient: the full wake again.
+    assert starts["0B0"] == pytest.approx((4.4, 6.4 + 0.4))
+    assert cold.pipeline_time == pytest.approx(6.0 + 2 * 0.4)
+
+
+def test_ranks_all_reduce_the_loss_before_any_optimizer_steps() -> None:
+    """Every rank of a world all-reduces the step's loss (a one-number ring of lone
+    hand-offs), so no rank's optimizer starts before the last backward plus that."""
+    own = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10)
+    link = LinkSpec("loopback", 1e9, 0.01, busy_latency=5.0)  # a collective's busy latency
+    ranks = Cluster(own, devices_per_node=2, intra_node=link, processes=True)
+    prediction = replace(_equal_stages(Config(pp=2, chunks=1)), optimizer_times=(0.5, 0.25))
+    result = simulate(prediction, ranks)
+    loss = 2 * 0.01  # 2 (n - 1) lone hand-offs of 8 bytes over 2 ranks, not the busy 5 s
+    steps = {j: (start, end) for j, kind, start, end in result.updates if kind == "optimizer"}
+    assert steps[1] == pytest.approx((6.0 + loss, 6.0 + loss + 0.25))  # rank 1 done at 4 s
+    assert steps[0] == pytest.approx((6.0 + loss, 6.0 + loss + 0.5))
+    alone = simulate(prediction, replace(ranks, processes=False))
+    assert {j: s for j, k, s, _ in alone.updates if k == "optimizer"} == pytest.approx(
+        {0: 6.0, 1: 4.0})

@@ -12,7 +12,8 @@ from partitioner.runtime.distributed.link_probe import probe_link
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    latency, bandwidth, busy = probe_link()
+    latency, bandwidth, busy, wake = probe_link()
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "latency": latency,
-                                  "bandwidth": bandwidth, "busy": busy}), flush=True)
+                                  "bandwidth": bandwidth, "busy": busy, "wake": wake}),
+          flush=True)
     dist.destroy_process_group()

@@ -20,12 +20,15 @@ WORKER = Path(__file__).with_name("link_worker.py")
 def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     """Pairs of ranks exchange messages (a lone last rank of 3 waits), one pair at a time
     and all at once; every rank gets the slowest pair's latencies and bandwidth, positive
-    and finite, the latency with every pair at once never below the one of a lone pair."""
+    and finite, the latency with every pair at once never below the one of a lone pair, and
+    the compute a rank loses after waiting for its peer (``wake``) finite and not negative."""
     per_rank = results(launch(WORKER, world, [], timeout=120))
-    figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"]) for r in per_rank}
+    figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"])
+               for r in per_rank}
     assert len(figures) == 1, figures
-    latency, bandwidth, busy = figures.pop()
+    latency, bandwidth, busy, wake = figures.pop()
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
+    assert 0 <= wake < 0.1
 
 
 def test_reference_spec_plans_with_the_reference_link() -> None:
