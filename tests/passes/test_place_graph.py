@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-
 from models import NoGradRotary
 
 from partitioner import partition
