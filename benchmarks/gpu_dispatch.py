@@ -10,7 +10,15 @@ inside a run):
 * ``add``: ``y = x + 1`` on a (64,) tensor;
 * ``linear bf16``: ``F.linear`` of a (8, 64) input by a (64, 64) fp32 weight under
   ``torch.autocast(dtype=bfloat16)`` (a cast of each operand, then the product);
-* ``add, 2 threads``: ``add`` from two threads at once, per op of the two together.
+* ``add, 2 threads``: ``add`` from two threads at once, per op of the two together;
+* ``training step, per kernel``: what the host-bound term of the cost model needs, measured
+  on a model of its own (not the check's cases, which it is to predict): a training step
+  (forward, backward, ``Adam(foreach=True)``) of 24 ``Linear(64, 64)`` + ReLU on 8 rows,
+  whose kernels take a few microseconds, so the step is the host's; its median step time
+  over the kernels ``torch.profiler`` counts in one step, in fp32 and under bf16 autocast.
+  Beside it, the non-view ATen ops a ``TorchDispatchMode`` counts in the same step (what
+  the planner can count on a CPU, ``docs/benchmarks.md``: 366 of them against 638 kernels
+  for the check's fp32 model, Adam's 308 apart).
 
 Run by ``benchmarks/gpu_check.py`` (or alone: ``python benchmarks/gpu_dispatch.py``).
 """
@@ -72,7 +80,65 @@ def main(argv: list[str] | None = None) -> int:
           "(`python benchmarks/gpu_dispatch.py`):\n\n| op | us per op |\n|---|---:|")
     for name, seconds in rows:
         print(f"| {name} | {seconds * 1e6:.1f} |")
+    print("\n| training step (host-bound) | step | kernels | us per kernel | ATen ops |"
+          "\n|---|---:|---:|---:|---:|")
+    for bf16 in (False, True):
+        step, kernels, ops = training_step(dev, bf16, args.reps)
+        print(f"| {'bf16 autocast' if bf16 else 'fp32'} | {step * 1e3:.2f} ms | {kernels} | "
+              f"{step / max(kernels, 1) * 1e6:.1f} | {ops} |")
     return 0
+
+
+def training_step(dev: torch.device, bf16: bool, reps: int) -> tuple[float, int, int]:
+    """(median seconds, kernels, non-view ATen ops) of one training step of a model whose
+    kernels are tiny: 24 ``Linear(64, 64)`` + ReLU on 8 rows, Adam (multi-tensor)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(24):
+        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+    x = torch.randn(8, 64, device=dev)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x)
+        out.float().square().mean().backward()
+        optimizer.step()
+    for _ in range(5):
+        step()
+    times = []
+    for _ in range(max(reps, 3) * 4):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if str(e.device_type).endswith("CUDA"))
+    return statistics.median(times), kernels, aten_ops(step)
+
+
+def aten_ops(fn: Callable[[], None]) -> int:
+    """Non-view ATen ops ``fn`` dispatches on this thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+    counter = Count()
+    with counter:
+        fn()
+    return counter.n
 
 
 if __name__ == "__main__":
