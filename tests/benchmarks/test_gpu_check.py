@@ -61,3 +61,17 @@ def test_the_llama_layer_check_runs_small_on_a_cpu() -> None:
         skipped = subprocess.run([sys.executable, str(LAYER)], capture_output=True, text=True,
                                  timeout=120)
         assert skipped.returncode == 0 and "skipped, no CUDA device" in skipped.stdout
+
+
+def test_the_kernel_count_counts_ops_not_views() -> None:
+    """``gpu_dispatch.aten_ops``, the planner-side count of a step's kernels: every non-view
+    ATen op once (on any device), no view."""
+    path = SCRIPT.with_name("gpu_dispatch.py")
+    spec = importlib.util.spec_from_file_location("gpu_dispatch", path)
+    assert spec is not None and spec.loader is not None
+    dispatch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dispatch)
+    x = torch.ones(4, 4)
+    assert dispatch.aten_ops(lambda: x + 1) == 1
+    assert dispatch.aten_ops(lambda: x.view(16).unsqueeze(0)) == 0
+    assert dispatch.aten_ops(lambda: (x + 1).view(2, 8).sum()) == 2
