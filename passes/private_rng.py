@@ -3,7 +3,8 @@
 Stages of a pipeline run on several threads; dropout drawing from torch's global generator
 would make masks depend on thread timing, and a checkpointed stage could not replay them.
 This pass rewrites every dropout in a stage graph (``nn.Dropout`` modules, ``F.dropout``,
-``torch.dropout`` and the ``aten`` dropout ops ``torch.export`` produces) into a call of
+``torch.dropout`` and the ``aten`` dropout ops ``torch.export`` produces, in the graph and in
+every graph it holds: an autocast or ``no_grad`` block's) into a call of
 ``partitioner.runtime.rng.dropout``, which draws from the generator the stage's worker installs.
 
 Example:
@@ -19,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from partitioner.passes.base import PassError, PassResult
+from partitioner.passes.base import PassError, PassResult, graph_modules
 from partitioner.runtime import rng
 
 __all__ = ["route_dropout", "route_module_randomness"]
@@ -41,6 +42,16 @@ def route_dropout(gm: fx.GraphModule) -> PassResult:
         PassError: if a rewritten dropout survives (postcondition).
     """
     modified = False
+    for graph in graph_modules(gm):  # a dropout in an autocast or no_grad block's graph too
+        modified = _route(graph) or modified
+    left = [n.name for n in gm.graph.nodes if _is_module_dropout(gm, n)]
+    if left:
+        raise PassError(f"route_dropout left dropout modules {left}")
+    return PassResult(gm, modified)
+
+
+def _route(gm: fx.GraphModule) -> bool:
+    modified = False
     for node in list(gm.graph.nodes):
         if _is_module_dropout(gm, node):
             with gm.graph.inserting_before(node):
@@ -55,10 +66,7 @@ def route_dropout(gm: fx.GraphModule) -> PassResult:
             modified = True
     if modified:
         gm.recompile()
-    left = [n.name for n in gm.graph.nodes if _is_module_dropout(gm, n)]
-    if left:
-        raise PassError(f"route_dropout left dropout modules {left}")
-    return PassResult(gm, modified)
+    return modified
 
 
 _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,

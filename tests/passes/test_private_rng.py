@@ -173,3 +173,58 @@ def test_modules_drawing_inside_run_under_the_stage_generator() -> None:
     with rng.use_generator(torch.Generator().manual_seed(7)):
         again = gm(x)
     torch.testing.assert_close(first, again)
+
+
+class _FP32DropoutBlock(nn.Module):
+    """A product, then dropout inside ``torch.autocast(enabled=False)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            h = F.dropout(h.float(), 0.5, self.training)
+        return self.b(h)
+
+
+class _FP32Dropout(nn.Module):
+    """Four such blocks, in a forward torch.fx cannot trace (``int`` of a size): torch.export
+    captures it and keeps each autocast block as a graph of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_FP32DropoutBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = int(x.shape[0])
+        for block in self.blocks:
+            x = block(x).reshape(rows, -1)
+        return x
+
+
+def test_a_dropout_in_an_autocast_blocks_graph_is_routed_and_replayed() -> None:
+    """Regression: the pass rewrote the top graph only, so a dropout in an autocast block
+    drew from torch's global generator and a checkpointed replay drew another mask: the
+    gradients of ``checkpoint="always"`` differed from ``"never"``'s (0.065), silently."""
+    from partitioner import partition
+    from partitioner.passes.base import graph_modules
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    gm = torch.export.export(_FP32Dropout().train(), (x,), strict=False).module()
+    inner = [m for name, m in gm.named_children() if isinstance(m, fx.GraphModule)]
+    assert inner, "export no longer makes an autocast block a graph of its own"
+    assert route_dropout(gm).modified
+    left = [n.name for g in graph_modules(gm) for n in g.graph.nodes
+            if n.target is torch.ops.aten.dropout.default]
+    assert left == []
+
+    def gradients(checkpoint: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        pm = partition(_FP32Dropout().train(), ["cpu", "cpu"], "pipeline", example_inputs=(x,),
+                       checkpoint=checkpoint, calibrate=False)
+        pm.step(x, y, F.mse_loss)
+        return [p.grad for p in pm.parameters()]
+    for kept, replayed in zip(gradients("never"), gradients("always")):
+        torch.testing.assert_close(replayed, kept, rtol=0, atol=0)
