@@ -243,3 +243,62 @@ def test_a_meta_built_model_is_not_blamed_on_its_example_inputs() -> None:
         model = mlp()
     assert example_error(model, (torch.ones(2, 12),), {}) is None
     assert example_error(mlp(), (torch.ones(2, 5),), {}) is not None
+
+
+class _NoGradScale(nn.Module):
+    """Normalises by a scale computed under ``torch.no_grad()``: no gradient through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            scale = h.norm(dim=-1, keepdim=True)
+        return self.b(h / scale)
+
+
+class _FP32Block(nn.Module):
+    """A product kept in fp32 under any autocast (``autocast(enabled=False)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            h = self.a(x.float())
+        return self.b(h) + h.dtype.itemsize  # 4 in fp32: the block's dtype shows
+
+
+def test_a_no_grad_block_keeps_its_gradients_out() -> None:
+    """Regression: symbolic tracing ran the ``with torch.no_grad():`` block and recorded its
+    ops as ordinary ones, so the partitioned model back-propagated through the scale: its
+    gradients differed from the model's by 0.024, silently. Such a forward is captured with
+    torch.export (which keeps the block), and without example inputs it is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NoGradScale() for _ in range(4)])
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(x,), calibrate=False)
+    pm.step(x, y, nn.functional.mse_loss)
+    for got, want in zip([p.grad for p in pm.parameters()], expected):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ExampleInputsError, match="no_grad"):
+        capture(model, None)
+
+
+def test_an_autocast_block_keeps_its_precision_under_bf16() -> None:
+    """``autocast(enabled=False)`` inside forward stays fp32 when the plan runs in bf16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_FP32Block() for _ in range(2)])
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(x,), precision="bf16",
+                   calibrate=False)
+    torch.testing.assert_close(pm(x).float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert capture(model, (x,)).method == "export"

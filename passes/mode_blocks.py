@@ -1,0 +1,93 @@
+"""The grad-mode and autocast blocks of a ``forward``, which symbolic tracing cannot record.
+
+``torch.fx.symbolic_trace`` runs ``forward`` on proxies; a ``with torch.no_grad():`` (or
+``torch.enable_grad()``, ``torch.set_grad_enabled(...)``, ``torch.inference_mode()``,
+``torch.autocast(...)``, and the same as decorators) runs while tracing and leaves no node,
+so the graph runs the block's ops in whatever mode its caller is in: a scale computed under
+``no_grad`` gets a gradient (the partitioned model's gradients differ from the model's), an
+``autocast(enabled=False)`` block runs in bf16 under ``precision="bf16"``. The capture
+(``partitioner.capture``) watches for them while tracing, with :class:`ModeBlocks` and
+:func:`modes`, and a node recorded inside one raises :class:`ModeLost`, so the model is
+captured with ``torch.export``, which keeps each block as a higher-order op
+(``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) over a graph of its own.
+
+Example:
+    >>> import torch
+    >>> blocks = ModeBlocks()
+    >>> with blocks:
+    ...     with torch.no_grad():
+    ...         inside = blocks.depth
+    ...     after = blocks.depth
+    >>> inside, after
+    (1, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from partitioner.runtime.device import ACCELERATOR
+
+__all__ = ["ModeBlocks", "ModeLost", "modes", "MODE_BLOCKS"]
+
+MODE_BLOCKS = (torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
+               torch.autograd.grad_mode.set_grad_enabled, torch.autograd.grad_mode.inference_mode,
+               torch.amp.autocast_mode.autocast)
+"""The context managers (and decorators) whose blocks symbolic tracing runs but cannot
+record."""
+
+
+class ModeLost(Exception):
+    """``forward`` computes inside a grad-mode or autocast block, which symbolic tracing runs
+    but cannot record (``torch.export`` keeps it as a higher-order op)."""
+
+
+class ModeBlocks:
+    """While inside (``with``), :attr:`depth` counts the :data:`MODE_BLOCKS` blocks being
+    run, even one that changes nothing observable at the time (``autocast(enabled=False)``
+    with autocast off, ``no_grad`` under ``no_grad``): what it does at run time differs.
+    The classes' ``__enter__``/``__exit__`` are wrapped for the duration (one thread
+    traces at a time: the capture's)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._saved: list[tuple[type, Any, Any]] = []
+
+    def __enter__(self) -> ModeBlocks:
+        self._saved = [(cls, cls.__enter__, cls.__exit__) for cls in MODE_BLOCKS]
+        for cls, enter, leave in self._saved:
+            cls.__enter__ = self._entering(enter)  # type: ignore[method-assign]
+            cls.__exit__ = self._exiting(leave)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, enter, leave in self._saved:
+            cls.__enter__ = enter  # type: ignore[method-assign]
+            cls.__exit__ = leave  # type: ignore[method-assign]
+        self._saved = []
+
+    def _entering(self, enter: Any) -> Any:
+        def wrapped(block: Any) -> Any:
+            self.depth += 1
+            return enter(block)
+        return wrapped
+
+    def _exiting(self, leave: Any) -> Any:
+        def wrapped(block: Any, *exc: Any) -> Any:
+            self.depth -= 1
+            return leave(block, *exc)
+        return wrapped
+
+
+def modes() -> tuple[Any, ...]:
+    """Grad mode, inference mode and the CPU's and the accelerator's autocast states: what a
+    call such as ``torch.set_grad_enabled(False)`` outside any ``with`` changes."""
+    states: list[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    for device in ("cpu", ACCELERATOR):
+        try:
+            states += [torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)]
+        except (RuntimeError, TypeError):  # a build without that device type's autocast
+            states.append(None)
+    return tuple(states)
