@@ -32,9 +32,10 @@ from partitioner.runtime.device import ACCELERATOR
 
 __all__ = ["ModeBlocks", "ModeLost", "modes", "MODE_BLOCKS"]
 
-MODE_BLOCKS = (torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
-               torch.autograd.grad_mode.set_grad_enabled, torch.autograd.grad_mode.inference_mode,
-               torch.amp.autocast_mode.autocast)
+MODE_BLOCKS: tuple[Any, ...] = (
+    torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
+    torch.autograd.grad_mode.set_grad_enabled, torch.autograd.grad_mode.inference_mode,
+    torch.amp.autocast_mode.autocast)
 """The context managers (and decorators) whose blocks symbolic tracing runs but cannot
 record."""
 
@@ -53,19 +54,19 @@ class ModeBlocks:
 
     def __init__(self) -> None:
         self.depth = 0
-        self._saved: list[tuple[type, Any, Any]] = []
+        self._saved: list[tuple[Any, Any, Any]] = []
 
     def __enter__(self) -> ModeBlocks:
         self._saved = [(cls, cls.__enter__, cls.__exit__) for cls in MODE_BLOCKS]
         for cls, enter, leave in self._saved:
-            cls.__enter__ = self._entering(enter)  # type: ignore[method-assign]
-            cls.__exit__ = self._exiting(leave)  # type: ignore[method-assign]
+            cls.__enter__ = self._entering(enter)
+            cls.__exit__ = self._exiting(leave)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for cls, enter, leave in self._saved:
-            cls.__enter__ = enter  # type: ignore[method-assign]
-            cls.__exit__ = leave  # type: ignore[method-assign]
+            cls.__enter__ = enter
+            cls.__exit__ = leave
         self._saved = []
 
     def _entering(self, enter: Any) -> Any:

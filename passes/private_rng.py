@@ -5,7 +5,9 @@ would make masks depend on thread timing, and a checkpointed stage could not rep
 This pass rewrites every dropout in a stage graph (``nn.Dropout`` modules, ``F.dropout``,
 ``torch.dropout`` and the ``aten`` dropout ops ``torch.export`` produces, in the graph and in
 every graph it holds: an autocast or ``no_grad`` block's) into a call of
-``partitioner.runtime.rng.dropout``, which draws from the generator the stage's worker installs.
+``partitioner.runtime.rng.dropout``, which draws from the generator the stage's worker installs;
+and every other random op (``torch.randn_like``, ``Tensor.normal_``, an ATen op tagged
+``nondeterministic_seeded``) into ``partitioner.runtime.rng.seeded_op``, seeded from it.
 
 Example:
     >>> import torch
@@ -53,7 +55,11 @@ def route_dropout(gm: fx.GraphModule) -> PassResult:
 def _route(gm: fx.GraphModule) -> bool:
     modified = False
     for node in list(gm.graph.nodes):
-        if _is_module_dropout(gm, node):
+        if _is_random_op(node):
+            node.args = (_op_name(node), *node.args)
+            node.op, node.target = "call_function", rng.seeded_op
+            modified = True
+        elif _is_module_dropout(gm, node):
             with gm.graph.inserting_before(node):
                 module = gm.graph.get_attr(str(node.target))
             node.op, node.target = "call_function", rng.dropout_module
@@ -107,6 +113,36 @@ def _draws_inside(module: nn.Module) -> bool:
         return True
     return any(isinstance(m, _STOCHASTIC) and float(getattr(m, "p", 0.0)) > 0
                for m in module.modules())
+
+
+_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+                     torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial,
+                     torch.randperm, torch.poisson}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_",
+                   "geometric_", "log_normal_", "cauchy_", "multinomial"}
+
+
+def _is_random_op(node: fx.Node) -> bool:
+    """A node drawing from torch's global generator, dropout aside (routed on its own): a
+    random ``torch`` function or ``Tensor`` method (symbolic tracing), or an ATen op tagged
+    ``nondeterministic_seeded`` (``torch.export``)."""
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op != "call_function" or node.target in _ATEN:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in node.target.tags \
+            and node.target.overloadpacket not in (torch.ops.aten.native_dropout,)
+    return node.target in _RANDOM_FUNCTIONS
+
+
+def _op_name(node: fx.Node) -> str:
+    """The name ``rng.seeded_op`` resolves a random node's target from."""
+    if node.op == "call_method":
+        return f".{node.target}"
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)  # "aten.randn_like.default"
+    return f"torch.{node.target.__name__}"  # type: ignore[union-attr]
 
 
 def _is_module_dropout(gm: fx.GraphModule, node: fx.Node) -> bool:

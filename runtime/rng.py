@@ -5,7 +5,9 @@ generator would make the masks depend on thread timing, and a checkpointed stage
 replay its forward exactly. The ``private_rng`` pass rewrites dropout in each stage graph to
 call :func:`dropout` here, which draws from the generator the running worker installed with
 :func:`use_generator`. A checkpointed recomputation installs a copy of the state saved before
-the original forward, so it draws the very same mask.
+the original forward, so it draws the very same mask. Every other random op of a stage
+graph (``torch.randn_like`` of a reparameterisation, ``torch.rand``) runs through
+:func:`seeded_op`, seeded from that generator, for the same reasons.
 
 A tensor-parallel rank installs a second generator, its own, with :func:`use_shard_generator`:
 dropout on a split tensor draws from it
@@ -34,8 +36,9 @@ from torch import nn
 
 from partitioner.runtime.device import fork_rng
 
-__all__ = ["draw_seed", "seeded_call", "use_generator", "current_generator", "use_shard_generator",
-           "current_shard_generator", "dropout", "dropout_module", "fork"]
+__all__ = ["draw_seed", "seeded_call", "seeded_op", "use_generator", "current_generator",
+           "use_shard_generator", "current_shard_generator", "dropout", "dropout_module",
+           "fork"]
 
 _local = threading.local()
 
@@ -136,6 +139,47 @@ def seeded_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     with _GLOBAL, fork_rng(tensors):
         torch.manual_seed(seed)
         return module(*args, **kwargs)
+
+
+def seeded_op(op: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``op``, a random op of a stage graph, with torch's global generators seeded from
+    the thread's (stage's) generator, as :func:`seeded_call` runs a module: a checkpointed
+    replay draws what the forward drew, and the draws do not depend on thread timing.
+    ``op`` names it (a graph's code holds names, not function objects): ``"torch.randn_like"``,
+    ``"aten.bernoulli.p"``, or ``".normal_"`` for a method of ``args[0]``. Outside a stage
+    (no generator installed) it is called as it is.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> with use_generator(fork(g)):
+        ...     a = seeded_op("torch.randn", 3)
+        >>> with use_generator(fork(g)):
+        ...     b = seeded_op("torch.randn", 3)
+        >>> torch.equal(a, b)
+        True
+    """
+    call, rest = _resolve(op, args)
+    generator = current_generator()
+    if generator is None:
+        return call(*rest, **kwargs)
+    seed = draw_seed(generator)
+    devices: list[Any] = [t for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)]
+    if kwargs.get("device") is not None:
+        devices.append(torch.device(kwargs["device"]))
+    with _GLOBAL, fork_rng(devices):
+        torch.manual_seed(seed)
+        return call(*rest, **kwargs)
+
+
+def _resolve(op: str, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The callable :func:`seeded_op`'s ``op`` names, and the arguments it takes."""
+    if op.startswith("."):
+        return getattr(args[0], op[1:]), args[1:]
+    if op.startswith("torch."):
+        return getattr(torch, op.removeprefix("torch.")), args
+    namespace, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload), args
 
 
 def dropout_module(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
