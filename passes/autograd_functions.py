@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 
 __all__ = ["functions_as_calls", "caller", "functions_called"]
 
@@ -50,6 +51,20 @@ def caller(function: type) -> Callable[..., Any]:
     call.__name__ = call.__qualname__ = f"{function.__name__}_apply"
     call.function = function  # type: ignore[attr-defined]
     return call
+
+
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
+"""``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)``'s Function: its forward
+runs ``fn`` under ``torch.no_grad()`` and its backward reruns it. Exported, the forward was
+inlined and the backward dropped: no gradient reached any parameter before or inside it
+(transformers' gradient checkpointing and older code use it). While capturing, the call is
+``fn(*args)`` traced as it is: the same values and gradients, and the partitioner's own
+``checkpoint=`` does the memory saving, per stage."""
+
+
+def _checkpointed(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+    """What a reentrant checkpoint computes: ``function(*args)``."""
+    return function(*args)
 
 
 @contextmanager
@@ -68,6 +83,8 @@ def _apply_replaced(apply: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
 def functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
     """While the block runs, ``Function.apply`` on a proxy records one node (``tracer``'s)."""
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is _REENTRANT_CHECKPOINT:
+            return _checkpointed(*args, **kwargs)
         if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
             return tracer.create_proxy("call_function", caller(cls), args, kwargs)
         return run(cls, *args, **kwargs)
@@ -84,6 +101,8 @@ def functions_called() -> Iterator[list[type]]:
     seen: list[type] = []
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is _REENTRANT_CHECKPOINT:
+            return _checkpointed(*args, **kwargs)
         if not cls.__module__.startswith("torch.") and cls not in seen:
             seen.append(cls)
         return run(cls, *args, **kwargs)

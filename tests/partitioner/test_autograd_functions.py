@@ -96,3 +96,36 @@ def test_functions_called_names_only_functions_outside_torch() -> None:
         Twice.apply(x)
         torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
     assert seen == [Twice]
+
+
+class _Checkpointed(nn.Module):
+    """A block through ``torch.utils.checkpoint`` (transformers' gradient checkpointing)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)), x,
+                                                 use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_model_checkpointing_itself_trains_as_it_does(reentrant: bool) -> None:
+    """Regression: ``checkpoint(..., use_reentrant=True)`` was captured by torch.export with
+    its Function's forward inlined under ``no_grad`` and its backward dropped: no parameter
+    got a gradient (``.grad`` None on all ten), silently. The checkpointed function is now
+    traced as it is (the same values and gradients; ``checkpoint=`` saves the memory)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), *[_Checkpointed(reentrant) for _ in range(4)])
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    pm = partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(x,), chunks=2,
+                   calibrate=False)
+    pm.step(x, y, nn.functional.mse_loss)
+    for got, want in zip([p.grad for p in pm.parameters()], expected):
+        assert got is not None
+        torch.testing.assert_close(got, want)
