@@ -58,6 +58,7 @@ from partitioner.passes.fold_attention import attention_paths, fold_attention, m
 from partitioner.passes.guard_inputs import InputRules
 from partitioner.passes.mode_blocks import ModeBlocks, ModeLost, modes
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
+from partitioner.passes.tensor_hooks import hook_nodes, hooks_problem, hooks_registered
 from partitioner.passes.unbake_dtypes import unbake_dtypes
 from partitioner.passes.unlift import unlift
 
@@ -161,6 +162,21 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     """
     signature = inspect.signature(model.forward)
     before = python_state.snapshot(model)
+    with hooks_registered() as hooks:
+        captured = _captured(model, signature, example_inputs, example_kwargs)
+    hooks += hook_nodes(captured.graph_module) if captured.method == "fx" else []
+    if hooks:
+        raise TraceError(hooks_problem(type(model).__name__, hooks))
+    _check_output(model, captured.graph_module)
+    _warn_side_effects(model, before)
+    keep_non_persistent(captured.graph_module, non_persistent_names(model))
+    return captured
+
+
+def _captured(model: nn.Module, signature: inspect.Signature,
+              example_inputs: tuple[Any, ...] | None,
+              example_kwargs: dict[str, Any] | None) -> Captured:
+    """Symbolic tracing, else ``torch.export`` (:func:`capture`'s two ways)."""
     try:
         captured = Captured(_symbolic_trace(model), "fx", signature)
     except Exception as fx_error:
@@ -184,9 +200,6 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         counters = tuple(name for name in exported.writes if not _norm_statistic(model, name))
         captured = Captured(exported.graph_module, "export", signature, exported.out_spec,
                             exported.in_spec, exported.rules, counters)
-    _check_output(model, captured.graph_module)
-    _warn_side_effects(model, before)
-    keep_non_persistent(captured.graph_module, non_persistent_names(model))
     return captured
 
 

@@ -302,3 +302,35 @@ def test_an_autocast_block_keeps_its_precision_under_bf16() -> None:
                    calibrate=False)
     torch.testing.assert_close(pm(x).float(), expected.float(), atol=2e-2, rtol=2e-2)
     assert capture(model, (x,)).method == "export"
+
+
+class _HalvedGradient(nn.Module):
+    """Halves the gradient flowing back through its product (a tensor hook in forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)
+        return torch.relu(h)
+
+
+class _HookedAlways(_HalvedGradient):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(lambda g: g * 0.5)
+        return torch.relu(h)
+
+
+@pytest.mark.parametrize("block", [_HalvedGradient, _HookedAlways])
+def test_a_tensor_hook_in_forward_is_refused(block: type) -> None:
+    """Regression: neither capture keeps ``Tensor.register_hook`` (symbolic tracing records
+    an unused node the dead-code pass drops; torch.export hooks a tensor of its trace), and
+    the partitioned model's gradients were 0.034 off the model's, silently."""
+    model = nn.Sequential(*[block() for _ in range(4)])
+    with pytest.raises(TraceError, match="register_hook"):
+        partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(torch.randn(8, 16),),
+                  calibrate=False)
