@@ -56,7 +56,7 @@ from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 from partitioner.passes.guard_inputs import InputRules
-from partitioner.passes.mode_blocks import ModeBlocks, ModeLost, modes
+from partitioner.passes.mode_blocks import IN_BLOCK, ModeBlocks, ModeLost, live_in_blocks, modes
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.tensor_hooks import hook_nodes, hooks_problem, hooks_registered
 from partitioner.passes.unbake_dtypes import unbake_dtypes
@@ -263,18 +263,23 @@ class _Tracer(fx.Tracer):
         self.modes = modes()
         self.blocks = ModeBlocks()
         with self.blocks:
-            return super().trace(root, concrete_args)
+            graph = super().trace(root, concrete_args)
+        lost = live_in_blocks(graph)
+        if lost:
+            raise ModeLost(f"forward computes {lost[0]} inside torch.no_grad(), "
+                           "torch.enable_grad() or torch.autocast(...), which symbolic tracing "
+                           "drops")
+        return graph
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
                     name: str | None = None, type_expr: Any = None) -> fx.Node:
-        # A node recorded inside a grad-mode or autocast block, or under another mode than
-        # the trace began in: the graph would run it in the caller's mode (the context
-        # manager leaves no node), even where the block changed nothing while tracing.
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        # Recorded inside a grad-mode or autocast block, or under another mode than the trace
+        # began in: the graph would run it in the caller's mode (the context manager leaves
+        # no node), even where the block changed nothing while tracing.
         if kind != "placeholder" and (self.blocks.depth or modes() != self.modes):
-            what = target if isinstance(target, str) else getattr(target, "__name__", target)
-            raise ModeLost(f"forward runs {what} inside torch.no_grad(), torch.enable_grad() "
-                           "or torch.autocast(...), which symbolic tracing drops")
-        return super().create_node(kind, target, args, kwargs, name, type_expr)
+            node.meta[IN_BLOCK] = True
+        return node
 
 
 class _BufferWritten(Exception):

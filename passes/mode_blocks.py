@@ -7,9 +7,12 @@ so the graph runs the block's ops in whatever mode its caller is in: a scale com
 ``no_grad`` gets a gradient (the partitioned model's gradients differ from the model's), an
 ``autocast(enabled=False)`` block runs in bf16 under ``precision="bf16"``. The capture
 (``partitioner.capture``) watches for them while tracing, with :class:`ModeBlocks` and
-:func:`modes`, and a node recorded inside one raises :class:`ModeLost`, so the model is
-captured with ``torch.export``, which keeps each block as a higher-order op
-(``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) over a graph of its own.
+:func:`modes`, marks each node recorded inside one, and when any of those computes something
+the graph uses (:func:`live_in_blocks`; a block whose results nobody reads, such as RWKV's
+one-off rescaling of its weights for inference, is dead code either way) raises
+:class:`ModeLost`, so the model is captured with ``torch.export``, which keeps each block as
+a higher-order op (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) over a graph of
+its own.
 
 Example:
     >>> import torch
@@ -27,10 +30,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from partitioner.runtime.device import ACCELERATOR
 
-__all__ = ["ModeBlocks", "ModeLost", "modes", "MODE_BLOCKS"]
+__all__ = ["ModeBlocks", "ModeLost", "modes", "MODE_BLOCKS", "IN_BLOCK", "live_in_blocks"]
+
+IN_BLOCK = "mode_block"
+"""The ``node.meta`` key the capture's tracer sets on a node recorded inside a block."""
 
 MODE_BLOCKS: tuple[Any, ...] = (
     torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
@@ -92,3 +99,24 @@ def modes() -> tuple[Any, ...]:
         except (RuntimeError, TypeError):  # a build without that device type's autocast
             states.append(None)
     return tuple(states)
+
+
+def live_in_blocks(graph: fx.Graph) -> list[str]:
+    """The targets of the nodes marked :data:`IN_BLOCK` that the graph's output depends on,
+    or that write in place into a tensor it depends on: what the traced graph would compute
+    in the wrong mode. Nodes nobody reads are dead code either way."""
+    live: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or node in live or _writes_into(node, live):
+            live.add(node)
+            live.update(node.all_input_nodes)
+    return [str(n.target) for n in graph.nodes if n in live and n.meta.get(IN_BLOCK)
+            and n.op not in ("placeholder", "output")]
+
+
+def _writes_into(node: fx.Node, live: set[fx.Node]) -> bool:
+    """Whether ``node`` is an in-place op (``x.mul_(...)``) on a tensor in ``live``."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    first = node.args[0] if node.args else None
+    return (isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+            and isinstance(first, fx.Node) and first in live)
