@@ -56,7 +56,7 @@ from partitioner.passes.fake_device import fake_device, restore_meta
 from partitioner.passes.flatten_sequential import expanded_modules
 from partitioner.passes.fold_attention import attention_paths, fold_attention, module_calls
 from partitioner.passes.guard_inputs import InputRules
-from partitioner.passes.mode_blocks import IN_BLOCK, ModeBlocks, ModeLost, live_in_blocks, modes
+from partitioner.passes.mode_blocks import IN_BLOCK, ModeBlocks, modes, refuse_live_blocks
 from partitioner.passes.non_persistent import keep_non_persistent, non_persistent_names
 from partitioner.passes.tensor_hooks import hook_nodes, hooks_problem, hooks_registered
 from partitioner.passes.unbake_dtypes import unbake_dtypes
@@ -264,11 +264,7 @@ class _Tracer(fx.Tracer):
         self.blocks = ModeBlocks()
         with self.blocks:
             graph = super().trace(root, concrete_args)
-        lost = live_in_blocks(graph)
-        if lost:
-            raise ModeLost(f"forward computes {lost[0]} inside torch.no_grad(), "
-                           "torch.enable_grad() or torch.autocast(...), which symbolic tracing "
-                           "drops")
+        refuse_live_blocks(graph)  # ModeLost: torch.export captures it instead
         return graph
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,

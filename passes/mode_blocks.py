@@ -34,7 +34,8 @@ import torch.fx as fx
 
 from partitioner.runtime.device import ACCELERATOR
 
-__all__ = ["ModeBlocks", "ModeLost", "modes", "MODE_BLOCKS", "IN_BLOCK", "live_in_blocks"]
+__all__ = ["ModeBlocks", "ModeLost", "modes", "MODE_BLOCKS", "IN_BLOCK", "live_in_blocks",
+           "refuse_live_blocks"]
 
 IN_BLOCK = "mode_block"
 """The ``node.meta`` key the capture's tracer sets on a node recorded inside a block."""
@@ -112,6 +113,14 @@ def live_in_blocks(graph: fx.Graph) -> list[str]:
             live.update(node.all_input_nodes)
     return [str(n.target) for n in graph.nodes if n in live and n.meta.get(IN_BLOCK)
             and n.op not in ("placeholder", "output")]
+
+
+def refuse_live_blocks(graph: fx.Graph) -> None:
+    """Raise :class:`ModeLost` if :func:`live_in_blocks` finds any node."""
+    lost = live_in_blocks(graph)
+    if lost:
+        raise ModeLost(f"forward computes {lost[0]} inside torch.no_grad(), torch.enable_grad() "
+                       "or torch.autocast(...), which symbolic tracing drops")
 
 
 def _writes_into(node: fx.Node, live: set[fx.Node]) -> bool:
