@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -63,8 +64,11 @@ class ModeBlocks:
     def __init__(self) -> None:
         self.depth = 0
         self._saved: list[tuple[Any, Any, Any]] = []
+        self._thread = threading.get_ident()
+        self._open: set[int] = set()  # the blocks entered here and not yet left
 
     def __enter__(self) -> ModeBlocks:
+        self._thread = threading.get_ident()
         self._saved = [(cls, cls.__enter__, cls.__exit__) for cls in MODE_BLOCKS]
         for cls, enter, leave in self._saved:
             cls.__enter__ = self._entering(enter)
@@ -79,13 +83,17 @@ class ModeBlocks:
 
     def _entering(self, enter: Any) -> Any:
         def wrapped(block: Any) -> Any:
-            self.depth += 1
+            if threading.get_ident() == self._thread:  # other threads' blocks are theirs
+                self._open.add(id(block))
+                self.depth += 1
             return enter(block)
         return wrapped
 
     def _exiting(self, leave: Any) -> Any:
         def wrapped(block: Any, *exc: Any) -> Any:
-            self.depth -= 1
+            if id(block) in self._open:  # not one entered before the watch began
+                self._open.discard(id(block))
+                self.depth -= 1
             return leave(block, *exc)
         return wrapped
 

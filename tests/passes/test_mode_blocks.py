@@ -57,3 +57,22 @@ def test_the_blocks_depth_counts_nested_blocks_and_decorators() -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(partitioner.passes.mode_blocks).failed == 0
+
+
+def test_blocks_of_other_threads_and_from_before_do_not_count() -> None:
+    import threading
+
+    outer = torch.no_grad()
+    outer.__enter__()
+    with ModeBlocks() as blocks:
+        outer.__exit__(None, None, None)  # entered before the watch: not counted down
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(_in_block(blocks)))
+        worker.start()
+        worker.join()
+        assert blocks.depth == 0 and seen == [0]
+
+
+def _in_block(blocks: ModeBlocks) -> int:
+    with torch.no_grad():
+        return blocks.depth

@@ -102,6 +102,7 @@ def scenario_transparency(names: list[str]) -> None:
     try:
         for name in names:
             transparency(name)
+        dist.barrier()  # every rank done with its collectives before any tears gloo down
     finally:
         dist.destroy_process_group()
 
