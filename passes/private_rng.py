@@ -131,8 +131,7 @@ def _is_random_op(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target in _ATEN:
         return False
     if isinstance(node.target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in node.target.tags \
-            and node.target.overloadpacket not in (torch.ops.aten.native_dropout,)
+        return torch.Tag.nondeterministic_seeded in node.target.tags
     return node.target in _RANDOM_FUNCTIONS
 
 

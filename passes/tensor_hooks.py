@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,14 +35,17 @@ HOOK_METHODS = ("register_hook", "register_post_accumulate_grad_hook")
 
 @contextmanager
 def hooks_registered() -> Iterator[list[str]]:
-    """While the block runs, each :data:`HOOK_METHODS` call on a tensor is listed (by the
-    method's name) and still made."""
+    """While the block runs, each :data:`HOOK_METHODS` call on a tensor made by this thread
+    (the capture's; other threads' hooks are theirs) is listed by the method's name, and
+    still made."""
     calls: list[str] = []
     saved = {name: getattr(torch.Tensor, name) for name in HOOK_METHODS}
+    thread = threading.get_ident()
 
     def recording(name: str) -> Any:
         def register(tensor: torch.Tensor, hook: Any) -> Any:
-            calls.append(name)
+            if threading.get_ident() == thread:
+                calls.append(name)
             return saved[name](tensor, hook)
         return register
     try:

@@ -334,3 +334,20 @@ def test_a_tensor_hook_in_forward_is_refused(block: type) -> None:
     with pytest.raises(TraceError, match="register_hook"):
         partition(model, ["cpu", "cpu"], "pipeline", example_inputs=(torch.randn(8, 16),),
                   calibrate=False)
+
+
+def test_a_hook_another_thread_registers_during_a_capture_is_not_the_models() -> None:
+    """Only the capturing thread's ``register_hook`` calls count (a training loop's own hooks
+    on another thread are not the captured model's)."""
+    import threading
+
+    from partitioner.passes.tensor_hooks import hooks_registered
+
+    with hooks_registered() as calls:
+        worker = threading.Thread(
+            target=lambda: torch.ones(2, requires_grad=True).register_hook(lambda g: g))
+        worker.start()
+        worker.join()
+        assert calls == []
+        torch.ones(2, requires_grad=True).register_hook(lambda g: g)
+        assert calls == ["register_hook"]

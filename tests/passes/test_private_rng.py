@@ -310,3 +310,22 @@ def test_every_spelling_of_a_random_op_is_routed() -> None:
     with rng.use_generator(rng.fork(g)):
         b = gm(torch.ones(2, 3))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_native_dropout_is_seeded_too() -> None:
+    """``aten.native_dropout`` (a post-dispatch graph's dropout, tagged nondeterministic but
+    not one of the spellings ``rng.dropout`` takes) runs through ``rng.seeded_op``."""
+
+    class Native(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.native_dropout.default(x, 0.5, True)[0]
+    gm = fx.symbolic_trace(Native())
+    assert route_dropout(gm).modified
+    assert [n.args[0] for n in gm.graph.nodes if n.target is rng.seeded_op] == [
+        "aten.native_dropout.default"]
+    g = torch.Generator().manual_seed(0)
+    with rng.use_generator(rng.fork(g)):
+        a = gm(torch.ones(4, 8))
+    with rng.use_generator(rng.fork(g)):
+        b = gm(torch.ones(4, 8))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
