@@ -17,13 +17,11 @@ With ``strategy="auto"`` the mesh sizes, schedule, micro-batches and checkpoint 
 given are searched for this world (``partitioner.distributed_plan``, rank 0 plans; design
 004, "Choosing the mesh"); ``example_inputs`` is then the whole batch of a step.
 
-This front only validates, plans and hands off: it starts torch.distributed (``mesh``) and
-the failure watchdog (``failure``, both in ``partitioner.runtime.distributed``), makes the
-plan from one :class:`~partitioner.request.PlanRequest` (every rank adopts rank 0's costed
-plan), checks all ranks agree on it, cuts the stage graphs (a tensor-parallel rank's slice of
-its stage when ``tp > 1``) and hands them to the runtime, which builds the rank (``model.
-assemble`` there: links, data-parallel reducer, tied weights, boundary prediction,
-pipeline). Design: ``docs/design/004-distributed.md``.
+This front validates, plans and hands off: it starts torch.distributed and the watchdog
+(``partitioner.runtime.distributed``), makes the plan from one ``PlanRequest`` (every rank
+adopts rank 0's, its step predicted for these ranks), checks all ranks agree on it, cuts the
+stage graphs (a rank's slice when ``tp > 1``) and hands them to the runtime (``model.
+assemble``: links, reducer, tied weights, pipeline). Design: ``docs/design/004``.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ from partitioner.distributed_plan import (
     mesh_sizes,
     on_mesh,
     plan_digest,
+    predicted_for_world,
     run_settings,
     tuned_choice,
     virtual_stages_of,
@@ -414,6 +413,8 @@ def _plan(model: nn.Module, call: Parsed, info: DistInfo, inputs: tuple[Any, ...
         made = replace(made, chunks=chunks, checkpoint=checkpoint)
     made = on_mesh(replace(made, schedule=schedule, precision=call.precision,
                            sequence_parallel=sequence), shape, virtual)
+    if given is None:  # sizes given: the step predicted as these ranks run it, not one process
+        made = predicted_for_world(made, analysis.workload, info.device, call.precision)
     if chosen is not None and made is not chosen:  # keep the search's record for explain()
         notes = tuple(dict.fromkeys((*chosen.notes, *made.notes)))  # each line once
         made = replace(made, candidates=chosen.candidates, notes=notes)

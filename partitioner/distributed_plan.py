@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,10 +27,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from partitioner import errors
 from partitioner.analysis import Analysis, analyze
-from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
-from partitioner.cost.machine import cpu_spec
+from partitioner.cost.devices import Cluster
 from partitioner.cost.precision_cost import precision_workload
 from partitioner.cost.sequence_cost import sequence_parallel_workload
 from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, StrategyError
@@ -53,22 +50,21 @@ from partitioner.planning.tune import (
 )
 from partitioner.planning.world import (
     DEFAULT_RESERVE,
-    REFERENCE_LOOPBACK,
     Check,
     Degrees,
     capacity_of,
-    cluster_option,
-    nodes_of,
     search_world,
-    world_cluster,
     world_plan,
+)
+from partitioner.planning.world_agreement import (
+    infer_cluster,
+    predicted_for_world,
+    rank0_error,
 )
 from partitioner.plans.explain import tuned_line
 from partitioner.plans.plan import Plan
 from partitioner.request import PlanRequest
-from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
-from partitioner.runtime.distributed.link_probe import probe_link
 from partitioner.runtime.distributed.model import RunSettings, sharding_problem
 from partitioner.runtime.mesh import Mesh
 from partitioner.runtime.microbatch import batch_size, scatter
@@ -77,7 +73,8 @@ from partitioner.runtime.schedule_registry import schedule_kind
 __all__ = ["AutoOptions", "choose_plan", "infer_cluster", "local_batch", "describe_cluster",
            "tensor_parallel_check", "tuned_choice", "fixed_options", "check_sharding",
            "auto_options", "mesh_sizes", "run_settings", "virtual_stages_of", "on_mesh",
-           "check_fingerprint", "plan_digest", "checked_counts", "with_calibration"]
+           "check_fingerprint", "plan_digest", "checked_counts", "with_calibration",
+           "predicted_for_world"]
 
 
 @dataclass(frozen=True)
@@ -121,42 +118,6 @@ def describe_cluster(cluster: Cluster | str | None) -> str | None:
     return cluster.describe() if isinstance(cluster, Cluster) else cluster
 
 
-def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster:
-    """The cluster of this world (collective: every rank gives its host name).
-
-    Raises:
-        DeviceError: ``cluster=`` does not fit the world, the ranks are not laid out node
-            by node, or no preset matches the GPUs (then pass ``cluster=``).
-    """
-    hosts: list[Any] = [None] * dist.get_world_size()
-    with communicating("gathering the ranks' host names (all_gather_object)"):
-        dist.all_gather_object(hosts, socket.gethostname())
-    if isinstance(option, Cluster):
-        return cluster_option(option, len(hosts), 1, len(hosts))
-    if option is not None:
-        nodes, per = nodes_of(hosts)
-        return cluster_option(option, len(hosts), nodes, per)
-    if accelerators.is_accelerator(device):
-        name, memory = accelerators.properties(device)
-        return world_cluster(hosts, device.type, gpu_name=name, gpu_memory=memory)
-    return world_cluster(hosts, device.type, link=cpu_world_link(hosts))
-
-
-def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
-    """The link between the ranks of a one-host CPU world, measured now (collective; about
-    50 round trips, ``link_probe``); the reference one when the reference CPU spec is
-    pinned (tests plan deterministically); ``None`` (the assumed preset) across hosts."""
-    if len(set(hosts)) != 1 or len(hosts) < 2:
-        return None
-    if cpu_spec() is REFERENCE_CPU:
-        return REFERENCE_LOOPBACK
-    latency, bandwidth, busy, wake = probe_link()
-    return LinkSpec(f"gloo over loopback (measured: {latency * 1e6:.0f} us a message, "
-                    f"{busy * 1e6:.0f} us with every pair at once, {bandwidth / 1e9:.1f} GB/s, "
-                    f"a rank's compute {wake * 1e3:.2f} ms slower after a wait)", bandwidth,
-                    latency, busy_latency=busy, wake=wake)
-
-
 def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,
                 example_kwargs: dict[str, Any] | None, options: AutoOptions,
                 device: torch.device) -> Plan:
@@ -181,7 +142,7 @@ def choose_plan(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         raise failure
     outcome = box[0]
     if "error" in outcome:
-        raise _rank0_error(outcome["error"], outcome["message"])
+        raise rank0_error(outcome["error"], outcome["message"])
     return Plan.from_dict(outcome["plan"])
 
 
@@ -218,13 +179,6 @@ def tensor_parallel_check(model: nn.Module, analysis: Analysis,
         return why
 
     return check
-
-
-def _rank0_error(name: str, message: str) -> Exception:
-    kind = getattr(errors, name, None)
-    if isinstance(kind, type) and issubclass(kind, PartitionError):
-        return kind(f"(on rank 0, which plans) {message}")
-    return StrategyError(f"rank 0 failed while planning ({name}: {message}); see its error")
 
 
 def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,

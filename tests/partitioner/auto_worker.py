@@ -30,6 +30,7 @@ from tp_models import TinyGPT
 from partitioner.cost.devices import Cluster
 from partitioner.distributed import partition_distributed
 from partitioner.errors import PartitionError
+from partitioner.planning.simulate import simulate
 from partitioner.runtime.distributed.failure import FailurePolicy
 
 torch.set_num_threads(1)
@@ -90,10 +91,16 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     model, loss_fn, batches = build(name), loss_for(name), data(case["model"], batch, steps)
     expected, ref_losses = reference(model, batches, loss_fn)
     said = io.StringIO()
+    given = case.get("given")  # sizes given without strategy="auto": one replica's batch
     with contextlib.redirect_stderr(said):  # what the calibration says it timed
-        dpm = partition_distributed(model, (batches[0][0],), strategy="auto", failure=POLICY,
-                                    tune=case.get("tune", False),
-                                    calibrate=case.get("calibrate"), **case.get("fixed", {}))
+        if given is not None:
+            example = batches[0][0][: batch // given.get("dp", 1)]
+            dpm = partition_distributed(model, (example,), failure=POLICY, **given)
+        else:
+            dpm = partition_distributed(model, (batches[0][0],), strategy="auto",
+                                        failure=POLICY, tune=case.get("tune", False),
+                                        calibrate=case.get("calibrate"),
+                                        **case.get("fixed", {}))
     mesh = dpm.plan.mesh
     local = batch // mesh.dp
     rows = slice(dpm.mesh.replica * local, (dpm.mesh.replica + 1) * local)
@@ -116,6 +123,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                   measured=[r.get("measured_step_time") for r in dpm.plan.candidates],
                   predicted=[r.get("step_time") for r in dpm.plan.candidates],
                   chosen=[bool(r.get("chosen")) for r in dpm.plan.candidates],
+                  labels=[r.get("label") for r in dpm.plan.candidates],
+                  processes=[r.get("cluster", {}).get("processes") for r in dpm.plan.candidates],
+                  step=dpm.plan.predicted_step_time, simulated=simulate(dpm.plan).step_time,
                   timed="in training passes of the whole model" in said.getvalue())
     dpm.close()
     return record

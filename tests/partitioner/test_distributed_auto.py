@@ -33,6 +33,8 @@ TWO = [
     dict(model="mlp", batch=16, tune=2),  # tuned: the measured fastest of 2, weights restored
     # Rank 0 times the model before planning; its weights and generator are left as they were.
     dict(model="gpt", batch=8, calibrate=True),
+    # Sizes given, no search: the step still predicted as these processes run it.
+    dict(model="mlp", batch=16, given=dict(pp=2, chunks=2)),
 ]
 FOUR = [
     dict(model="mlp", batch=16),
@@ -41,6 +43,8 @@ FOUR = [
     dict(model="mlp", batch=16, fixed=dict(tp=2, dp=1)),
     dict(model="gpt", batch=8, fixed=dict(pp=4, checkpoint="always")),
     dict(model="gpt", batch=8, fixed=dict(tp=2)),
+    dict(model="mlp", batch=16, given=dict(dp=2, pp=2)),
+    dict(model="gpt", batch=8, given=dict(dp=2, tp=2)),
 ]
 
 
@@ -61,7 +65,13 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int, world: int) -> None
     assert len({r["plan_hash"] for r in records}) == 1, [r["plan_hash"] for r in records]
     dp, pp, tp = records[0]["mesh"]
     assert dp * pp * tp == world
-    for axis, size in case.get("fixed", {}).items():
+    # One predictor: the plan's step is its simulation on the world's ranks (processes),
+    # for the mesh that runs (a plan of given sizes once recorded one process's dp=1).
+    assert records[0]["simulated"] == pytest.approx(records[0]["step"], rel=1e-12)
+    chosen_label = records[0]["labels"][records[0]["chosen"].index(True)]
+    assert chosen_label.startswith(f"dp={dp} tp={tp} pp={pp} "), chosen_label
+    assert records[0]["processes"][records[0]["chosen"].index(True)] is True
+    for axis, size in {**case.get("fixed", {}), **case.get("given", {})}.items():
         value = {"dp": dp, "pp": pp, "tp": tp}.get(axis, records[0].get(axis))
         assert value == size, (axis, value, size)
     assert records[0]["schedule"] in schedule_names([Runtime.MULTI_PROCESS])
@@ -105,7 +115,7 @@ def test_auto_without_sizes_searches_the_mesh(world_of_four: Any) -> None:
     dp=2 x pp=2 1F1B in 8.8 ms, pp=4 in 9.6-15.6 ms and dp=4 in 19.5 ms a step (the test
     expected dp=4 before; docs/benchmarks.md, "auto's regret")."""
     for index, case in enumerate(FOUR):
-        if "fixed" not in case:
+        if "fixed" not in case and "given" not in case:
             record = world_of_four[0][index]
             assert math.prod(record["mesh"]) == 4, record
             chosen = record["chosen"].index(True)

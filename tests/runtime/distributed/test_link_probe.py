@@ -9,8 +9,8 @@ import pytest
 from distributed_harness import launch, results
 
 from partitioner.cost.devices import REFERENCE_CPU
-from partitioner.distributed_plan import cpu_world_link
 from partitioner.planning.world import LOOPBACK, REFERENCE_LOOPBACK, world_cluster
+from partitioner.planning.world_agreement import cpu_world_link
 
 WORKER = Path(__file__).with_name("link_worker.py")
 

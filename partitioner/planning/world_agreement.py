@@ -1,0 +1,119 @@
+"""What the ranks of a world agree on around planning: their cluster and rank 0's figures.
+
+Collective (every rank calls each function, in the same order): :func:`infer_cluster`
+gathers the ranks' host names and, on one CPU host, measures the gloo link between them
+once per world (:func:`cpu_world_link`); :func:`predicted_for_world` sends rank 0's
+prediction of a plan whose sizes the caller gave (``partitioner.planning.world_prediction``)
+to every rank; :func:`rank0_error` rebuilds on the other ranks the error rank 0 raised.
+
+Example:
+    >>> cluster = infer_cluster(None, torch.device("cpu"))  # doctest: +SKIP
+    >>> cluster.processes, cluster.size                      # doctest: +SKIP
+    (True, 4)
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner import errors
+from partitioner.cost.cost import Workload
+from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
+from partitioner.cost.machine import cpu_spec
+from partitioner.errors import PartitionError, StrategyError
+from partitioner.planning.world import (
+    REFERENCE_LOOPBACK,
+    cluster_option,
+    nodes_of,
+    world_cluster,
+)
+from partitioner.planning.world_prediction import predicted_as_run
+from partitioner.plans.plan import Plan
+from partitioner.runtime import device as accelerators
+from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.distributed.link_probe import probe_link
+
+__all__ = ["infer_cluster", "cpu_world_link", "predicted_for_world", "rank0_error"]
+
+
+def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster:
+    """The cluster of this world (collective: every rank gives its host name).
+
+    Raises:
+        DeviceError: ``cluster=`` does not fit the world, the ranks are not laid out node
+            by node, or no preset matches the GPUs (then pass ``cluster=``).
+    """
+    hosts: list[Any] = [None] * dist.get_world_size()
+    with communicating("gathering the ranks' host names (all_gather_object)"):
+        dist.all_gather_object(hosts, socket.gethostname())
+    if isinstance(option, Cluster):
+        return cluster_option(option, len(hosts), 1, len(hosts))
+    if option is not None:
+        nodes, per = nodes_of(hosts)
+        return cluster_option(option, len(hosts), nodes, per)
+    if accelerators.is_accelerator(device):
+        name, memory = accelerators.properties(device)
+        return world_cluster(hosts, device.type, gpu_name=name, gpu_memory=memory)
+    return world_cluster(hosts, device.type, link=cpu_world_link(hosts))
+
+
+def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
+    """The link between the ranks of a one-host CPU world, measured now (collective; about
+    50 round trips, ``link_probe``); the reference one when the reference CPU spec is
+    pinned (tests plan deterministically); ``None`` (the assumed preset) across hosts."""
+    if len(set(hosts)) != 1 or len(hosts) < 2:
+        return None
+    if cpu_spec() is REFERENCE_CPU:
+        return REFERENCE_LOOPBACK
+    key = (tuple(hosts), dist.get_rank())  # every rank of a world calls in the same order
+    if key not in _MEASURED_LINKS:
+        latency, bandwidth, busy, wake = probe_link()
+        _MEASURED_LINKS[key] = LinkSpec(
+            f"gloo over loopback (measured: {latency * 1e6:.0f} us a message, {busy * 1e6:.0f}"
+            f" us with every pair at once, {bandwidth / 1e9:.1f} GB/s, a rank's compute "
+            f"{wake * 1e3:.2f} ms slower after a wait)", bandwidth, latency,
+            busy_latency=busy, wake=wake)
+    return _MEASURED_LINKS[key]
+
+
+_MEASURED_LINKS: dict[tuple[Any, ...], LinkSpec] = {}
+"""The link of each world this process was in, measured once (tuning builds every candidate
+with its sizes given, and each would measure it again)."""
+
+
+def predicted_for_world(made: Plan, workload: Workload | None, device: torch.device,
+                        precision: str) -> Plan:
+    """``made``, a plan of sizes the caller gave, with its step predicted as this world's
+    ranks run it (``partitioner.planning.world_prediction``), on every rank (collective:
+    rank 0 predicts and sends). Unchanged in a world of one, or without costs."""
+    if not dist.is_initialized() or dist.get_world_size() < 2 or workload is None:
+        return made
+    cluster = infer_cluster(None, device)
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = {"plan": predicted_as_run(made, workload, cluster,
+                                               precision=precision).to_dict()}
+        except Exception as error:  # every rank must hear of it, then rank 0 re-raises
+            failure, box[0] = error, {"error": type(error).__name__, "message": str(error)}
+    with communicating("sending rank 0's predicted step to every rank (broadcast_object_list)"):
+        dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if "error" in box[0]:
+        raise rank0_error(box[0]["error"], box[0]["message"])
+    return Plan.from_dict(box[0]["plan"])
+
+
+
+
+def rank0_error(name: str, message: str) -> Exception:
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, PartitionError):
+        return kind(f"(on rank 0, which plans) {message}")
+    return StrategyError(f"rank 0 failed while planning ({name}: {message}); see its error")

@@ -1,0 +1,79 @@
+"""A plan of sizes the caller gave, predicted as the world's processes run it.
+
+``partition_distributed(model, x, dp=2, pp=2)`` cuts the model as one process's pipeline
+would; ``predicted_as_run`` then costs that split on the world's ranks (replicas
+all-reducing over the link, every rank stepping its own optimizer, the loss all-reduce and
+the rank's cold start after a wait). Before, such a plan recorded one process's ``dp=1``
+pipeline (its header said ``dp=1`` whatever ran). The multi-process end of this is in
+``tests/partitioner/test_distributed_auto.py`` (its ``given`` cases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import accumulate
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import make_plan
+from partitioner.analysis import analyze
+from partitioner.cost.devices import REFERENCE_CPU
+from partitioner.planning.predict import Config, predict
+from partitioner.planning.simulate import predict_step, simulate
+from partitioner.planning.world import REFERENCE_LOOPBACK, world_cluster
+from partitioner.planning.world_prediction import predicted_as_run
+from partitioner.runtime.mesh import Mesh
+
+
+@pytest.fixture(scope="module")
+def case() -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 128), nn.ReLU(),
+                                                          nn.Linear(128, 64))])
+    x = torch.randn(16, 64)
+    plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2, checkpoint="never")
+    world = world_cluster(["here"] * 4, "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
+    return plan, analyze(model, (x,)).workload, world
+
+
+def test_the_mesh_that_runs_is_predicted_on_the_worlds_ranks(case: tuple) -> None:
+    plan, workload, world = case
+    given = replace(plan, mesh=Mesh(dp=2, pp=2, tp=1))
+    ran = predicted_as_run(given, workload, world)
+    (record,) = ran.candidates
+    assert record["label"] == "dp=2 tp=1 pp=2 m=2 1f1b ckpt=never"
+    assert record["chosen"] and record["cluster"]["processes"]
+    # Its own split is kept: the stages the ranks run are the ones costed.
+    assert record["boundaries"] == [0, *accumulate(len(s.layers) for s in plan.stages)]
+    assert [s.layers for s in ran.stages] == [s.layers for s in plan.stages]
+    # One predictor: header, record and simulation agree.
+    assert ran.predicted_step_time == record["step_time"] == simulate(ran).step_time
+    # What it is: two replicas of one replica's batch each, across processes.
+    whole = replace(workload, batch=2 * workload.batch, splits=None)
+    expected = predict_step(predict(whole, world, Config(dp=2, pp=2, chunks=2, schedule="1f1b"),
+                                    record["boundaries"]), world)
+    assert ran.predicted_step_time == pytest.approx(expected.step_time, rel=1e-12)
+    # The one-process pipeline of one replica it recorded before is another figure.
+    assert ran.predicted_step_time != pytest.approx(plan.predicted_step_time, rel=0.01)
+    assert any(n.startswith("predicted as 4 ranks run it") for n in ran.notes)
+    assert not any(n.startswith("chosen:") for n in ran.notes)
+
+
+def test_stage_times_follow_the_worlds_costs(case: tuple) -> None:
+    plan, workload, _ = case
+    two = world_cluster(["here"] * 2, "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
+    ran = predicted_as_run(replace(plan, mesh=Mesh(dp=1, pp=2, tp=1)), workload, two)
+    (record,) = ran.candidates
+    for stage, profile in zip(ran.stages, record["stages"]):
+        assert stage.predicted_time == pytest.approx(profile["forward"] + profile["backward"])
+
+
+def test_sizes_the_cost_model_refuses_leave_no_figure_for_another_run(case: tuple) -> None:
+    plan, workload, world = case
+    odd = replace(plan, mesh=Mesh(dp=2, pp=2, tp=1), schedule="interleaved")  # v = 1
+    ran = predicted_as_run(odd, workload, world)
+    assert ran.predicted_step_time is None and ran.candidates == ()
+    why = next(n for n in ran.notes if n.startswith("step not predicted for these ranks: "))
+    assert "interleaved" in why, why
