@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from partitioner.errors import DeviceError
 from partitioner.runtime.distributed.link_probe import WAKE_GAP
 
-__all__ = ["LinkSpec", "LINKS", "WAKE_GAP", "WAKE_FLOOR"]
+__all__ = ["LinkSpec", "LINKS", "WAKE_GAP", "WAKE_FLOOR", "fit_ring_steps"]
 
 WAKE_FLOOR = 0.25
 """The share of :attr:`LinkSpec.wake` any wait costs: on the 2-core CI VM a small MLP's
@@ -45,6 +45,10 @@ class LinkSpec:
             at once (all replicas' gradient all-reduce, every tensor-parallel group's),
             where ranks outnumber the cores and each message waits for its receiver to be
             scheduled (``partitioner.runtime.distributed.link_probe``); ``None``: ``latency``.
+        busy_bandwidth: bytes per second a collective's steps move where ``busy_latency``
+            holds, fitted with it to all-reduces timed in the world (gloo's ring reduces as
+            it receives: on the 2-core CI VM a 4 MiB all-reduce of 2 ranks ran at a third of
+            the point-to-point bandwidth); ``None``: ``bandwidth x efficiency``.
         wake: seconds a rank's compute loses when it starts right after waiting
             ``WAKE_GAP`` or longer for a message (a process that blocked lets its core idle
             or run another process: on the 2-core CI VM the next forward and backward of a
@@ -60,6 +64,7 @@ class LinkSpec:
     efficiency: float = 1.0
     busy_latency: float | None = None
     wake: float = 0.0
+    busy_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -71,6 +76,8 @@ class LinkSpec:
             problems.append(f"efficiency={self.efficiency!r}; it must be in (0, 1]")
         if self.busy_latency is not None and not self.busy_latency >= 0:
             problems.append(f"busy_latency={self.busy_latency!r}; it must be >= 0 or None")
+        if self.busy_bandwidth is not None and not self.busy_bandwidth > 0:
+            problems.append(f"busy_bandwidth={self.busy_bandwidth!r}; it must be > 0 or None")
         if not self.wake >= 0:
             problems.append(f"wake={self.wake!r}; it must be >= 0")
         if problems:
@@ -85,6 +92,12 @@ class LinkSpec:
     def effective_bandwidth(self) -> float:
         """``bandwidth * efficiency``: bytes per second a transfer actually gets."""
         return self.bandwidth * self.efficiency
+
+    @property
+    def step_bandwidth(self) -> float:
+        """Bytes per second of a collective's step: ``busy_bandwidth``, else
+        ``effective_bandwidth``."""
+        return self.effective_bandwidth if self.busy_bandwidth is None else self.busy_bandwidth
 
     def wake_time(self, waited: float) -> float:
         """Seconds a rank's next action loses after waiting ``waited`` seconds for a
@@ -125,3 +138,25 @@ LINKS: dict[str, LinkSpec] = {
     "ethernet-10g": LinkSpec("Ethernet 10 Gb/s (assumed)", 1.25e9, 50e-6, 0.9),
 }
 """Link presets, by name: the one place links are defined."""
+
+
+def fit_ring_steps(ranks: int, sizes: tuple[float, float], seconds: tuple[float, float],
+                   floor: LinkSpec) -> tuple[float, float]:
+    """``(step latency, step bandwidth)`` of a ring all-reduce over ``ranks`` that took
+    ``seconds`` for buffers of ``sizes`` bytes (the ring's ``2 (n - 1)`` steps each move
+    ``S / n``: ``t = 2 (n - 1) (alpha + S / (n beta))``, two sizes, two unknowns). Noise
+    that would make either figure better than ``floor``'s point-to-point one keeps that.
+
+    Example:
+        >>> floor = LinkSpec("loopback", 3e9, 4e-5)
+        >>> alpha, beta = fit_ring_steps(2, (65536, 4 << 20), (316e-6, 3681e-6), floor)
+        >>> round(alpha * 1e6), round(beta / 1e9, 2)  # the 2-rank CI VM, 2026-12-04
+        (131, 1.23)
+    """
+    (small, large), (t_small, t_large) = sizes, seconds
+    steps = 2 * (ranks - 1)
+    per_byte = max((t_large - t_small) / (large - small), 0.0)  # seconds per buffer byte
+    beta = min(floor.effective_bandwidth,
+               steps / (ranks * per_byte) if per_byte > 0 else floor.effective_bandwidth)
+    alpha = max((t_small - steps * small / (ranks * beta)) / steps, floor.latency)
+    return alpha, beta

@@ -419,7 +419,8 @@ def loss_all_reduce_time(cluster: Cluster, ranks: int) -> float:
     """
     if not cluster.processes or ranks < 2:
         return 0.0
-    return all_reduce_time(8.0, ranks, replace(cluster.intra_node, busy_latency=None))
+    return all_reduce_time(8.0, ranks, replace(cluster.intra_node, busy_latency=None,
+                                               busy_bandwidth=None))
 
 
 def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from partitioner import errors
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
+from partitioner.cost.links import fit_ring_steps
 from partitioner.cost.machine import cpu_spec
 from partitioner.errors import PartitionError, StrategyError
 from partitioner.planning.world import (
@@ -35,7 +36,7 @@ from partitioner.planning.world_prediction import predicted_as_run
 from partitioner.plans.plan import Plan
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
-from partitioner.runtime.distributed.link_probe import probe_link
+from partitioner.runtime.distributed.link_probe import COLLECTIVE_BYTES, probe_link
 
 __all__ = ["infer_cluster", "cpu_world_link", "predicted_for_world", "rank0_error"]
 
@@ -71,12 +72,15 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
         return REFERENCE_LOOPBACK
     key = (tuple(hosts), dist.get_rank())  # every rank of a world calls in the same order
     if key not in _MEASURED_LINKS:
-        latency, bandwidth, busy, wake = probe_link()
+        got = probe_link()
+        pairs = LinkSpec("pairs", got.bandwidth, got.busy_latency)
+        alpha, beta = fit_ring_steps(len(hosts), COLLECTIVE_BYTES, got.collective, pairs)
         _MEASURED_LINKS[key] = LinkSpec(
-            f"gloo over loopback (measured: {latency * 1e6:.0f} us a message, {busy * 1e6:.0f}"
-            f" us with every pair at once, {bandwidth / 1e9:.1f} GB/s, a rank's compute "
-            f"{wake * 1e3:.2f} ms slower after a wait)", bandwidth, latency,
-            busy_latency=busy, wake=wake)
+            f"gloo over loopback (measured: {got.latency * 1e6:.0f} us a message, "
+            f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step {alpha * 1e6:.0f} us and "
+            f"{beta / 1e9:.2f} GB/s; a rank's compute {got.wake * 1e3:.2f} ms slower after "
+            "a wait)", got.bandwidth, got.latency, busy_latency=alpha, wake=got.wake,
+            busy_bandwidth=beta)
     return _MEASURED_LINKS[key]
 
 

@@ -20,7 +20,8 @@ Example:
     >>> from dataclasses import replace
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
     >>> x = torch.randn(16, 64)
-    >>> plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2)
+    >>> plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2,
+    ...                  schedule="1f1b", checkpoint="never")
     >>> plan = replace(plan, mesh=Mesh(dp=2, pp=2, tp=1))
     >>> world = world_cluster(["h"] * 4, "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
     >>> ran = predicted_as_run(plan, analyze(model, (x,)).workload, world)

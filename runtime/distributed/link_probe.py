@@ -15,7 +15,10 @@ every rank plans with the same link. The latency is measured twice: one pair at 
 stages compute or wait, and every pair at once, which is what a collective pays when every
 replica's group reduces together. On the 2-core VM with 4 ranks the two were 65-90 us and
 about 2 ms (2026-12-04): planned with the second, a 4-stage pipeline of one micro-batch
-was predicted at 22 ms and ran 13-16 ms. It takes about 50 round trips per pair.
+was predicted at 22 ms and ran 13-16 ms. It takes about 50 round trips per pair. Then
+every rank all-reduces two buffer sizes together (:data:`COLLECTIVE_BYTES`): what a
+collective's steps cost is fitted to those, since gloo's ring does not cost what the pairs'
+messages suggest.
 
 A rank that waits lets its core idle, and its next compute runs slow: on that VM a 4-rank
 pipeline of a small MLP spent 0.2-0.5 ms more on each action than the same work took back
@@ -32,13 +35,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from partitioner.runtime.distributed.comm_failure import communicating
 
-__all__ = ["probe_link", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP", "WAKE_ROUNDS"]
+__all__ = ["probe_link", "ProbedLink", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP",
+           "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS"]
 
 SMALL_ROUNDS = 40
 """Round trips of a 4-byte message timed for the latency (after 5 not timed)."""
@@ -54,6 +59,17 @@ waiting this long or longer loses all of ``LinkSpec.wake``, a shorter wait its s
 
 WAKE_ROUNDS = 15
 """Rounds timed for the wake cost (about 5.5 ms each)."""
+
+COLLECTIVE_BYTES = (64 << 10, 4 << 20)
+"""Buffer sizes of the all-reduces timed over every rank: the ring's step latency and
+bandwidth are fitted to them (``partitioner.cost.links.fit_ring_steps``). A ping-pong of
+pairs does not predict gloo's collective: on the 2-core CI VM (2026-12-04) a 64 KiB
+all-reduce took 0.32 ms on 2 ranks and 4.4 ms on 4, where the pairs' latencies (46 and 74
+us) gave 0.11 and 0.48 ms."""
+
+COLLECTIVE_ROUNDS = 15
+"""All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
+up, 1.7x the later ones on 2 ranks)."""
 
 
 def _round_trips(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
@@ -120,12 +136,28 @@ def _reference_work() -> Callable[[], None]:
     return work
 
 
-def probe_link() -> tuple[float, float, float, float]:
-    """``(latency, bandwidth, busy_latency, wake)`` of the link between this world's
-    ranks: seconds per message with one pair exchanging at a time, bytes per second,
-    seconds per message with every pair exchanging at once, and seconds a rank's compute
-    loses after waiting :data:`WAKE_GAP` for a message (``LinkSpec.wake``); the slowest
-    pair's (collective: every rank calls it).
+@dataclass(frozen=True)
+class ProbedLink:
+    """What :func:`probe_link` measured, agreed by every rank (the slowest pair's).
+
+    Attributes:
+        latency: seconds per message with one pair exchanging at a time.
+        bandwidth: bytes per second of one large message.
+        busy_latency: seconds per message with every pair exchanging at once.
+        wake: seconds a rank's compute loses after waiting :data:`WAKE_GAP` for a message.
+        collective: seconds of an all-reduce over every rank of each of
+            :data:`COLLECTIVE_BYTES` (``(0, 0)`` in a world of one).
+    """
+
+    latency: float
+    bandwidth: float
+    busy_latency: float
+    wake: float
+    collective: tuple[float, float]
+
+
+def probe_link() -> ProbedLink:
+    """The link between this world's ranks (collective: every rank calls it).
 
     Raises:
         CommunicationError: a rank stopped answering (``communicating``).
@@ -147,9 +179,23 @@ def probe_link() -> tuple[float, float, float, float]:
             _round_trips(peer, first, small, 5)
             busy = _round_trips(peer, first, small, SMALL_ROUNDS)
             per_large = _round_trips(peer, first, large, 5)
-        agreed = torch.tensor([latency, per_large, busy, wake], dtype=torch.float64)
+        reduced = [_all_reduces(n) for n in COLLECTIVE_BYTES] if world > 1 else [0.0, 0.0]
+        agreed = torch.tensor([latency, per_large, busy, wake, *reduced], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large, busy, wake = (float(v) for v in agreed)
+    latency, per_large, busy, wake, mid, big = (float(v) for v in agreed)
     # The latency's share of a large message: at most half of it, whatever the noise.
     bandwidth = LARGE_BYTES / max(per_large - busy, per_large / 2, 1e-9)
-    return latency, bandwidth, max(busy, latency), wake
+    return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big))
+
+
+def _all_reduces(nbytes: int) -> float:
+    """Seconds of one all-reduce of ``nbytes`` over every rank: the median of
+    :data:`COLLECTIVE_ROUNDS` (after 5 not timed)."""
+    tensor = torch.zeros(nbytes // 4)
+    times = []
+    for k in range(COLLECTIVE_ROUNDS + 5):
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        if k >= 5:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

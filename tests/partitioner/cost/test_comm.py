@@ -16,6 +16,7 @@ from partitioner.cost.comm import (
     reduce_scatter_time,
 )
 from partitioner.cost.devices import Cluster, LinkSpec
+from partitioner.cost.links import fit_ring_steps
 from partitioner.errors import DeviceError
 
 LINK = LinkSpec("test", bandwidth=50e9, latency=2e-6)
@@ -66,6 +67,32 @@ def test_collective_steps_pay_the_busy_latency_and_hand_offs_the_lone_one() -> N
     assert all_gather_time(1e6, 4, busy) == pytest.approx(3 * (2e-3 + 1e6 / (4 * 2e9)))
     with pytest.raises(DeviceError, match="busy_latency=-1.0"):
         LinkSpec("bad", 1e9, 0.0, busy_latency=-1.0)
+
+
+def test_collective_steps_move_bytes_at_the_busy_bandwidth_and_messages_do_not() -> None:
+    # gloo's ring reduces as it receives: its steps move bytes slower than one message.
+    ring = LinkSpec("loopback", 3e9, 4e-5, busy_latency=1.3e-4, busy_bandwidth=1.2e9)
+    assert ring.step_bandwidth == 1.2e9 and LINK.step_bandwidth == LINK.effective_bandwidth
+    assert p2p_time(1e6, ring) == pytest.approx(4e-5 + 1e6 / 3e9)
+    assert all_reduce_time(1e6, 2, ring) == pytest.approx(2 * (1.3e-4 + 1e6 / (2 * 1.2e9)))
+    with pytest.raises(DeviceError, match="busy_bandwidth=0.0"):
+        LinkSpec("bad", 1e9, 0.0, busy_bandwidth=0.0)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_the_ring_fitted_to_two_timed_all_reduces_gives_them_back(ranks: int) -> None:
+    alpha, beta = 7e-4, 0.9e9
+    floor = LinkSpec("pairs", 3e9, 5e-5)
+    link = LinkSpec("ring", 3e9, 5e-5, busy_latency=alpha, busy_bandwidth=beta)
+    sizes = (64 << 10, 4 << 20)
+    seconds = (all_reduce_time(sizes[0], ranks, link), all_reduce_time(sizes[1], ranks, link))
+    fitted = fit_ring_steps(ranks, sizes, seconds, floor)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-9)
+    # Noise that would make the ring faster than the pairs keeps the pairs' figures.
+    fast = fit_ring_steps(ranks, sizes, (1e-6, 2e-6), floor)
+    assert fast == (floor.latency, floor.effective_bandwidth)
+    # A larger buffer timed faster than the smaller one: the bandwidth is the pairs'.
+    assert fit_ring_steps(ranks, sizes, (5e-3, 4e-3), floor)[1] == floor.effective_bandwidth
 
 
 def test_bad_arguments_are_reported_together() -> None:

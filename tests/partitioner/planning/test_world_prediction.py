@@ -33,7 +33,8 @@ def case() -> tuple:
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 128), nn.ReLU(),
                                                           nn.Linear(128, 64))])
     x = torch.randn(16, 64)
-    plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2, checkpoint="never")
+    plan = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), chunks=2, checkpoint="never",
+                     schedule="1f1b")
     world = world_cluster(["here"] * 4, "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
     return plan, analyze(model, (x,)).workload, world
 

@@ -12,8 +12,9 @@ from partitioner.runtime.distributed.link_probe import probe_link
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    latency, bandwidth, busy, wake = probe_link()
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "latency": latency,
-                                  "bandwidth": bandwidth, "busy": busy, "wake": wake}),
+    got = probe_link()
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "latency": got.latency,
+                                  "bandwidth": got.bandwidth, "busy": got.busy_latency,
+                                  "wake": got.wake, "collective": list(got.collective)}),
           flush=True)
     dist.destroy_process_group()

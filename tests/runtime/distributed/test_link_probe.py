@@ -11,6 +11,7 @@ from distributed_harness import launch, results
 from partitioner.cost.devices import REFERENCE_CPU
 from partitioner.planning.world import LOOPBACK, REFERENCE_LOOPBACK, world_cluster
 from partitioner.planning.world_agreement import cpu_world_link
+from partitioner.runtime.distributed.link_probe import COLLECTIVE_BYTES
 
 WORKER = Path(__file__).with_name("link_worker.py")
 
@@ -20,15 +21,20 @@ WORKER = Path(__file__).with_name("link_worker.py")
 def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     """Pairs of ranks exchange messages (a lone last rank of 3 waits), one pair at a time
     and all at once; every rank gets the slowest pair's latencies and bandwidth, positive
-    and finite, the latency with every pair at once never below the one of a lone pair, and
-    the compute a rank loses after waiting for its peer (``wake``) finite and not negative."""
+    and finite, the latency with every pair at once never below the one of a lone pair, the
+    compute a rank loses after waiting for its peer (``wake``) finite and not negative, and
+    the all-reduces every rank times together the same on every rank."""
     per_rank = results(launch(WORKER, world, [], timeout=120))
-    figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"])
-               for r in per_rank}
+    figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"],
+                tuple(r[0]["collective"])) for r in per_rank}
     assert len(figures) == 1, figures
-    latency, bandwidth, busy, wake = figures.pop()
+    latency, bandwidth, busy, wake, (mid, big) = figures.pop()
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
+    # Every rank's all-reduces of 64 KiB and 4 MiB (the collective's fit): the larger
+    # buffer never costs less than a ring's bytes over the pairs' bandwidth.
+    assert 0 < mid < 1.0 and 0 < big < 10.0
+    assert big >= 2 * (world - 1) / world * COLLECTIVE_BYTES[1] / bandwidth * 0.5
 
 
 def test_reference_spec_plans_with_the_reference_link() -> None:
