@@ -95,7 +95,8 @@ def reduce_scatter_time(nbytes: float, n: int, link: LinkSpec) -> float:
 def _ring_steps(nbytes: float, n: int, link: LinkSpec) -> float:
     if n == 1 or nbytes == 0:
         return 0.0
-    return (n - 1) * (link.step_latency + nbytes / (n * link.step_bandwidth))
+    alpha, beta = link.ring_step(n)
+    return (n - 1) * (alpha + nbytes / (n * beta))
 
 
 _TIMES = {"all_reduce": all_reduce_time, "all_gather": all_gather_time,

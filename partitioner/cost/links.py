@@ -45,10 +45,18 @@ class LinkSpec:
             at once (all replicas' gradient all-reduce, every tensor-parallel group's),
             where ranks outnumber the cores and each message waits for its receiver to be
             scheduled (``partitioner.runtime.distributed.link_probe``); ``None``: ``latency``.
-        busy_bandwidth: bytes per second a collective's steps move where ``busy_latency``
-            holds, fitted with it to all-reduces timed in the world (gloo's ring reduces as
-            it receives: on the 2-core CI VM a 4 MiB all-reduce of 2 ranks ran at a third of
-            the point-to-point bandwidth); ``None``: ``bandwidth x efficiency``.
+        rings: per group size ``n`` timed in the world, ``(n, step latency, step
+            bandwidth)`` of an all-reduce among ``n`` ranks while every group of the host
+            reduces at once, fitted to all-reduces the link probe timed
+            (:func:`fit_ring_steps`). On the 2-core CI VM with 4 ranks a 64 KiB all-reduce
+            took 3.8-4.7 ms over all four and 0.32-0.41 ms within pairs; gloo's ring moves
+            bytes at a third of a message's bandwidth. A size not timed takes the next
+            larger one timed (the largest past them); none: ``busy_latency`` and
+            ``bandwidth x efficiency`` (:meth:`ring_step`).
+        scalar_all_reduce: seconds of an all-reduce of one number over the world's ranks
+            (the step's loss), measured by the link probe; ``None``: a ring of ``latency``
+            hand-offs (with more ranks than cores, 0.5-1.2 ms on 4 ranks of the 2-core CI VM
+            against 0.25 ms for six hand-offs).
         wake: seconds a rank's compute loses when it starts right after waiting
             ``WAKE_GAP`` or longer for a message (a process that blocked lets its core idle
             or run another process: on the 2-core CI VM the next forward and backward of a
@@ -64,7 +72,8 @@ class LinkSpec:
     efficiency: float = 1.0
     busy_latency: float | None = None
     wake: float = 0.0
-    busy_bandwidth: float | None = None
+    rings: tuple[tuple[int, float, float], ...] = ()
+    scalar_all_reduce: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -76,8 +85,14 @@ class LinkSpec:
             problems.append(f"efficiency={self.efficiency!r}; it must be in (0, 1]")
         if self.busy_latency is not None and not self.busy_latency >= 0:
             problems.append(f"busy_latency={self.busy_latency!r}; it must be >= 0 or None")
-        if self.busy_bandwidth is not None and not self.busy_bandwidth > 0:
-            problems.append(f"busy_bandwidth={self.busy_bandwidth!r}; it must be > 0 or None")
+        bad = [r for r in self.rings if len(r) != 3 or not (int(r[0]) == r[0] >= 2
+                                                             and r[1] >= 0 and r[2] > 0)]
+        if bad:
+            problems.append(f"rings={self.rings!r}; each must be (group size >= 2, step "
+                            "latency >= 0, step bandwidth > 0)")
+        if self.scalar_all_reduce is not None and not self.scalar_all_reduce >= 0:
+            problems.append(f"scalar_all_reduce={self.scalar_all_reduce!r}; it must be >= 0 "
+                            "or None")
         if not self.wake >= 0:
             problems.append(f"wake={self.wake!r}; it must be >= 0")
         if problems:
@@ -93,11 +108,21 @@ class LinkSpec:
         """``bandwidth * efficiency``: bytes per second a transfer actually gets."""
         return self.bandwidth * self.efficiency
 
-    @property
-    def step_bandwidth(self) -> float:
-        """Bytes per second of a collective's step: ``busy_bandwidth``, else
-        ``effective_bandwidth``."""
-        return self.effective_bandwidth if self.busy_bandwidth is None else self.busy_bandwidth
+    def ring_step(self, n: int) -> tuple[float, float]:
+        """``(seconds, bytes per second)`` of one step of a ring collective among ``n``
+        ranks: the timed group size ``n`` of :attr:`rings`, else the next larger one timed,
+        else the largest; without rings ``step_latency`` and ``effective_bandwidth``.
+
+        Example:
+            >>> link = LinkSpec("l", 3e9, 4e-5, rings=((2, 1e-4, 1e9), (4, 7e-4, 2e9)))
+            >>> [link.ring_step(n)[0] for n in (2, 3, 4, 8)]
+            [0.0001, 0.0007, 0.0007, 0.0007]
+        """
+        if not self.rings:
+            return self.step_latency, self.effective_bandwidth
+        timed = sorted(self.rings)
+        _, alpha, beta = next((r for r in timed if r[0] >= n), timed[-1])
+        return alpha, beta
 
     def wake_time(self, waited: float) -> float:
         """Seconds a rank's next action loses after waiting ``waited`` seconds for a

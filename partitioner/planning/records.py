@@ -91,7 +91,12 @@ def _cluster_dict(cluster: Cluster) -> dict[str, Any]:
 def _cluster_from(data: dict[str, Any]) -> Cluster:
     device = DeviceSpec(**{**data["device"], "peak_flops": data["device"]["peak_flops"],
                            "shared_speedup": tuple(data["device"]["shared_speedup"])})
-    inter = LinkSpec(**data["inter_node"]) if data["inter_node"] else None
+    inter = _link_from(data["inter_node"]) if data["inter_node"] else None
     return Cluster(device, data["nodes"], data["devices_per_node"],
-                   LinkSpec(**data["intra_node"]), inter, data["nics_per_node"],
+                   _link_from(data["intra_node"]), inter, data["nics_per_node"],
                    tuple(data["local"]), processes=bool(data.get("processes", False)))
+
+
+def _link_from(data: dict[str, Any]) -> LinkSpec:
+    rings = tuple((int(n), float(a), float(b)) for n, a, b in data.get("rings", ()))
+    return LinkSpec(**{**data, "rings": rings})

@@ -407,7 +407,8 @@ class _Simulation:
 
 def loss_all_reduce_time(cluster: Cluster, ranks: int) -> float:
     """Seconds of the one-number all-reduce of the step's loss over a world of ``ranks``
-    processes (0 for one process's devices): a ring of lone hand-offs, since every rank but
+    processes (0 for one process's devices): as the link probe timed it in this world
+    (``LinkSpec.scalar_all_reduce``), else a ring of lone hand-offs, since every rank but
     the last to finish its backward is waiting in it already.
 
     Example:
@@ -419,8 +420,10 @@ def loss_all_reduce_time(cluster: Cluster, ranks: int) -> float:
     """
     if not cluster.processes or ranks < 2:
         return 0.0
-    return all_reduce_time(8.0, ranks, replace(cluster.intra_node, busy_latency=None,
-                                               busy_bandwidth=None))
+    link = cluster.intra_node
+    if link.scalar_all_reduce is not None and ranks == cluster.size:  # timed in this world
+        return link.scalar_all_reduce
+    return all_reduce_time(8.0, ranks, replace(link, busy_latency=None, rings=()))
 
 
 def simulate(plan: Any, cluster: Cluster | None = None) -> SimulationResult:

@@ -74,13 +74,19 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
     if key not in _MEASURED_LINKS:
         got = probe_link()
         pairs = LinkSpec("pairs", got.bandwidth, got.busy_latency)
-        alpha, beta = fit_ring_steps(len(hosts), COLLECTIVE_BYTES, got.collective, pairs)
+        world = len(hosts)
+        rings = [(world, *fit_ring_steps(world, COLLECTIVE_BYTES, got.collective, pairs))]
+        if got.pairs is not None:
+            rings.insert(0, (2, *fit_ring_steps(2, COLLECTIVE_BYTES, got.pairs, pairs)))
+        steps = ", ".join(f"{n} ranks {a * 1e6:.0f} us and {b / 1e9:.2f} GB/s"
+                          for n, a, b in rings)
         _MEASURED_LINKS[key] = LinkSpec(
             f"gloo over loopback (measured: {got.latency * 1e6:.0f} us a message, "
-            f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step {alpha * 1e6:.0f} us and "
-            f"{beta / 1e9:.2f} GB/s; a rank's compute {got.wake * 1e3:.2f} ms slower after "
-            "a wait)", got.bandwidth, got.latency, busy_latency=alpha, wake=got.wake,
-            busy_bandwidth=beta)
+            f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step over {steps}; a rank's "
+            f"compute {got.wake * 1e3:.2f} ms slower after a wait; a one-number all-reduce "
+            f"{got.scalar * 1e3:.2f} ms)", got.bandwidth, got.latency,
+            busy_latency=got.busy_latency, wake=got.wake, rings=tuple(rings),
+            scalar_all_reduce=got.scalar)
     return _MEASURED_LINKS[key]
 
 

@@ -18,7 +18,8 @@ about 2 ms (2026-12-04): planned with the second, a 4-stage pipeline of one micr
 was predicted at 22 ms and ran 13-16 ms. It takes about 50 round trips per pair. Then
 every rank all-reduces two buffer sizes together (:data:`COLLECTIVE_BYTES`): what a
 collective's steps cost is fitted to those, since gloo's ring does not cost what the pairs'
-messages suggest.
+messages suggest; within pairs too (every pair at once); and one number, as the step's
+loss is all-reduced.
 
 A rank that waits lets its core idle, and its next compute runs slow: on that VM a 4-rank
 pipeline of a small MLP spent 0.2-0.5 ms more on each action than the same work took back
@@ -67,7 +68,7 @@ pairs does not predict gloo's collective: on the 2-core CI VM (2026-12-04) a 64 
 all-reduce took 0.32 ms on 2 ranks and 4.4 ms on 4, where the pairs' latencies (46 and 74
 us) gave 0.11 and 0.48 ms."""
 
-COLLECTIVE_ROUNDS = 15
+COLLECTIVE_ROUNDS = 20
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
 up, 1.7x the later ones on 2 ranks)."""
 
@@ -147,6 +148,11 @@ class ProbedLink:
         wake: seconds a rank's compute loses after waiting :data:`WAKE_GAP` for a message.
         collective: seconds of an all-reduce over every rank of each of
             :data:`COLLECTIVE_BYTES` (``(0, 0)`` in a world of one).
+        scalar: seconds of an all-reduce of one float64 over every rank, the step's loss
+            all-reduce (``DistributedPipeline._reduce_loss``; 0 in a world of one).
+        pairs: as ``collective`` within pairs of ranks, every pair at once (the groups of
+            two that tensor parallelism and replicas reduce in); ``None`` in worlds of 2 or
+            fewer.
     """
 
     latency: float
@@ -154,6 +160,8 @@ class ProbedLink:
     busy_latency: float
     wake: float
     collective: tuple[float, float]
+    scalar: float = 0.0
+    pairs: tuple[float, float] | None = None
 
 
 def probe_link() -> ProbedLink:
@@ -179,23 +187,50 @@ def probe_link() -> ProbedLink:
             _round_trips(peer, first, small, 5)
             busy = _round_trips(peer, first, small, SMALL_ROUNDS)
             per_large = _round_trips(peer, first, large, 5)
-        reduced = [_all_reduces(n) for n in COLLECTIVE_BYTES] if world > 1 else [0.0, 0.0]
-        agreed = torch.tensor([latency, per_large, busy, wake, *reduced], dtype=torch.float64)
+        buffers = [torch.zeros(n // 4) for n in COLLECTIVE_BYTES]
+        scalar = torch.zeros(1, dtype=torch.float64)
+        reduced = ([_all_reduces(scalar), *(_all_reduces(b) for b in buffers)] if world > 1
+                   else [0.0, 0.0, 0.0])
+        paired = _pair_all_reduces(buffers) if world > 2 else [0.0, 0.0]
+        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired],
+                              dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large, busy, wake, mid, big = (float(v) for v in agreed)
+    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big = (
+        float(v) for v in agreed)
     # The latency's share of a large message: at most half of it, whatever the noise.
     bandwidth = LARGE_BYTES / max(per_large - busy, per_large / 2, 1e-9)
-    return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big))
+    return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big), one,
+                      (pair_mid, pair_big) if world > 2 else None)
 
 
-def _all_reduces(nbytes: int) -> float:
-    """Seconds of one all-reduce of ``nbytes`` over every rank: the median of
-    :data:`COLLECTIVE_ROUNDS` (after 5 not timed)."""
-    tensor = torch.zeros(nbytes // 4)
+def _all_reduces(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
+    """Seconds of one all-reduce of ``tensor`` over ``group`` (every rank) between short
+    computations, as tensor parallelism and bucketed gradients call it: the mean of
+    :data:`COLLECTIVE_ROUNDS` after 5 not timed, the slowest tenth left out. A mean, not a
+    median: on the 2-core CI VM a 32 KiB all-reduce of 2 ranks took about 0.3 ms or about
+    3 ms, the slow ones 20-50% of the calls (2026-12-04), and a step pays their sum."""
+    work = _reference_work()
     times = []
     for k in range(COLLECTIVE_ROUNDS + 5):
+        work()
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
         if k >= 5:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
+    return sum(kept) / len(kept)
+
+
+def _pair_all_reduces(buffers: list[torch.Tensor]) -> list[float]:
+    """Seconds of an all-reduce of each buffer within this rank's pair (``2k``,
+    ``2k + 1``), every pair at once; a lone last rank times nothing (0). Every rank creates
+    every pair's group, as ``new_group`` requires."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
+    mine = groups[rank // 2] if rank // 2 < len(groups) else None
+    dist.barrier()
+    times = [_all_reduces(b, mine) if mine is not None else 0.0 for b in buffers]
+    dist.barrier()
+    if mine is not None:
+        dist.destroy_process_group(mine)
+    return times

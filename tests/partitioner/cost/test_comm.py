@@ -69,21 +69,26 @@ def test_collective_steps_pay_the_busy_latency_and_hand_offs_the_lone_one() -> N
         LinkSpec("bad", 1e9, 0.0, busy_latency=-1.0)
 
 
-def test_collective_steps_move_bytes_at_the_busy_bandwidth_and_messages_do_not() -> None:
-    # gloo's ring reduces as it receives: its steps move bytes slower than one message.
-    ring = LinkSpec("loopback", 3e9, 4e-5, busy_latency=1.3e-4, busy_bandwidth=1.2e9)
-    assert ring.step_bandwidth == 1.2e9 and LINK.step_bandwidth == LINK.effective_bandwidth
+def test_ring_steps_are_the_timed_group_sizes_and_messages_are_not() -> None:
+    # gloo's ring reduces as it receives, and a ring over every rank of an oversubscribed
+    # host waits at each step: the steps cost what was timed for the group's size.
+    ring = LinkSpec("loopback", 3e9, 4e-5, busy_latency=9e-5,
+                    rings=((2, 1.3e-4, 1.2e9), (4, 7e-4, 2e9)))
     assert p2p_time(1e6, ring) == pytest.approx(4e-5 + 1e6 / 3e9)
     assert all_reduce_time(1e6, 2, ring) == pytest.approx(2 * (1.3e-4 + 1e6 / (2 * 1.2e9)))
-    with pytest.raises(DeviceError, match="busy_bandwidth=0.0"):
-        LinkSpec("bad", 1e9, 0.0, busy_bandwidth=0.0)
+    assert all_reduce_time(1e6, 4, ring) == pytest.approx(6 * (7e-4 + 1e6 / (4 * 2e9)))
+    assert all_gather_time(1e6, 3, ring) == pytest.approx(2 * (7e-4 + 1e6 / (3 * 2e9)))
+    assert LINK.ring_step(4) == (LINK.step_latency, LINK.effective_bandwidth)
+    for bad in (((1, 1e-4, 1e9),), ((2, -1.0, 1e9),), ((2, 1e-4, 0.0),), ((2, 1e-4),)):
+        with pytest.raises(DeviceError, match="rings="):
+            LinkSpec("bad", 1e9, 0.0, rings=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_the_ring_fitted_to_two_timed_all_reduces_gives_them_back(ranks: int) -> None:
     alpha, beta = 7e-4, 0.9e9
     floor = LinkSpec("pairs", 3e9, 5e-5)
-    link = LinkSpec("ring", 3e9, 5e-5, busy_latency=alpha, busy_bandwidth=beta)
+    link = LinkSpec("ring", 3e9, 5e-5, rings=((ranks, alpha, beta),))
     sizes = (64 << 10, 4 << 20)
     seconds = (all_reduce_time(sizes[0], ranks, link), all_reduce_time(sizes[1], ranks, link))
     fitted = fit_ring_steps(ranks, sizes, seconds, floor)

@@ -8,10 +8,11 @@ import json
 import pytest
 
 import partitioner.planning.records
-from partitioner.cost.devices import Cluster
+from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
 from partitioner.cost.transformer_model import GPTShape, gpt_workload
 from partitioner.planning.predict import Config, ConfigError, predict
 from partitioner.planning.records import from_record, to_record
+from partitioner.planning.world import world_cluster
 
 CLUSTER = Cluster.preset("A100-80GB", nodes=2)
 WORKLOAD = gpt_workload(GPTShape(16, 2048, 16, 1024, 50304), batch=64)
@@ -25,6 +26,16 @@ def test_records_round_trip_through_json() -> None:
     assert cluster == CLUSTER
     with pytest.raises(ConfigError, match="no stage costs"):
         from_record(to_record(prediction, detail=False))
+
+
+def test_a_measured_world_link_round_trips_with_its_timed_rings() -> None:
+    link = LinkSpec("gloo (measured)", 3e9, 4e-5, busy_latency=9e-5, wake=1e-4,
+                    rings=((2, 1.3e-4, 1.2e9), (4, 7e-4, 2e9)), scalar_all_reduce=5e-4)
+    world = world_cluster(["h"] * 4, "cpu", cpu=REFERENCE_CPU, link=link)
+    prediction = predict(WORKLOAD, world, Config(dp=2, pp=2, chunks=2))
+    _, cluster = from_record(json.loads(json.dumps(to_record(prediction, world))))
+    assert cluster == world and cluster.intra_node.rings == link.rings
+    assert cluster.processes
 
 
 def test_records_are_json_already() -> None:

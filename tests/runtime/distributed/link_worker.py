@@ -15,6 +15,7 @@ if __name__ == "__main__":
     got = probe_link()
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "latency": got.latency,
                                   "bandwidth": got.bandwidth, "busy": got.busy_latency,
-                                  "wake": got.wake, "collective": list(got.collective)}),
+                                  "wake": got.wake, "collective": list(got.collective),
+                                  "scalar": got.scalar, "pairs": got.pairs}),
           flush=True)
     dist.destroy_process_group()

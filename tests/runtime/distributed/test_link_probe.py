@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("link_worker.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     """Pairs of ranks exchange messages (a lone last rank of 3 waits), one pair at a time
     and all at once; every rank gets the slowest pair's latencies and bandwidth, positive
@@ -26,14 +26,21 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     the all-reduces every rank times together the same on every rank."""
     per_rank = results(launch(WORKER, world, [], timeout=120))
     figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"],
-                tuple(r[0]["collective"])) for r in per_rank}
+                tuple(r[0]["collective"]), r[0]["scalar"],
+                tuple(r[0]["pairs"]) if r[0]["pairs"] is not None else None) for r in per_rank}
     assert len(figures) == 1, figures
-    latency, bandwidth, busy, wake, (mid, big) = figures.pop()
+    latency, bandwidth, busy, wake, (mid, big), scalar, pairs = figures.pop()
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
     # Every rank's all-reduces of 64 KiB and 4 MiB (the collective's fit): the larger
     # buffer never costs less than a ring's bytes over the pairs' bandwidth.
     assert 0 < mid < 1.0 and 0 < big < 10.0
+    assert 0 < scalar < 1.0  # one number, as the step's loss is all-reduced
+    # Within pairs (every pair at once): timed where the world has more than one pair's
+    # ranks (a lone last rank of 3 times nothing; the slowest pair counts).
+    assert (pairs is None) == (world == 2)
+    if pairs is not None:
+        assert 0 < pairs[0] < 1.0 and 0 < pairs[1] < 10.0
     assert big >= 2 * (world - 1) / world * COLLECTIVE_BYTES[1] / bandwidth * 0.5
 
 
