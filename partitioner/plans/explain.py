@@ -47,6 +47,9 @@ def explain(records: Sequence[dict[str, Any]], summary: dict[str, Any] | None = 
     memory = _memory(records[0])
     if memory:
         lines.append(memory)
+    ranks = _ranks(records[0])
+    if ranks:
+        lines.append(ranks)
     lines.append(_why(ranked, info))
     if tuned:
         lines.append(tuned_line(ranked))
@@ -160,7 +163,10 @@ def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
     if others and winner.get("measured_step_time") is None:  # tuned: the tuned line says
         text += _against(winner, others[0])
     if _shares_host(winner) and winner["config"]["pp"] > 1:
-        text += ("; the devices share this machine's cores: each stage's worker keeps its "
+        text += ("; the ranks are processes sharing this host's cores: a rank that waited "
+                 "for its message starts cold, and each steps its own optimizer"
+                 if (winner.get("cluster") or {}).get("processes") else
+                 "; the devices share this machine's cores: each stage's worker keeps its "
                  "share of the threads, so a stage computing alone in the fill or drain runs "
                  "on its share")
     faster = [(label, why, bound) for label, why, bound in info.get("excluded", [])
@@ -188,6 +194,18 @@ def _against(winner: dict[str, Any], rival: dict[str, Any]) -> str:
     if cause == "its bubble":
         text += f" ({rival['bubble']:.1%} against {winner['bubble']:.1%})"
     return text
+
+
+def _ranks(record: dict[str, Any]) -> str:
+    """What the processes of a ``torch.distributed`` world were costed on: how many, and the
+    link between them (measured on one CPU host: ``partitioner.runtime.distributed.
+    link_probe``)."""
+    cluster = record.get("cluster") or {}
+    if not cluster.get("processes"):
+        return ""
+    link = (cluster.get("intra_node") or {}).get("name", "?")
+    count = cluster.get("nodes", 1) * cluster.get("devices_per_node", 1)
+    return f"ranks: {count} processes, costed over {link}."
 
 
 def _shares_host(record: dict[str, Any]) -> bool:

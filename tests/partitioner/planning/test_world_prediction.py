@@ -78,3 +78,15 @@ def test_sizes_the_cost_model_refuses_leave_no_figure_for_another_run(case: tupl
     assert ran.predicted_step_time is None and ran.candidates == ()
     why = next(n for n in ran.notes if n.startswith("step not predicted for these ranks: "))
     assert "interleaved" in why, why
+
+
+def test_explain_names_the_processes_and_the_link_they_were_costed_over(case: tuple) -> None:
+    plan, workload, world = case
+    text = predicted_as_run(replace(plan, mesh=Mesh(dp=2, pp=2, tp=1)), workload,
+                            world).explain()
+    assert f"ranks: 4 processes, costed over {world.intra_node.name}." in text.splitlines()
+    why = text.splitlines()[-1]
+    assert why.startswith("chosen: dp=2 tp=1 pp=2 ")
+    assert "the ranks are processes sharing this host's cores" in why
+    assert "worker keeps its share of the threads" not in why  # one process's wording
+    assert "ranks:" not in plan.explain()  # the one-process plan it was cut from
