@@ -173,6 +173,7 @@ class _Simulation:
         self.free_since = [0.0] * c.pp
         self.loss_time = loss_all_reduce_time(cluster, c.devices)
         self.ready_to_step: list[int] = []
+        self.ready_at = [0.0] * c.pp  # when each rank's backward (and its reduce) ended
 
     def gain(self, j: int, n: int) -> float:
         """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
@@ -182,6 +183,13 @@ class _Simulation:
         ``speedup(n dp tp) / (n dp tp)``."""
         copies = self.config.dp * self.config.tp
         return self.stages[self.tags[j][1].stage].speedup(self.spec, n * copies) / copies
+
+    def loss_wake(self, j: int, reduced: float) -> float:
+        """What rank ``j``'s optimizer loses after waiting in the loss all-reduce until
+        ``reduced`` (a rank of a world only: ``LinkSpec.wake_time``)."""
+        if not self.processes or self.loss_time == 0:
+            return 0.0
+        return self.link.wake_time(reduced - self.ready_at[j])
 
     def push(self, time: float, kind: str, payload: Any) -> None:
         self.seq += 1
@@ -355,23 +363,26 @@ class _Simulation:
                 # One process's optimizer steps every device's parameters, in the caller's
                 # thread with all of its intra-op threads, once backward has returned.
                 self.stepped.add(payload)
+                self.ready_at[payload] = self.now
                 if len(self.stepped) == self.config.pp:
                     # Ranks of a world all-reduce the loss first (``loss_time``; 0 in one).
-                    begin = max(self.now, pipeline_end) + self.loss_time
+                    begin = reduced = max(self.now, pipeline_end) + self.loss_time
                     for j in range(self.config.pp):
-                        end = begin + self.shards * self.p.optimizer_times[j]
+                        end = (begin + self.shards * self.p.optimizer_times[j]
+                               + self.loss_wake(j, reduced))
                         self.transfers.append((f"optimizer device {j}", begin, end))
                         self.updates.append((j, OPTIMIZER, begin, end))
                         finished[j], begin = end, end
             elif self.processes and kind == "optimizer":
                 # Every rank all-reduces the loss first: none steps before the last is done.
                 self.ready_to_step.append(payload)
+                self.ready_at[payload] = self.now
                 if len(self.ready_to_step) == self.config.pp:
                     self.push(max(self.now, pipeline_end) + self.loss_time, "step", None)
             elif kind == "step":
                 for j in self.ready_to_step:
-                    self.run_on_host(j, self.shards * self.p.optimizer_times[j],
-                                     ("optimizer", self.now))
+                    self.run_on_host(j, self.shards * self.p.optimizer_times[j]
+                                     + self.loss_wake(j, self.now), ("optimizer", self.now))
             else:
                 self.run_on_host(payload, self.shards * self.p.optimizer_times[payload],
                                  ("optimizer", self.now))

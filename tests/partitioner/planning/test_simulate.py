@@ -302,3 +302,24 @@ def test_the_loss_all_reduce_timed_in_the_world_is_what_the_ranks_wait_for() -> 
     assert loss_all_reduce_time(four, 2) == pytest.approx(2 * 0.01)
     with pytest.raises(DeviceError, match="scalar_all_reduce=-1"):
         LinkSpec("bad", 1e9, 0.0, scalar_all_reduce=-1.0)
+
+
+def test_a_rank_starts_its_optimizer_cold_after_waiting_in_the_loss_all_reduce() -> None:
+    """The loss all-reduce is a wait like any other: each rank's optimizer step loses
+    ``LinkSpec.wake_time`` of the time it waited there (processes only)."""
+    own = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10)
+    link = LinkSpec("loopback", 1e9, 0.01, scalar_all_reduce=0.3, wake=0.4)
+    ranks = Cluster(own, devices_per_node=2, intra_node=link, processes=True)
+    prediction = replace(_equal_stages(Config(pp=2, chunks=1)), optimizer_times=(0.5, 0.25))
+    result = simulate(prediction, ranks)
+    ended = {a.stage: end for a, _, end in result.timeline if a.phase.name == "BACKWARD"}
+    steps = {j: (start, end) for j, kind, start, end in result.updates if kind == "optimizer"}
+    reduced = result.pipeline_time + 0.3
+    for j, own_time in ((0, 0.5), (1, 0.25)):
+        waited = reduced - ended[j]
+        assert waited > 0
+        assert steps[j] == pytest.approx((reduced, reduced + own_time + link.wake_time(waited)))
+    # One process's devices wait for no loss all-reduce: no wake on their optimizers.
+    alone = simulate(prediction, replace(ranks, processes=False))
+    assert {j: e - s for j, k, s, e in alone.updates if k == "optimizer"} == pytest.approx(
+        {0: 0.5, 1: 0.25})
