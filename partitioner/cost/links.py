@@ -44,7 +44,8 @@ class LinkSpec:
         busy_latency: seconds per step of a collective that every group of the host runs
             at once (all replicas' gradient all-reduce, every tensor-parallel group's),
             where ranks outnumber the cores and each message waits for its receiver to be
-            scheduled (``partitioner.runtime.distributed.link_probe``); ``None``: ``latency``.
+            scheduled (``partitioner.runtime.distributed.link_probe``), where no ``rings``
+            were timed; ``None``: ``latency``.
         rings: per group size ``n`` timed in the world, ``(n, step latency, step
             bandwidth)`` of an all-reduce among ``n`` ranks while every group of the host
             reduces at once, fitted to all-reduces the link probe timed

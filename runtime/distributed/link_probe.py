@@ -12,8 +12,8 @@ last rank waits), first small ones for the latency, then 8 MiB ones for the band
 (medians of round trips), and the slowest pair's figures count, agreed by an all-reduce so
 every rank plans with the same link. The latency is measured twice: one pair at a time
 (the others wait in a barrier), which is what a pipeline's hand-off pays while the other
-stages compute or wait, and every pair at once, which is what a collective pays when every
-replica's group reduces together. On the 2-core VM with 4 ranks the two were 65-90 us and
+stages compute or wait, and every pair at once (what a collective's step was taken to
+pay before collectives were timed, below). On the 2-core VM with 4 ranks the two were 65-90 us and
 about 2 ms (2026-12-04): planned with the second, a 4-stage pipeline of one micro-batch
 was predicted at 22 ms and ran 13-16 ms. It takes about 50 round trips per pair. Then
 every rank all-reduces two buffer sizes together (:data:`COLLECTIVE_BYTES`): what a
