@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -102,7 +103,12 @@ def predicted_for_world(made: Plan, workload: Workload | None, device: torch.dev
     rank 0 predicts and sends). Unchanged in a world of one, or without costs."""
     if not dist.is_initialized() or dist.get_world_size() < 2 or workload is None:
         return made
-    cluster = infer_cluster(None, device)
+    try:
+        cluster = infer_cluster(None, device)
+    except PartitionError as error:  # alike on every rank (their host names are gathered)
+        why = str(error).splitlines()[0]
+        return replace(made, predicted_step_time=None, predicted_bubble=None, candidates=(),
+                       notes=(*made.notes, f"step not predicted for these ranks: {why}"))
     box: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:

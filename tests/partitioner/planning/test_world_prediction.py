@@ -90,3 +90,26 @@ def test_explain_names_the_processes_and_the_link_they_were_costed_over(case: tu
     assert "the ranks are processes sharing this host's cores" in why
     assert "worker keeps its share of the threads" not in why  # one process's wording
     assert "ranks:" not in plan.explain()  # the one-process plan it was cut from
+
+
+def test_a_world_whose_cluster_cannot_be_told_keeps_its_plan_without_a_figure(
+        case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes given run on any rank layout: where the world's cluster cannot be inferred
+    (ranks not laid out node by node, say) the plan runs without a predicted step, and a
+    note says why, instead of failing or keeping one process's figure."""
+    import partitioner.planning.world_agreement as agreement
+    from partitioner.errors import DeviceError
+
+    def refuse(option: object, device: object) -> None:
+        raise DeviceError("the ranks are not laid out node by node (hosts ['a', 'b', 'a'])")
+
+    plan, workload, _ = case
+    monkeypatch.setattr(agreement.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(agreement, "infer_cluster", refuse)
+    ran = agreement.predicted_for_world(replace(plan, mesh=Mesh(dp=2, pp=2, tp=1)), workload,
+                                        torch.device("cpu"), "fp32")
+    assert ran.predicted_step_time is None and ran.candidates == ()
+    assert ran.notes[-1] == ("step not predicted for these ranks: the ranks are not laid out "
+                             "node by node (hosts ['a', 'b', 'a'])")
+    assert [s.layers for s in ran.stages] == [s.layers for s in plan.stages]
