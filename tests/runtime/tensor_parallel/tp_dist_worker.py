@@ -106,9 +106,9 @@ def scenario_transparency(names: list[str]) -> None:
         dist.barrier()  # every rank done with its collectives before any tears gloo down
     finally:
         dist.destroy_process_group()
-    # Every result is printed: leave without the interpreter's finalization. In 3 of about 9
-    # slow-tier runs (2026-12-04) both ranks aborted there after correct results ("terminate
-    # called without an active exception", as gloo's threads outlive the interpreter:
+    # Every result is printed: leave without the interpreter's finalization. In 2 of about 7
+    # slow-tier runs (two sessions) both ranks aborted there after correct results ("terminate
+    # called without an active exception"; gloo's threads outliving the interpreter is one cause:
     # pytorch/pytorch#179291); not reproduced in 12 runs of this worker alone.
     sys.stdout.flush()
     sys.stderr.flush()
