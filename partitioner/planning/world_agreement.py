@@ -126,9 +126,10 @@ def predicted_for_world(made: Plan, workload: Workload | None, device: torch.dev
     return Plan.from_dict(box[0]["plan"])
 
 
-
-
 def rank0_error(name: str, message: str) -> Exception:
+    """The error rank 0 raised (its class's ``name`` and ``message``), for another rank to
+    raise: the same :class:`~partitioner.errors.PartitionError` subclass, saying where it
+    came from, else a :class:`~partitioner.errors.StrategyError` naming it."""
     kind = getattr(errors, name, None)
     if isinstance(kind, type) and issubclass(kind, PartitionError):
         return kind(f"(on rank 0, which plans) {message}")

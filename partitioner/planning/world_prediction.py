@@ -1,14 +1,16 @@
 """The step of a plan whose sizes the caller gave, predicted as the world's ranks run it.
 
-``partition_distributed(model, x, pp=4)`` (or ``dp=``, ``tp=``, ``balance=``) cuts the model
-as a one-process pipeline would (``PlanRequest`` over ``pp`` devices of the ranks' type),
+``partition_distributed(model, x, pp=4)`` (or ``dp=``, ``tp=``) cuts the model as a
+one-process pipeline would (``PlanRequest`` over ``pp`` devices of the ranks' type),
 then runs it on processes: each replica all-reduces its gradients over the link, every rank
 steps its own optimizer and all-reduces the loss, and a rank that waited for a message
 starts cold (``partitioner.planning.simulate``). :func:`predicted_as_run` costs that plan's
 own split and sizes on the world's cluster (``Cluster.processes``), so the plan's header,
 ``explain()``, ``simulate`` and the step it records agree with what the ranks do, as
 ``strategy="auto"``'s plans do; before, such a plan recorded the one-process pipeline of
-one replica (``dp=1`` in its header whatever ``dp`` ran).
+one replica (``dp=1`` in its header whatever ``dp`` ran). A split fixed by ``balance=`` or
+``split_points=`` is not costed at all (the capture skips the costs), so such plans carry
+no prediction, as before.
 
 Example:
     >>> import torch
@@ -68,7 +70,12 @@ def predicted_as_run(plan: Plan, workload: Workload, cluster: Cluster, *,
     mesh = plan.mesh
     dp, tp, pp = (mesh.dp, mesh.tp, mesh.pp) if mesh is not None else (1, 1, len(plan.devices))
     counts = [len(s.layers) for s in plan.stages]
-    boundaries = (0, *accumulate(counts)) if sum(counts) == len(workload.layers) else None
+    if sum(counts) != len(workload.layers):  # costing another split would be another run
+        return replace(plan, predicted_step_time=None, predicted_bubble=None, candidates=(),
+                       notes=(*plan.notes, f"step not predicted for these ranks: the plan's "
+                              f"{sum(counts)} layers are not the capture's "
+                              f"{len(workload.layers)}"))
+    boundaries = (0, *accumulate(counts))
     work = precision_workload(replace(workload, batch=workload.batch * dp, splits=None),
                               precision)
     if tp > 1 and work.max_tp == 1:

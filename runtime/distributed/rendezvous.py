@@ -87,15 +87,22 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent,
                           timeout=timeout, wait_for_workers=False, multi_tenant=True)
-    check_same_world(store, rank, world_size, timeout.total_seconds())
+    check_same_world(store, rank, world_size, timeout.total_seconds(),
+                     hosts_store=rank == 0 and not agent)
     # The process group's keys (gloo's listening addresses among them) per attempt: a
     # restarted world reading the last attempt's would connect to dead ranks and fail.
     return dist.PrefixStore(attempt_prefix("default_pg"), store)
 
 
 def check_same_world(store: Any, rank: int, world_size: int, timeout: float,
-                     poll: float = 0.05) -> None:
+                     poll: float = 0.05, *, hosts_store: bool = False) -> None:
     """Wait until ``world_size`` ranks arrived, or fail at once if a rank's size differs.
+
+    ``hosts_store``: this process hosts the store (rank 0 outside torchrun); on a mismatch
+    it stays until every rank that arrived has read the world sizes (at most
+    :data:`TOLD_WAIT` seconds): leaving at once took the store away from a rank still
+    reading them, which then failed with "Connection reset by peer" instead of the sizes
+    (the slow tier, 2026-12-04).
 
     Raises:
         DistributedInitError: naming every rank's world size, or the ranks still missing
@@ -112,13 +119,30 @@ def check_same_world(store: Any, rank: int, world_size: int, timeout: float,
     while True:
         arrived = int(store.add(f"{prefix}/arrived", 0))
         if store.check([f"{prefix}/mismatch"]):
-            raise _mismatch(store, prefix, max(world_size, int(first)))
+            error = _mismatch(store, prefix, max(world_size, int(first)))
+            store.add(f"{prefix}/told", 1)
+            if hosts_store:
+                _wait_until_told(store, prefix, poll)
+            raise error
         if arrived >= world_size:
             return
         if time.monotonic() > deadline:
             raise DistributedInitError(
                 f"only {arrived} of {world_size} ranks started within {timeout:.0f} s; start "
                 "every rank (torchrun: every node), or check that they reach this address")
+        time.sleep(poll)
+
+
+TOLD_WAIT = 10.0
+"""Seconds the store's host waits, on a mismatch, for the other ranks to read it."""
+
+
+def _wait_until_told(store: Any, prefix: str, poll: float) -> None:
+    deadline = time.monotonic() + TOLD_WAIT
+    while time.monotonic() < deadline:
+        arrived = int(store.add(f"{prefix}/arrived", 0))
+        if int(store.add(f"{prefix}/told", 0)) >= arrived:
+            return
         time.sleep(poll)
 
 

@@ -113,3 +113,12 @@ def test_a_world_whose_cluster_cannot_be_told_keeps_its_plan_without_a_figure(
     assert ran.notes[-1] == ("step not predicted for these ranks: the ranks are not laid out "
                              "node by node (hosts ['a', 'b', 'a'])")
     assert [s.layers for s in ran.stages] == [s.layers for s in plan.stages]
+
+
+def test_a_plan_whose_layers_are_not_the_captures_gets_no_figure(case: tuple) -> None:
+    plan, workload, world = case
+    fewer = replace(workload, layers=workload.layers[:-1], boundaries=workload.boundaries[:-1])
+    ran = predicted_as_run(replace(plan, mesh=Mesh(dp=2, pp=2, tp=1)), fewer, world)
+    assert ran.predicted_step_time is None and ran.candidates == ()
+    assert ran.notes[-1].startswith("step not predicted for these ranks: the plan's "
+                                    f"{len(workload.layers)} layers are not the capture's")

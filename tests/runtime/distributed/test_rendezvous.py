@@ -71,3 +71,36 @@ def test_a_restarted_attempt_keeps_its_keys_apart_from_the_failed_one(
         stores.append(store)
     assert bytes(stores[0].get("address")) == b"of attempt 0"
     assert bytes(stores[1].get("address")) == b"of attempt 1"
+
+
+def test_the_store_host_stays_until_every_rank_has_read_the_sizes() -> None:
+    """Regression (the slow tier, 2026-12-04): rank 0 hosts the store and left as soon as
+    it saw the mismatch; rank 1, still reading the world sizes, failed with "Connection
+    reset by peer" instead of naming them."""
+    import time
+
+    shared = dist.HashStore()
+    done: dict[int, float] = {}
+
+    class Slow:  # rank 1's reads of the sizes take a while
+        def __getattr__(self, name: str) -> Any:
+            return getattr(shared, name)
+
+        def get(self, key: str) -> Any:
+            time.sleep(0.2)
+            return shared.get(key)
+
+    def run(rank: int, size: int) -> None:
+        try:
+            check_same_world(shared if rank == 0 else Slow(), rank, size, 20, poll=0.01,
+                             hosts_store=rank == 0)
+        except DistributedInitError:
+            done[rank] = time.monotonic()
+
+    threads = [threading.Thread(target=run, args=(r, s)) for r, s in ((0, 2), (1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(done) == {0, 1}
+    assert done[0] >= done[1] - 0.05  # the host left after rank 1 had the sizes
