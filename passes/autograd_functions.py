@@ -69,10 +69,16 @@ def _checkpointed(function: Callable[..., Any], preserve_rng_state: bool, *args:
 
 @contextmanager
 def _apply_replaced(apply: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """``Function.apply`` is ``classmethod(apply)`` while the block runs; the block gets the
+    """``Function.apply`` is ``classmethod(apply)`` while the block runs (a reentrant
+    checkpoint's is its function's call, :data:`_REENTRANT_CHECKPOINT`); the block gets the
     original (``original(cls, *args)``), which is put back however the block ends."""
     kept = torch.autograd.Function.__dict__["apply"]
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+
+    def replaced(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is _REENTRANT_CHECKPOINT:
+            return _checkpointed(*args, **kwargs)
+        return apply(cls, *args, **kwargs)
+    torch.autograd.Function.apply = classmethod(replaced)  # type: ignore[method-assign,assignment]
     try:
         yield kept.__func__
     finally:
@@ -83,8 +89,6 @@ def _apply_replaced(apply: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
 def functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
     """While the block runs, ``Function.apply`` on a proxy records one node (``tracer``'s)."""
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if cls is _REENTRANT_CHECKPOINT:
-            return _checkpointed(*args, **kwargs)
         if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
             return tracer.create_proxy("call_function", caller(cls), args, kwargs)
         return run(cls, *args, **kwargs)
@@ -101,8 +105,6 @@ def functions_called() -> Iterator[list[type]]:
     seen: list[type] = []
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if cls is _REENTRANT_CHECKPOINT:
-            return _checkpointed(*args, **kwargs)
         if not cls.__module__.startswith("torch.") and cls not in seen:
             seen.append(cls)
         return run(cls, *args, **kwargs)

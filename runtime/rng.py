@@ -131,14 +131,24 @@ def seeded_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     as the forward it replays, and masks do not depend on thread timing. Stages share the
     global generators, so such calls run one at a time.
     """
+    if not module.training:
+        return module(*args, **kwargs)
+    return _seeded(module, args, kwargs, [])
+
+
+def _seeded(call: Any, args: tuple[Any, ...], kwargs: dict[str, Any], devices: list[Any]) -> Any:
+    """``call(*args, **kwargs)`` with torch's global generators (of the tensors' devices and
+    ``devices``) seeded from the thread's generator, restored afterwards, one call at a time;
+    as it is where no generator is installed."""
     generator = current_generator()
-    if generator is None or not module.training:
-        return module(*args, **kwargs)
+    if generator is None:
+        return call(*args, **kwargs)
     seed = draw_seed(generator)
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    with _GLOBAL, fork_rng(tensors):
+    devices = devices + [t for t in pytree.tree_leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor)]
+    with _GLOBAL, fork_rng(devices):
         torch.manual_seed(seed)
-        return module(*args, **kwargs)
+        return call(*args, **kwargs)
 
 
 def seeded_op(op: str, *args: Any, **kwargs: Any) -> Any:
@@ -159,17 +169,11 @@ def seeded_op(op: str, *args: Any, **kwargs: Any) -> Any:
         True
     """
     call, rest = _resolve(op, args)
-    generator = current_generator()
-    if generator is None:
-        return call(*rest, **kwargs)
-    seed = draw_seed(generator)
-    devices: list[Any] = [t for t in pytree.tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor)]
+    # A method's tensor (args[0]) is ``call``'s own: its device is forked too.
+    devices: list[Any] = [t for t in args[:len(args) - len(rest)] if isinstance(t, torch.Tensor)]
     if kwargs.get("device") is not None:
         devices.append(torch.device(kwargs["device"]))
-    with _GLOBAL, fork_rng(devices):
-        torch.manual_seed(seed)
-        return call(*rest, **kwargs)
+    return _seeded(call, rest, kwargs, devices)
 
 
 def _resolve(op: str, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
