@@ -107,6 +107,8 @@ def spec_lines(spec: DeviceSpec) -> list[str]:
                      "us per Linear's forward and backward through fused_linear"),
              _figure("lone worker", spec.worker_speed * 100,
                      "% of all threads' speed (a stage computing alone)"),
+             _figure("caller's spin", spec.caller_spin * 1e3,
+                     "ms a step's workers share the cores with the caller's OpenMP helpers"),
              _figure("memory", spec.memory_bytes / 2**30, "GiB")]
     if spec.shared_speedup:
         workers = ", ".join(str(n) for n in range(1, len(spec.shared_speedup) + 1))

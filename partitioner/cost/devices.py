@@ -110,6 +110,10 @@ class DeviceSpec:
             tensor); 0 for the presets (GPU optimizers run fused or multi-tensor).
         attention_efficiency: fraction of peak a fused attention kernel (FlashAttention-2 in
             torch's SDPA) reaches on its causal FLOPs, forward and backward; 0: as products.
+        caller_spin: for devices sharing one host's cores in one process, the seconds at the
+            start of a step during which the caller's idle OpenMP helpers, spinning after its
+            optimizer step, compete with the step's workers as one more busy worker
+            (``benchmarks/caller_spin.py``); 0: none (the presets).
 
     Raises:
         DeviceError: a value is out of range (every problem listed).
@@ -137,6 +141,7 @@ class DeviceSpec:
     worker_speed: float = 1.0
     fused_linear_overhead: float = 0.0
     attention_efficiency: float = 0.0
+    caller_spin: float = 0.0
 
     def __post_init__(self) -> None:
         peaks = self.peak_flops
@@ -159,7 +164,7 @@ class DeviceSpec:
         for name in ("op_overhead", "pack_bandwidth", "optimizer_bandwidth", "action_overhead",
                      "fresh_bandwidth", "fresh_threshold", "thread_latency",
                      "replica_overhead", "optimizer_tensor_overhead", "attention_efficiency",
-                     "replica_tensor_overhead", "fused_linear_overhead"):
+                     "replica_tensor_overhead", "fused_linear_overhead", "caller_spin"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be >= 0")
         if self.shared_speedup and (self.shared_speedup[0] != 1.0

@@ -52,6 +52,7 @@ from partitioner.cost.calibration_cache import (
     report_problem,
     runs_to_use,
 )
+from partitioner.cost.caller_spin import SETTLE, spin_timings, spin_window
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.layer_timing import time_layers
@@ -226,7 +227,7 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 TIMING_KEYS = ("overhead", "few", "some", "many", "bf16_some", "fp16_few", "small", "add",
                "fill", "fresh", "adam",
                "action", "collective", "replica", "adam_tensor", "replica_tensor", "alone",
-               "single", "fused", *_COUNTS.values(),
+               "single", "fused", "spin_idle", "spin_op", *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
 """What one calibration run times (:func:`_timings`), each in seconds."""
@@ -271,7 +272,13 @@ def _timings(progress: Progress) -> dict[str, float]:
             local.x, local.y = torch.ones(_COPY), torch.ones(_COPY)
         for _ in range(4):
             local.y.add_(local.x)
-    found.update(_shared_timings(_products(some, weights[:16]), (2, 3, 4), single=True))
+    reference = _products(some, weights[:16])
+    found.update(_shared_timings(reference, (2, 3, 4), single=True))
+    def twice() -> None:
+        reference()
+        reference()
+    with _together(twice, 2) as two:
+        found.update(spin_timings(two))  # the caller's helpers after its parallel op
     progress.step("stages sharing the cores")
     for k, (suffix, work) in enumerate( (("_few", _products(few, weights[:16])),
                          ("_many", _products(many, weights[:4])),
@@ -340,6 +347,10 @@ def _shared_timings(work: Callable[[], None], counts: Sequence[int],
         for _ in range(rounds):  # alone and together in turn: load drifting skews neither
             times["alone"].append(_typical(work, repeats=1))
             for name, run in teams.items():
+                # The caller's helpers, spinning after "alone" ran on its team, asleep
+                # first: an untimed run shorter than their spin left some of it in the timed
+                # one (what the spin costs a step is ``caller_spin``, a term of its own).
+                time.sleep(SETTLE)
                 times[name].append(_typical(run, repeats=1))
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -474,7 +485,9 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
                       optimizer_tensor_overhead=t["adam_tensor"],
                       replica_tensor_overhead=t["replica_tensor"],
                       worker_speed=min(t["alone"] / t["single"], 1.0),
-                      fused_linear_overhead=t["fused"])
+                      fused_linear_overhead=t["fused"],
+                      caller_spin=spin_window(t["spin_idle"], t["spin_op"], reference[1],
+                                              reference[2]))
 
 
 def _total_memory() -> float:

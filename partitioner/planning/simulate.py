@@ -99,21 +99,29 @@ class SimulationResult:
 class _Host:
     """Compute shared by the devices of one host (processor sharing).
 
-    ``speedup(device, n)``: what ``n`` busy devices gain over one for the work ``device`` is
-    doing; each running device progresses at ``speedup / n`` of its speed alone.
+    ``speedup(device, n, extra)``: what ``n`` busy devices gain over one for the work
+    ``device`` is doing, with ``extra`` more busy threads that are no device's; each running
+    device progresses at ``speedup / n`` of its speed alone. Until ``spin_until`` the
+    caller's spinning OpenMP helpers are one such thread (``DeviceSpec.caller_spin``; the
+    simulation re-times the host then).
     """
 
-    def __init__(self, speedup: Callable[[int, int], float]) -> None:
+    def __init__(self, speedup: Callable[[int, int, int], float], spin_until: float = 0.0
+                 ) -> None:
         self.speedup = speedup
+        self.spin_until = spin_until
         self.running: dict[int, float] = {}  # device -> remaining work (seconds alone)
         self.updated = 0.0
         self.version = 0
 
     def rate(self, device: int) -> float:
         n = len(self.running)
-        return self.speedup(device, n) / n if n else 1.0
+        extra = 1 if self.updated < self.spin_until else 0
+        return self.speedup(device, n, extra) / n if n else 1.0
 
     def advance(self, now: float) -> None:
+        if self.updated < self.spin_until < now:  # the rates change when the spin ends
+            self.advance(self.spin_until)
         rates = {device: self.rate(device) for device in self.running}
         for device in self.running:
             self.running[device] -= (now - self.updated) * rates[device]
@@ -144,8 +152,10 @@ class _Simulation:
         self.shards = optimizer_copies(c.dp, c.tp, cluster) if cluster.is_local else 1
         self.stepped: set[int] = set()
         self.spec = spec
-        self.hosts = [_Host(self.gain)] if shared else [_Host(lambda j, n: float(n))
-                                                        for _ in range(c.pp)]
+        # One process: its caller's OpenMP helpers spin on the cores as the step starts.
+        spin = spec.caller_spin if shared and not cluster.processes else 0.0
+        self.hosts = [_Host(self.gain, spin)] if shared else [
+            _Host(lambda j, n, extra: float(n)) for _ in range(c.pp)]
         self.host_of = [0 if shared else j for j in range(c.pp)]
         self.now = 0.0
         self.events: list[tuple[float, int, str, Any]] = []
@@ -175,14 +185,26 @@ class _Simulation:
         self.ready_to_step: list[int] = []
         self.ready_at = [0.0] * c.pp  # when each rank's backward (and its reduce) ended
 
-    def gain(self, j: int, n: int) -> float:
+    def gain(self, j: int, n: int, extra: int = 0) -> float:
         """What ``n`` busy devices sharing the host gain, for the stage device ``j`` runs
         (on a shared host only compute runs there; the optimizers step after it). Every
         replica and tensor-parallel shard of the pipeline computes alike at the same time on
-        the same cores: ``n`` busy devices are ``n dp tp`` busy workers, each progressing at
-        ``speedup(n dp tp) / (n dp tp)``."""
+        the same cores: ``n`` busy devices are ``w = n dp tp`` busy workers, each
+        progressing at ``speedup(w) / w``.
+
+        ``extra`` busy threads that are no device's (the caller's spinning OpenMP helpers)
+        hold cores, not memory: each worker loses what one more worker costs the reference
+        work (products), ``(ref(w + 1) / (w + 1)) / (ref(w) / w)``, whatever its own work
+        (a lone worker beside them loses nothing where the host has a core for each)."""
         copies = self.config.dp * self.config.tp
-        return self.stages[self.tags[j][1].stage].speedup(self.spec, n * copies) / copies
+        workers = n * copies
+        gain = self.stages[self.tags[j][1].stage].speedup(self.spec, workers) / copies
+        if extra:
+            def per_worker(w: int) -> float:
+                alone = self.spec.worker_speed if w == 1 else self.spec.speedup(w)
+                return alone / w
+            gain *= min(per_worker(workers + extra) / per_worker(workers), 1.0)
+        return gain
 
     def loss_wake(self, j: int, reduced: float) -> float:
         """What rank ``j``'s optimizer loses after waiting in the loss all-reduce until
@@ -334,6 +356,9 @@ class _Simulation:
         self.push(free, "optimizer", j)
 
     def run(self) -> SimulationResult:
+        for h, host in enumerate(self.hosts):
+            if host.spin_until > 0:
+                self.push(host.spin_until, "spin", h)
         for j in range(self.config.pp):
             self.try_start(j)
         finished: dict[int, float] = {}
@@ -354,6 +379,11 @@ class _Simulation:
                     self.transfers.append((f"optimizer device {j}", what, self.now))
                     self.updates.append((j, OPTIMIZER, what, self.now))
                     finished[j] = self.now
+            elif kind == "spin":  # the caller's helpers stop: the work left runs faster
+                host = self.hosts[payload]
+                host.advance(self.now)
+                host.version += 1
+                self.schedule_host(payload)
             elif kind == "link":
                 key, arrival = payload
                 self.arrived.add(arrival)

@@ -323,3 +323,23 @@ def test_a_rank_starts_its_optimizer_cold_after_waiting_in_the_loss_all_reduce()
     alone = simulate(prediction, replace(ranks, processes=False))
     assert {j: e - s for j, k, s, e in alone.updates if k == "optimizer"} == pytest.approx(
         {0: 0.5, 1: 0.25})
+
+
+def test_the_caller_s_spinning_helpers_are_one_more_busy_worker_as_a_step_starts() -> None:
+    # Two replicas in one process, 1 s forward and 2 s backward each; two workers gain 2x
+    # and three 2x (two cores): without the spin each replica computes at full speed (3 s).
+    # The caller's helpers, spinning for the first 1.5 s after its optimizer step, make the
+    # workers three: each at 2/3 then, so the forward ends at 1.5 s and the backward 2 s
+    # later. A spin ending inside an action re-times it (0.75 s: half the forward done).
+    cpu = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10, shared_speedup=(1.0, 2.0, 2.0))
+    prediction = _equal_stages(Config(dp=2, pp=1, chunks=1))
+    for spin, expected in ((0.0, 3.0), (1.5, 3.5), (0.75, 3.25), (10.0, 4.5)):
+        host = Cluster(replace(cpu, caller_spin=spin), devices_per_node=2, local=("cpu",) * 2)
+        assert simulate(prediction, host).pipeline_time == pytest.approx(expected), spin
+    # Ranks of a world have no caller handing them the step: no spin.
+    ranks = Cluster(replace(cpu, caller_spin=1.5), devices_per_node=2, local=("cpu",) * 2,
+                    processes=True)
+    plain = Cluster(cpu, devices_per_node=2, local=("cpu",) * 2, processes=True)
+    assert simulate(prediction, ranks).step_time == simulate(prediction, plain).step_time
+    with pytest.raises(DeviceError, match="caller_spin"):
+        replace(cpu, caller_spin=-1.0)
