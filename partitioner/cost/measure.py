@@ -1,6 +1,6 @@
 """Measuring this machine: the CPU's spec, and (``calibrate=True``) each distinct layer.
 
-:func:`measure_cpu` runs a short calibration (about 3 s) once per process: products of
+:func:`measure_cpu` runs a short calibration (about 6 s) once per process: products of
 1024 x 1024 weights with 8, 64 and 256 rows, the weights read from memory rather than cache
 as a model's are (the rate, and the per-call cost of repacking the weights that makes small
 micro-batches slow), a tiny product (the efficiency curve), an in-place add larger than the
@@ -234,7 +234,7 @@ TIMING_KEYS = ("overhead", "few", "some", "many", "bf16_some", "fp16_few", "smal
 
 
 def _timings(progress: Progress) -> dict[str, float]:
-    """One calibration run's timings, in seconds (about 3 s on an idle machine)."""
+    """One calibration run's timings, in seconds (about 6 s on the idle 2-core VM)."""
     # Weights from memory, not cache: a model's layers together outgrow the last-level cache,
     # so each product here takes the next of 96 MiB of weights.
     weights = [torch.randn(_WEIGHT, _WEIGHT) for _ in range(24)]

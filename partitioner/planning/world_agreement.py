@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import socket
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from partitioner.planning.world import (
     nodes_of,
     world_cluster,
 )
-from partitioner.planning.world_prediction import predicted_as_run
+from partitioner.planning.world_prediction import not_predicted, predicted_as_run
 from partitioner.plans.plan import Plan
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
@@ -106,9 +105,7 @@ def predicted_for_world(made: Plan, workload: Workload | None, device: torch.dev
     try:
         cluster = infer_cluster(None, device)
     except PartitionError as error:  # alike on every rank (their host names are gathered)
-        why = str(error).splitlines()[0]
-        return replace(made, predicted_step_time=None, predicted_bubble=None, candidates=(),
-                       notes=(*made.notes, f"step not predicted for these ranks: {why}"))
+        return not_predicted(made, str(error).splitlines()[0])
     box: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:

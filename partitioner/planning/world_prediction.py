@@ -46,7 +46,7 @@ from partitioner.planning.simulate import predict_step
 from partitioner.planning.world import assume_split
 from partitioner.plans.plan import Plan
 
-__all__ = ["predicted_as_run"]
+__all__ = ["predicted_as_run", "not_predicted"]
 
 
 def predicted_as_run(plan: Plan, workload: Workload, cluster: Cluster, *,
@@ -71,10 +71,8 @@ def predicted_as_run(plan: Plan, workload: Workload, cluster: Cluster, *,
     dp, tp, pp = (mesh.dp, mesh.tp, mesh.pp) if mesh is not None else (1, 1, len(plan.devices))
     counts = [len(s.layers) for s in plan.stages]
     if sum(counts) != len(workload.layers):  # costing another split would be another run
-        return replace(plan, predicted_step_time=None, predicted_bubble=None, candidates=(),
-                       notes=(*plan.notes, f"step not predicted for these ranks: the plan's "
-                              f"{sum(counts)} layers are not the capture's "
-                              f"{len(workload.layers)}"))
+        return not_predicted(plan, f"the plan's {sum(counts)} layers are not the capture's "
+                                   f"{len(workload.layers)}")
     boundaries = (0, *accumulate(counts))
     work = precision_workload(replace(workload, batch=workload.batch * dp, splits=None),
                               precision)
@@ -86,9 +84,7 @@ def predicted_as_run(plan: Plan, workload: Workload, cluster: Cluster, *,
                         optimizer_sharding=plan.optimizer_sharding and dp > 1)
         prediction = predict_step(predict(work, cluster, config, boundaries), cluster)
     except PartitionError as error:
-        why = str(error).splitlines()[0]
-        return replace(plan, predicted_step_time=None, predicted_bubble=None, candidates=(),
-                       notes=(*plan.notes, f"step not predicted for these ranks: {why}"))
+        return not_predicted(plan, str(error).splitlines()[0])
     share = replayed(config.checkpoint, config.chunks) / config.chunks
     stages = tuple(replace(s, predicted_time=p.forward + p.backward + share * p.replay)
                    for s, p in zip(plan.stages, prediction.stages))
@@ -99,3 +95,11 @@ def predicted_as_run(plan: Plan, workload: Workload, cluster: Cluster, *,
     return replace(plan, stages=stages, predicted_step_time=prediction.step_time,
                    predicted_bubble=prediction.bubble, candidates=(record,),
                    notes=(*kept, note))
+
+
+def not_predicted(plan: Plan, why: str) -> Plan:
+    """``plan`` without a predicted step (nor the candidates it came from), with a note
+    saying ``why``: what a plan of given sizes records where its ranks' step cannot be
+    costed, rather than a figure for another run."""
+    return replace(plan, predicted_step_time=None, predicted_bubble=None, candidates=(),
+                   notes=(*plan.notes, f"step not predicted for these ranks: {why}"))
