@@ -136,7 +136,7 @@ def cache_file() -> Path | None:
     # (partitioner.runtime.host_memory). Runs timed otherwise must not be mixed in.
     key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
            f"|runs|median|shared-by-size-1024|adam-after-backward|action|fresh"
-           f"|kept-{host_memory_kept()}|caller-spin-settled")
+           f"|kept-{host_memory_kept()}|caller-spin-settled|lone-at-full-rate")
     return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 

@@ -57,10 +57,8 @@ from partitioner.passes.liveness import live_values
 from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
-           "workload_from_graph", "op_times", "phase_times", "layer_time", "shared_work",
-           "lone_work", "lone_gain", "sharing_gains",
-           "split_backward_overhead",
-           "OP_KINDS", "ATTENTION_BACKWARD"]
+           "workload_from_graph", "op_times", "phase_times", "layer_time",
+           "split_backward_overhead", "OP_KINDS", "ATTENTION_BACKWARD"]
 
 OP_KINDS = ("matmul", "attention", "memory")
 
@@ -315,96 +313,6 @@ def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
         forward += f
         backward += b + f * op.replay
     return forward * layer.time_scale, backward * layer.time_scale
-
-
-def shared_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
-                dtype: str = "fp32") -> tuple[float, ...]:
-    """How a layer's forward + backward fares on devices sharing one host's cores.
-
-    Returns:
-        For ``n = 1 .. len(spec.shared_speedup)`` busy devices, the layer's seconds divided
-        by what ``n`` devices gain when each of its ops is on all of them at once
-        (``spec.speedup(n, flops)``: small products gain most, memory-bound ops least; the
-        ops' fixed launch costs, taken in turn under the interpreter's lock, gain none). Entry
-        0 is the layer's time alone; ``entry[0] / entry[n - 1]`` is the layer's gain.
-        Empty for devices with their own compute.
-
-    Example:
-        >>> from partitioner.cost.devices import DeviceSpec
-        >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1e3, 1.0, 0.0,
-        ...                  shared_speedup=(1.0, 1.2), shared_sizes=((1e6, 1.0, 2.0),))
-        >>> alone, two = shared_work(LayerCost("fc", (Op("matmul", flops=1e4),)), cpu, 10)
-        >>> round(alone / two, 6)  # products of 1e5 FLOPs: as the smallest row, 2x
-        2.0
-    """
-    if not spec.shared_speedup:
-        return ()
-    width = len(spec.shared_speedup)
-    out = [0.0] * width
-    for op in layer.ops:
-        # The fixed cost of each launch (Python and the dispatcher, under the interpreter's
-        # lock) gains nothing from the other workers: they take turns at it.
-        seconds, fixed = _launched(layer, op, spec, samples, tp, dtype)
-        size = op.flops * samples / (tp if op.split else 1) if op.kind != "memory" else 0.0
-        for n in range(1, width + 1):
-            out[n - 1] += (seconds - fixed) / spec.speedup(n, size) + fixed
-    return tuple(out)
-
-
-def lone_work(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
-              dtype: str = "fp32") -> float:
-    """A layer's forward + backward on one stage worker computing alone on a host it shares
-    with other devices' workers: with its share of the intra-op threads (``worker_speed``
-    against all of them) for the ops' kernels, while the ops' fixed launch costs (Python and
-    the dispatcher) take as long with one thread as with all.
-
-    A model of small layers, whose time is mostly launches, so runs about as fast on a lone
-    worker as with every thread: charging ``worker_speed`` to the whole layer predicted the
-    pipelines of such models up to 2x slower than their replicas, and the replicas of
-    pipelines (whose workers do run at once) as fast as one pipeline, where they measured
-    2.2-2.4x slower (``docs/benchmarks.md``, "A lone worker's launches").
-
-    Example:
-        >>> from partitioner.cost.devices import DeviceSpec
-        >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1e3, 1.0, 1e-5,
-        ...                  shared_speedup=(1.0, 1.2), worker_speed=0.5)
-        >>> big = LayerCost("fc", (Op("matmul", flops=1e9),))
-        >>> tiny = LayerCost("fc", (Op("matmul", flops=10),))
-        >>> [round(shared_work(l, cpu, 1)[0] / lone_work(l, cpu, 1), 2) for l in (big, tiny)]
-        [0.5, 1.0]
-    """
-    total = 0.0
-    for op in layer.ops:
-        seconds, fixed = _launched(layer, op, spec, samples, tp, dtype)
-        total += (seconds - fixed) / spec.worker_speed + fixed
-    return total
-
-
-def sharing_gains(works: list[tuple[float, ...]]) -> tuple[float, ...]:
-    """A stage's gain from sharing a host, from its layers' :func:`shared_work`."""
-    totals = [sum(column) for column in zip(*works)]
-    if not totals or not all(t > 0 for t in totals):
-        return ()
-    return tuple(totals[0] / t for t in totals)
-
-
-def lone_gain(stage: float, alone: list[float], lone: list[float]) -> float:
-    """A stage's speed on a lone worker against all threads: its layers' work (``alone``:
-    :func:`shared_work`'s first entry; ``lone``: :func:`lone_work`), plus the rest of its
-    ``stage`` seconds (the runtime's action overheads: Python, as fast on one thread)."""
-    rest = max(stage - sum(alone), 0.0)
-    slowed = sum(lone) + rest
-    return (sum(alone) + rest) / slowed if slowed > 0 else 0.0
-
-
-def _launched(layer: LayerCost, op: Op, spec: DeviceSpec, samples: float, tp: int,
-              dtype: str) -> tuple[float, float]:
-    """An op's forward + backward seconds in ``layer``, and the part of them that is its
-    launches' fixed cost (Python and the dispatcher, under the interpreter's lock)."""
-    forward, backward = op_times(op, spec, samples, tp, dtype)
-    seconds = (forward * (1 + op.replay) + backward) * layer.time_scale
-    launches = op.count * ((3 if op.kind == "matmul" else 2) + op.replay)
-    return seconds, min(launches * spec.op_overhead * layer.time_scale, seconds)
 
 
 def split_backward_overhead(layers: Sequence[LayerCost], spec: DeviceSpec) -> float:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partitioner.cost.adam_timing import ADAM_LAYERS, ADAM_WEIGHT, adam_step_seconds
 from partitioner.cost.calibration_cache import (
     KEPT_RUNS,
     Cached,
@@ -160,7 +161,10 @@ def measure_cpu(progress: bool = False) -> DeviceSpec:
         workers computing 64-row products at once, each with its share of the intra-op
         threads (``shared_speedup``), and 2 workers computing products of 8, 256 and 1024
         rows and element-wise streams (``shared_sizes``; 3 and 4 workers scaled from 2 as
-        for 64 rows), and a 2-stage, 8-micro-batch pipeline of tiny stages against the same
+        for 64 rows), one worker with a two-worker share of the threads against all of them
+        on 512-row products of a reused 256 x 1024 weight, which run at the full rate
+        (``worker_speed``: what the threads divide, ``partitioner.cost.sharing``), and a
+        2-stage, 8-micro-batch pipeline of tiny stages against the same
         stages called directly (``action_overhead``). The bfloat16 and float16 rates
         (``peak_flops["bf16"]``, ``["fp16"]``, what ``precision=`` runs under autocast) are
         float32's scaled by the time of the 64-row product in bfloat16 and the 8-row one in
@@ -220,6 +224,7 @@ def _peaks(rate: float, t: dict[str, float]) -> dict[str, float]:
 _WEIGHT, _SMALL, _COPY = 1024, 48, 16 * 2**20
 _ROWS = (8, 64, 256)
 _MOST = 1024  # rows of the largest products timed shared (as a transformer's at batch x seq)
+_BOUND = (512, 256, 1024)  # a product at the full rate: rows, and its weight's shape
 
 
 _PHASES = 7  # what _timings reports to its progress bar
@@ -227,7 +232,8 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 TIMING_KEYS = ("overhead", "few", "some", "many", "bf16_some", "fp16_few", "small", "add",
                "fill", "fresh", "adam",
                "action", "collective", "replica", "adam_tensor", "replica_tensor", "alone",
-               "single", "fused", "spin_idle", "spin_op", *_COUNTS.values(),
+               "fused", "spin_idle", "spin_op", "bound_alone", "bound_single",
+               *_COUNTS.values(),
                *(f"{name}_{work}" for work in ("few", "many", "most", "mem")
                  for name in ("alone", "two")))
 """What one calibration run times (:func:`_timings`), each in seconds."""
@@ -255,7 +261,7 @@ def _timings(progress: Progress) -> dict[str, float]:
                  fill=_typical(lambda: y.fill_(1.0), repeats=5),
                  fresh=_typical(_fresh_fill, repeats=3) if fresh_allocation_bytes() else 0.0)
     progress.step("memory bandwidth")
-    found["adam"] = _adam_step()
+    found["adam"] = adam_step_seconds()
     progress.step("optimizer step")
     found["action"] = _action_overhead()
     found.update(collective=thread_collective_seconds(2), replica=replica_step_seconds(),
@@ -273,7 +279,12 @@ def _timings(progress: Progress) -> dict[str, float]:
         for _ in range(4):
             local.y.add_(local.x)
     reference = _products(some, weights[:16])
-    found.update(_shared_timings(reference, (2, 3, 4), single=True))
+    found.update(_shared_timings(reference, (2, 3, 4)))
+    # A lone worker's share of the threads, on products that run at the full rate (weights
+    # reused from cache, many rows): what the threads divide (partitioner.cost.sharing).
+    bound = _products(torch.randn(_BOUND[0], _BOUND[1]), [torch.randn(*_BOUND[1:])] * 8)
+    found.update({"bound_" + name: t
+                  for name, t in _shared_timings(bound, (), single=True).items()})
     def twice() -> None:
         reference()
         reference()
@@ -383,55 +394,6 @@ def _action_overhead() -> float:
     return max(overhead, 0.0)
 
 
-_ADAM_LAYERS = 8
-
-
-def _adam_step() -> float:
-    """The median time of an Adam step over ``_ADAM_LAYERS`` 1024 x 1024 weights, each step
-    right after a forward and backward that made their gradients, as in training.
-
-    Not repeated steps on their own: how the allocator hands out the step's temporaries after
-    a backward (fresh pages or reused ones) changes its time by up to 2x, and repeated steps
-    only ever see the reused case. The step is the element-wise ops of ``torch.optim.Adam``'s
-    CPU path (:func:`_adam_update`): the first ``torch.optim`` step in a process imports
-    about 800 modules (1 s), which planning should not pay.
-    """
-    weights = [torch.nn.Parameter(torch.randn(_WEIGHT, _WEIGHT) / _WEIGHT**0.5)
-               for _ in range(_ADAM_LAYERS)]
-    state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in weights]
-    x = torch.randn(64, _WEIGHT)
-    times = []
-    for step in range(1, 5):  # the first step's pages are new to the process
-        for w in weights:
-            w.grad = None
-        y = x
-        for w in weights:
-            y = torch.mm(y, w)
-        y.sum().backward()
-        start = time.perf_counter()
-        _adam_update(weights, state, step)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-@torch.no_grad()
-def _adam_update(weights: list[torch.nn.Parameter],
-                 state: list[tuple[torch.Tensor, torch.Tensor]], step: int,
-                 lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
-    """One step of ``torch.optim.Adam``'s single-tensor path (its default on CPU), op for op:
-    ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_``, ``addcdiv_``."""
-    beta1, beta2 = betas
-    correction1, correction2 = 1 - beta1**step, 1 - beta2**step
-    for w, (exp_avg, exp_avg_sq) in zip(weights, state):
-        grad = w.grad
-        assert grad is not None
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / correction2**0.5).add_(eps)
-        w.addcdiv_(exp_avg, denom, value=-lr / correction1)
-
-
 def _spec(t: dict[str, float]) -> DeviceSpec:
     """The spec of a set of timings (see :func:`measure_cpu`)."""
     # t = overhead + weight / pack + f / rate: a line through the products of 8, 64 and 256
@@ -455,7 +417,7 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     bandwidth = 3 * _COPY * 4 / t["add"]  # an in-place add reads two tensors, writes one
     # PyTorch's Adam: seven element-wise passes and two temporaries, 80 bytes per float32
     # parameter (partitioner.cost.memory.optimizer_traffic), at the rate its kernels reach.
-    optimizer = optimizer_traffic("adam", 4, False) * _ADAM_LAYERS * _WEIGHT**2 / t["adam"]
+    optimizer = optimizer_traffic("adam", 4, False) * ADAM_LAYERS * ADAM_WEIGHT**2 / t["adam"]
     # n workers sharing the caller's threads (as the runtime's stages do) get at most
     # min(n, cores) times the work of one worker done: a lone team of several threads is at
     # least as fast as one thread.
@@ -484,7 +446,7 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
                       thread_latency=t["collective"] / 2, replica_overhead=t["replica"],
                       optimizer_tensor_overhead=t["adam_tensor"],
                       replica_tensor_overhead=t["replica_tensor"],
-                      worker_speed=min(t["alone"] / t["single"], 1.0),
+                      worker_speed=min(t["bound_alone"] / t["bound_single"], 1.0),
                       fused_linear_overhead=t["fused"],
                       caller_spin=spin_window(t["spin_idle"], t["spin_op"], reference[1],
                                               reference[2]))

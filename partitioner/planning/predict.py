@@ -39,15 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
-from partitioner.cost.cost import (
-    Workload,
-    lone_gain,
-    lone_work,
-    phase_times,
-    shared_work,
-    sharing_gains,
-    split_backward_overhead,
-)
+from partitioner.cost.cost import Workload, phase_times, split_backward_overhead
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
@@ -59,6 +51,7 @@ from partitioner.cost.memory import (
     optimizer_traffic,
 )
 from partitioner.cost.optimizer_steps import optimizer_copies, overlaps
+from partitioner.cost.sharing import lone_gain, lone_work, shared_work, sharing_gains
 from partitioner.errors import ConfigError
 from partitioner.planning.solver import InfeasibleError, PartitionProblem, evaluate, solve
 from partitioner.runtime.checkpointing import (
@@ -176,10 +169,10 @@ class StageProfile:
         input_bytes: bytes of one micro-batch's stage input (what a checkpoint keeps).
         sharing: on devices sharing one host's cores, for ``n = 1, 2, ...`` busy devices what
             ``n`` of them running this stage's work gain over one
-            (:func:`partitioner.cost.cost.shared_work`); empty: the device's reference figure.
+            (:func:`partitioner.cost.sharing.shared_work`); empty: the device's reference figure.
         lone: on such devices, how fast one stage worker computing alone (with its share of
             the threads) runs this stage against all the threads
-            (:func:`partitioner.cost.cost.lone_work`: its launches lose nothing); 0: the
+            (:func:`partitioner.cost.sharing.lone_work`: its launches lose nothing); 0: the
             device's ``worker_speed``.
     """
 

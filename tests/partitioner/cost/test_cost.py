@@ -222,7 +222,7 @@ def test_doctests() -> None:
 def test_the_fixed_launch_costs_gain_nothing_from_sharing_a_host() -> None:
     # Workers of one process take turns at each op's launch (Python, the dispatcher): only
     # the op's work gains what the host's cores share.
-    from partitioner.cost.cost import shared_work
+    from partitioner.cost.sharing import shared_work
     cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, op_overhead=1e-3,
                      shared_speedup=(1.0, 2.0))
     tiny = LayerCost("tiny", (Op("memory", bytes=1.0),))  # nearly all launch cost
@@ -238,13 +238,13 @@ def test_a_lone_worker_loses_its_share_of_threads_on_kernels_not_on_launches() -
     # (worker_speed of all of them); the ops' launches (Python, the dispatcher) take as long
     # on one thread as on all, so a pipeline of small layers runs about as fast as one
     # device, and one of large products at worker_speed.
-    from partitioner.cost.cost import lone_work
     from partitioner.cost.devices import REFERENCE_CPU
+    from partitioner.cost.sharing import lone_work, shared_work
     spec = replace(REFERENCE_CPU, worker_speed=0.5)
     tiny = LayerCost("tiny", (Op("matmul", flops=10.0),))
     big = LayerCost("big", (Op("matmul", flops=1e9),))
     for layer, gain in ((tiny, 1.0), (big, 0.5)):
-        alone = partitioner.cost.cost.shared_work(layer, spec, 1)[0]
+        alone = shared_work(layer, spec, 1)[0]
         assert alone / lone_work(layer, spec, 1) == pytest.approx(gain, rel=0.02)
     cluster = Cluster.local_devices(["cpu"] * 2, [spec] * 2)
     for width, batch, low, high in ((8, 8, 0.9, 1.0), (1024, 256, 0.5, 0.6)):
