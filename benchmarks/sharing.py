@@ -12,10 +12,11 @@ set to ``None`` first):
 * ``alone``: on the caller with all the intra-op threads (one device);
 * ``lone``: on one stage worker with a two-worker share of the threads (a pipeline stage
   computing while the other waits);
-* ``two``: two stage workers at once, each its own copy of the model (two replicas).
+* ``two``: two stage workers at once, each its own copy of the model (two replicas);
+* ``four``: four workers at once, each with a four-worker share of the threads.
 
 and prints the measured ``lone`` speed (``alone / lone``) and two workers' gain
-(``2 x alone / two``) beside what the model predicts for the same layers, each
+(``2 x alone / two``) and four's (``4 x alone / four``) beside what the model predicts for the same layers, each
 scaled to its time in context as ``partition`` does on this machine's CPU, with this
 machine's calibrated spec (``partitioner.cost.sharing.lone_work`` and ``shared_work``),
 and the ratio measured / predicted of each.
@@ -93,9 +94,10 @@ def _back_to_back(fn: Callable[[], None], steps: int) -> list[float]:
 def measure(model: nn.Module, x: torch.Tensor, rounds: int) -> dict[str, float]:
     """Median seconds of one training pass alone, on a lone worker, and on two at once."""
     cpu = torch.device("cpu")
-    copies = [model, copy.deepcopy(model)]
+    copies = [model, *(copy.deepcopy(model) for _ in range(3))]
     lone = Worker(cpu, shared_threads([cpu] * 2))
     pair = [Worker(cpu, shared_threads([cpu] * 2)) for _ in range(2)]
+    quad = [Worker(cpu, shared_threads([cpu] * 4)) for _ in range(4)]
     alone_pass = _pass(model, x)
     try:
         def on_lone() -> None:
@@ -104,12 +106,17 @@ def measure(model: nn.Module, x: torch.Tensor, rounds: int) -> dict[str, float]:
         def on_pair() -> None:
             for future in [w.submit(_pass(m, x)) for w, m in zip(pair, copies)]:
                 future.result()
-        times: dict[str, list[float]] = {"alone": [], "lone": [], "two": []}
+
+        def on_quad() -> None:
+            for future in [w.submit(_pass(m, x)) for w, m in zip(quad, copies)]:
+                future.result()
+        times: dict[str, list[float]] = {"alone": [], "lone": [], "two": [], "four": []}
         for _ in range(rounds):  # in turn: load drifting skews none of them
-            for key, fn in (("alone", alone_pass), ("lone", on_lone), ("two", on_pair)):
+            for key, fn in (("alone", alone_pass), ("lone", on_lone), ("two", on_pair),
+                            ("four", on_quad)):
                 times[key] += _back_to_back(fn, 3)
     finally:
-        for w in (lone, *pair):
+        for w in (lone, *pair, *quad):
             w.close()
     return {key: statistics.median(values) for key, values in times.items()}
 
@@ -126,7 +133,7 @@ def predict(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
     shared = [shared_work(layer, spec, workload.batch, 1, workload.dtype) for layer in layers]
     lone = sum(lone_work(layer, spec, workload.batch, 1, workload.dtype) for layer in layers)
     return {"alone": sum(s[0] for s in shared), "lone": lone,
-            "two": 2 * sum(s[1] for s in shared)}
+            "two": 2 * sum(s[1] for s in shared), "four": 4 * sum(s[3] for s in shared)}
 
 
 def main() -> None:
@@ -139,9 +146,9 @@ def main() -> None:
     print(f"spec: lone worker {spec.worker_speed:.2f}, two workers on the reference products "
           f"{spec.shared_speedup[1]:.2f}; {torch.get_num_threads()} threads")
     print(f"{'case':<32}{'alone ms':>9}{'pred':>7} | {'lone':>5}{'pred':>6}{'m/p':>6} | "
-          f"{'gain2':>6}{'pred':>6}{'m/p':>6}")
+          f"{'gain2':>6}{'pred':>6}{'m/p':>6} | {'gain4':>6}{'pred':>6}{'m/p':>6}")
     wanted = {name.strip() for name in args.cases.split(",") if name.strip()}
-    ratios: dict[str, list[float]] = {"lone": [], "gain": []}
+    ratios: dict[str, list[float]] = {"lone": [], "gain2": [], "gain4": []}
     for name, build in CASES.items():
         if wanted and not any(w in name for w in wanted):
             continue
@@ -149,11 +156,14 @@ def main() -> None:
         got, want = measure(model, x, args.rounds), predict(model, x)
         lone, lone_p = got["alone"] / got["lone"], want["alone"] / want["lone"]
         gain, gain_p = 2 * got["alone"] / got["two"], 2 * want["alone"] / want["two"]
+        four, four_p = 4 * got["alone"] / got["four"], 4 * want["alone"] / want["four"]
         ratios["lone"].append(lone / lone_p)
-        ratios["gain"].append(gain / gain_p)
+        ratios["gain2"].append(gain / gain_p)
+        ratios["gain4"].append(four / four_p)
         print(f"{name:<32}{got['alone'] * 1e3:9.2f}{want['alone'] * 1e3:7.2f} | {lone:5.2f}"
               f"{lone_p:6.2f}{lone / lone_p:6.2f} | {gain:6.2f}{gain_p:6.2f}"
-              f"{gain / gain_p:6.2f}", flush=True)
+              f"{gain / gain_p:6.2f} | {four:6.2f}{four_p:6.2f}{four / four_p:6.2f}",
+              flush=True)
     for key, values in ratios.items():
         if values:
             print(f"{key}: measured / predicted median {statistics.median(values):.2f}, "

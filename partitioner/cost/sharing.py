@@ -17,13 +17,16 @@ threads against all of them, timed on a product that runs at the full rate), and
 busy at once each take that, so together they get ``2 * (parallel + rest) / (parallel /
 worker_speed + rest)`` of the work of one worker with all the threads done. A product that
 runs at the full rate alone gains nothing from a second worker (``2 * worker_speed``, about
-1.0); one mostly repacking its weights (few rows) gains up to 2x. Measured on the 2-core VM
-for products of 8 to 1024 rows by weights of 64 x 64 to 1024 x 1024, streamed from memory or
-reused from cache, two workers gained 0.99-1.60 and the formula said the same within 0.07
-(``benchmarks/sharing.py``; ``docs/benchmarks.md``, "What a second worker gains"). Three and
-four workers scale from two as the calibration's reference products do
-(``DeviceSpec.shared_speedup``); memory-bound ops gain what the calibration's element-wise
-streams gain (``DeviceSpec.shared_sizes``' row of 0 FLOPs).
+1.0); one mostly repacking its weights (few rows) gains up to 2x. On the 2-core VM, for the
+regret benchmark's models (MLPs, a CNN, encoders, a GPT, transformers' Llama), a lone
+worker's speed measured 0.91-1.13 of this and two workers' gain 0.85-1.10; products of 64
+rows repacking 4 MiB weights streamed from memory gained 0.70-0.92 of it (their repacking
+shares the memory bus; ``benchmarks/sharing.py``, ``docs/benchmarks.md``, "What a second
+worker gains"). Three and four workers lose what the calibration's reference products lose
+against two (``DeviceSpec.shared_speedup``; three workers on two cores: one core holds two)
+and gain no more than two (``gpt``'s and ``encoder``'s four workers gained 1.13-1.24 here, as
+their two); memory-bound ops gain what the calibration's element-wise streams gain
+(``DeviceSpec.shared_sizes``' row of 0 FLOPs).
 
 A spec without a lone worker's speed (``worker_speed`` 1: the presets) keeps the gains by
 size of product of its ``shared_sizes``.
@@ -108,8 +111,11 @@ def _gains(spec: DeviceSpec, op: Op, size: float, work: float, parallel: float
     if not derived or ((op.kind == "memory" or not op.flops) and parallel > 0):
         return [spec.speedup(n, size) for n in range(1, width + 1)]
     two = pair_gain(work, parallel, spec)  # a product, or an element-wise op on one thread
+    # More workers than two: what the reference products lose (3 workers on 2 cores: one
+    # core holds two of them), never what they gain (their repacking overlaps; work that
+    # keeps the cores busy cannot get more done).
     reference = spec.shared_speedup
-    return [1.0] + [min(max(two * reference[n - 1] / reference[1], 1 / n), float(n))
+    return [1.0] + [min(max(two * min(reference[n - 1] / reference[1], 1.0), 1 / n), float(n))
                     for n in range(2, width + 1)]
 
 
