@@ -15,9 +15,9 @@ set to ``None`` first):
 * ``two``: two stage workers at once, each its own copy of the model (two replicas);
 * ``four``: four workers at once, each with a four-worker share of the threads.
 
-and prints the measured ``lone`` speed (``alone / lone``) and two workers' gain
-(``2 x alone / two``) and four's (``4 x alone / four``) beside what the model predicts for the same layers, each
-scaled to its time in context as ``partition`` does on this machine's CPU, with this
+and prints the measured ``lone`` speed (``alone / lone``), two workers' gain (``2 x alone /
+two``) and four's (``4 x alone / four``) beside what the model predicts for the same layers,
+each scaled to its time in context as ``partition`` does on this machine's CPU, with this
 machine's calibrated spec (``partitioner.cost.sharing.lone_work`` and ``shared_work``),
 and the ratio measured / predicted of each.
 
