@@ -21,11 +21,12 @@ runs at the full rate alone gains nothing from a second worker (``2 * worker_spe
 regret benchmark's models (MLPs, a CNN, encoders, a GPT, transformers' Llama), a lone
 worker's speed measured 0.85-1.13 of this and two workers' gain 0.77-1.10 over four runs
 (the CNN's convolutions lowest; the wide MLP's one-device pass, 64 MiB weights, read 200 ms
-in one run and 381 in the other); products of 64 rows repacking 4 MiB weights streamed from
+in one run and 381 in another); products of 64 rows repacking 4 MiB weights streamed from
 memory gained 0.70-0.94 of it (their repacking shares the memory bus;
-``benchmarks/sharing.py``, ``docs/benchmarks.md``, "What a second worker gains"). Three and four workers lose what the calibration's reference products lose
-against two (``DeviceSpec.shared_speedup``; three workers on two cores: one core holds two)
-and gain no more than two (``gpt``'s and ``encoder``'s four workers gained 1.13-1.24 here, as
+``benchmarks/sharing.py``, ``docs/benchmarks.md``, "What a second worker gains"). Three
+and four workers lose what the calibration's reference products lose against two
+(``DeviceSpec.shared_speedup``; three workers on two cores: one core holds two) and gain no
+more than two (``gpt``'s and ``encoder``'s four workers gained 1.13-1.24 here, as
 their two); memory-bound ops gain what the calibration's element-wise streams gain
 (``DeviceSpec.shared_sizes``' row of 0 FLOPs).
 
