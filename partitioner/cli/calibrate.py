@@ -113,6 +113,9 @@ def spec_lines(spec: DeviceSpec) -> list[str]:
     if spec.shared_speedup:
         workers = ", ".join(str(n) for n in range(1, len(spec.shared_speedup) + 1))
         lines.append(f"  stages sharing the cores (speed-up of {workers} workers at once):")
+        if spec.worker_speed < 1:
+            lines.append("    (as timed; a layer's products gain by the part of them the threads "
+                         "divide, partitioner.cost.sharing)")
         for flops, *gains in spec.shared_sizes or ((64.0, *spec.shared_speedup),):
             work = f"products of {flops / 1e6:,.0f} MFLOP" if flops else "element-wise"
             lines.append(f"    {work:<25}" + " ".join(f"{g:5.2f}" for g in gains))

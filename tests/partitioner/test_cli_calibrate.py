@@ -130,6 +130,17 @@ def test_spec_lines_give_units() -> None:
     assert ["element-wise", "1.00", "0.70", "0.60", "0.70"] in [line.split() for line in lines]
 
 
+def test_the_table_says_products_gain_by_their_threads_part_when_a_lone_worker_was_timed(
+        ) -> None:
+    from dataclasses import replace
+
+    from partitioner.cli.calibrate import spec_lines
+
+    note = "the part of them the threads divide"
+    assert not any(note in line for line in spec_lines(REFERENCE_CPU))  # the table counts
+    assert any(note in line for line in spec_lines(replace(REFERENCE_CPU, worker_speed=0.5)))
+
+
 def test_calibrate_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom partitioner.cli import main\ntry:\n    main(['calibrate', '--help'])"
             "\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
