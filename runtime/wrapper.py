@@ -234,9 +234,19 @@ class ModelWrapper(nn.Module):
                                                    remove_duplicate=remove_duplicate):
             seen.add(id(tensor))
             yield name, tensor
-        for name, tensor in own(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate):
-            if id(tensor) not in seen:   # held beside the model (none today)
-                yield name, tensor
+        # Held beside the model (none today): the wrapper's own and its other children's,
+        # without walking the model's tree a second time (replicas read these names on
+        # every step: two walks of a transformers model's modules cost milliseconds).
+        beside = [own(prefix=prefix, recurse=False, remove_duplicate=remove_duplicate)]
+        for child_name, child in self.named_children():
+            if child is not inner:
+                beside.append(getattr(child, method)(
+                    prefix=f"{prefix}.{child_name}" if prefix else child_name, recurse=True,
+                    remove_duplicate=remove_duplicate))
+        for named in beside:
+            for name, tensor in named:
+                if id(tensor) not in seen:
+                    yield name, tensor
 
     # -- gradient clipping --------------------------------------------------------------
 

@@ -196,3 +196,26 @@ def test_group_norms_all_reduce_and_count_copies_once(world_of_one: None) -> Non
     assert float(combine(partial, "sum")) == 3.0  # two copies of the same gradients
     assert float(combine(partial, "max")) == 6.0
     assert float(partial) == 6.0  # the partial value itself is left as it was
+
+
+def test_names_walk_the_models_tree_once_and_keep_tensors_held_beside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replicas read every copy's names on every step: a second walk of a transformers
+    # model's modules cost milliseconds a step at dp=4.
+    model = _model()
+    held = Holder(model)
+    held.extra = nn.Linear(2, 2)  # beside the model: under its own name
+    held.register_buffer("flag", torch.ones(1))
+    walks: list[nn.Module] = []
+    original = nn.Module.named_modules
+
+    def counted(self: nn.Module, *args: object, **kwargs: object) -> Iterator[object]:
+        walks.append(self)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(nn.Module, "named_modules", counted)
+    names = [name for name, _ in held.named_parameters()]
+    assert sum(walk is model for walk in walks) == 1
+    assert names == [*(n for n, _ in model.named_parameters()), "extra.weight", "extra.bias"]
+    assert [name for name, _ in held.named_buffers()][-1] == "flag"
+    with_prefix = dict(held.named_parameters(prefix="pm"))
+    assert "pm.extra.weight" in with_prefix and "pm.0.weight" in with_prefix
