@@ -51,8 +51,8 @@ _ELEMENT = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 def thread_parts(layer: LayerCost, op: Op, spec: DeviceSpec, samples: float, tp: int = 1,
                  dtype: str = "fp32") -> tuple[float, float, float]:
     """An op's forward + backward seconds in ``layer``: the whole, its launches' fixed cost,
-    and the part the intra-op threads divide (a product's FLOPs at the device's full rate,
-    all of a memory-bound op's work).
+    and the part the intra-op threads divide (a product's FLOPs at the device's full rate;
+    all of a memory-bound op's work from :data:`GRAIN_SIZE` output elements on, none below).
 
     Example:
         >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 1e9, 1e10, 1.0, 1e6, 1.0, 1e-6,
