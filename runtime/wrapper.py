@@ -238,14 +238,16 @@ class ModelWrapper(nn.Module):
         # without walking the model's tree a second time (replicas read these names on
         # every step: two walks of a transformers model's modules cost milliseconds).
         beside = [own(prefix=prefix, recurse=False, remove_duplicate=remove_duplicate)]
-        for child_name, child in self.named_children():
-            if child is not inner:
+        for child_name, child in self._modules.items():  # every name, as torch walks them
+            if child is not None and child is not inner:
                 beside.append(getattr(child, method)(
                     prefix=f"{prefix}.{child_name}" if prefix else child_name, recurse=True,
                     remove_duplicate=remove_duplicate))
         for named in beside:
             for name, tensor in named:
                 if id(tensor) not in seen:
+                    if remove_duplicate:  # one tensor under two children: its first name
+                        seen.add(id(tensor))
                     yield name, tensor
 
     # -- gradient clipping --------------------------------------------------------------

@@ -219,3 +219,6 @@ def test_names_walk_the_models_tree_once_and_keep_tensors_held_beside_it(
     assert [name for name, _ in held.named_buffers()][-1] == "flag"
     with_prefix = dict(held.named_parameters(prefix="pm"))
     assert "pm.extra.weight" in with_prefix and "pm.0.weight" in with_prefix
+    held.again = held.extra  # one module under two names beside the model: named once
+    assert [name for name, _ in held.named_parameters()].count("again.weight") == 0
+    assert len(list(held.named_parameters(remove_duplicate=False))) == len(names) + 2
