@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from partitioner.runtime.distributed.optimizer_probe import adam_update
+
 __all__ = ["ADAM_LAYERS", "ADAM_WEIGHT", "adam_step_seconds", "adam_update"]
 
 ADAM_WEIGHT = 1024
@@ -44,21 +46,3 @@ def adam_step_seconds() -> float:
         adam_update(weights, state, step)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
-
-
-@torch.no_grad()
-def adam_update(weights: list[torch.nn.Parameter],
-                 state: list[tuple[torch.Tensor, torch.Tensor]], step: int,
-                 lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
-    """One step of ``torch.optim.Adam``'s single-tensor path (its default on CPU), op for op:
-    ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_``, ``addcdiv_``."""
-    beta1, beta2 = betas
-    correction1, correction2 = 1 - beta1**step, 1 - beta2**step
-    for w, (exp_avg, exp_avg_sq) in zip(weights, state):
-        grad = w.grad
-        assert grad is not None
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / correction2**0.5).add_(eps)
-        w.addcdiv_(exp_avg, denom, value=-lr / correction1)

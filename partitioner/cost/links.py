@@ -65,6 +65,11 @@ class LinkSpec:
             (:meth:`wake_time`).
             Measured by the link probe between the ranks of one CPU host; 0: none (the
             presets, and GPU ranks, whose host only launches).
+        optimizer_gain: for the ranks of one CPU host, how many ranks' optimizer steps all
+            of them stepping at once get done in the time of one rank's step alone
+            (``partitioner.runtime.distributed.optimizer_probe``: 4 one-thread ranks of the
+            2-core CI VM, 1.7-2.9 where the calibration's element-wise row said 1.02); 0:
+            unmeasured (``partitioner.cost.optimizer_steps`` takes that row).
     """
 
     name: str
@@ -75,6 +80,7 @@ class LinkSpec:
     wake: float = 0.0
     rings: tuple[tuple[int, float, float], ...] = ()
     scalar_all_reduce: float | None = None
+    optimizer_gain: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -96,6 +102,9 @@ class LinkSpec:
                             "or None")
         if not self.wake >= 0:
             problems.append(f"wake={self.wake!r}; it must be >= 0")
+        if not self.optimizer_gain >= 0:
+            problems.append(f"optimizer_gain={self.optimizer_gain!r}; it must be >= 0 "
+                            "(0: unmeasured)")
         if problems:
             raise DeviceError(f"LinkSpec {self.name!r}: " + "; ".join(problems))
 

@@ -5,8 +5,12 @@ One process (``partition``: worker threads, ``runtime/replicas.py``) steps each
 tensor-parallel shard of a stage once, one after another, in the caller's thread, and the
 replicas' master only (they copy its weights): ``tp`` steps per pipeline device. Ranks of one
 host (``partition_distributed``: a process each) step their own at the same time, ``dp x tp``
-per pipeline device, sharing the host's cores as memory-bound work shares them
-(``DeviceSpec.speedup`` of 0 FLOPs over all of the host's ranks): Adam streams its state.
+per pipeline device, sharing the host's cores: all of the host's ranks at once get
+``LinkSpec.optimizer_gain`` steps done in the time of one alone, as the world's link probe
+timed them (``partitioner.runtime.distributed.optimizer_probe``); unmeasured, as memory-bound
+work shares them (``DeviceSpec.speedup`` of 0 FLOPs over all of the host's ranks). The
+simulation steps the pipeline devices' optimizers one after another, so their sum is what
+the host spends (``partitioner.planning.simulate``).
 
 Example:
     >>> from partitioner.cost.devices import REFERENCE_CPU, Cluster
@@ -14,6 +18,10 @@ Example:
     >>> ranks = Cluster(REFERENCE_CPU, 1, 4, local=("cpu",) * 4, processes=True)
     >>> optimizer_copies(2, 1, threads), round(optimizer_copies(2, 1, ranks), 2)
     (1, 2.86)
+    >>> from dataclasses import replace
+    >>> probed = replace(ranks, intra_node=replace(ranks.intra_node, optimizer_gain=2.0))
+    >>> optimizer_copies(2, 1, probed)  # 4 ranks step at once, 2 of them in the time of 1
+    1.0
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ def optimizer_copies(dp: int, tp: int, cluster: Cluster) -> float:
     spec = cluster.spec(0)
     if not spec.shared_speedup:
         return 1.0
-    return dp * tp / spec.speedup(cluster.size, 0.0)
+    measured = cluster.intra_node.optimizer_gain if cluster.is_local else 0.0
+    return dp * tp / (measured or spec.speedup(cluster.size, 0.0))
 
 
 def overlaps(cluster: Cluster) -> bool:

@@ -84,9 +84,10 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
             f"gloo over loopback (measured: {got.latency * 1e6:.0f} us a message, "
             f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step over {steps}; a rank's "
             f"compute {got.wake * 1e3:.2f} ms slower after a wait; a one-number all-reduce "
-            f"{got.scalar * 1e3:.2f} ms)", got.bandwidth, got.latency,
+            f"{got.scalar * 1e3:.2f} ms; the ranks' optimizer steps at once "
+            f"{got.optimizer_gain:.2f}x one alone)", got.bandwidth, got.latency,
             busy_latency=got.busy_latency, wake=got.wake, rings=tuple(rings),
-            scalar_all_reduce=got.scalar)
+            scalar_all_reduce=got.scalar, optimizer_gain=got.optimizer_gain)
     return _MEASURED_LINKS[key]
 
 

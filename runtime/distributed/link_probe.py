@@ -25,7 +25,8 @@ A rank that waits lets its core idle, and its next compute runs slow: on that VM
 pipeline of a small MLP spent 0.2-0.5 ms more on each action than the same work took back
 to back, 1.8x its stages' predicted compute. The probe measures that too, per pair: the
 receiver times a small forward and backward back to back, then right after waiting while
-its peer computes for :data:`WAKE_GAP` (``LinkSpec.wake``: the excess).
+its peer computes for :data:`WAKE_GAP` (``LinkSpec.wake``: the excess). Last, what the
+ranks' optimizer steps get done at once (``partitioner.runtime.distributed.optimizer_probe``).
 Example:
     >>> probe_link  # doctest: +ELLIPSIS
     <function probe_link at 0x...>
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.runtime.distributed.comm_failure import communicating
+from partitioner.runtime.distributed.optimizer_probe import probe_optimizer_gain
 
 __all__ = ["probe_link", "ProbedLink", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP",
            "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS"]
@@ -153,6 +155,9 @@ class ProbedLink:
         pairs: as ``collective`` within pairs of ranks, every pair at once (the groups of
             two that tensor parallelism and replicas reduce in); ``None`` in worlds of 2 or
             fewer.
+        optimizer_gain: the ranks' optimizer steps at once against one alone
+            (:func:`~partitioner.runtime.distributed.optimizer_probe.probe_optimizer_gain`);
+            1.0 in a world of one.
     """
 
     latency: float
@@ -162,6 +167,7 @@ class ProbedLink:
     collective: tuple[float, float]
     scalar: float = 0.0
     pairs: tuple[float, float] | None = None
+    optimizer_gain: float = 1.0
 
 
 def probe_link() -> ProbedLink:
@@ -200,7 +206,7 @@ def probe_link() -> ProbedLink:
     # The latency's share of a large message: at most half of it, whatever the noise.
     bandwidth = LARGE_BYTES / max(per_large - busy, per_large / 2, 1e-9)
     return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big), one,
-                      (pair_mid, pair_big) if world > 2 else None)
+                      (pair_mid, pair_big) if world > 2 else None, probe_optimizer_gain())
 
 
 def _all_reduces(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:

@@ -73,6 +73,29 @@ def test_ranks_of_one_host_are_processes_not_threads(workload: object) -> None:
         replace(ranks, processes=1)
 
 
+def test_ranks_step_their_optimizers_as_the_probe_timed_them(workload: object) -> None:
+    """Where the world's probe timed the ranks' optimizer steps at once
+    (``LinkSpec.optimizer_gain``), the host spends ``dp x tp`` steps of each pipeline
+    device's optimizer over that gain, not over the element-wise row; the predicted step
+    falls by what the optimizer phase loses, and the figure survives the plan's record."""
+    link = LinkSpec("loopback", 2e9, 1e-4, busy_latency=2e-3)
+    unmeasured = world_cluster(["box"] * 4, "cpu", cpu=REFERENCE_CPU, link=link)
+    probed = world_cluster(["box"] * 4, "cpu", cpu=REFERENCE_CPU,
+                           link=replace(link, optimizer_gain=2.0))
+    assert optimizer_copies(2, 1, probed) == pytest.approx(1.0)
+    assert optimizer_copies(2, 1, unmeasured) == pytest.approx(
+        2 / REFERENCE_CPU.speedup(4, 0.0))
+    config = Config(dp=2, pp=2)
+    slow, fast = (predict(workload.workload, c, config) for c in (unmeasured, probed))
+    stepped = sum(slow.optimizer_times)
+    assert slow.optimizer_times == fast.optimizer_times  # one rank's step is the same
+    assert slow.step_time - fast.step_time == pytest.approx(
+        stepped * (optimizer_copies(2, 1, unmeasured) - 1.0))
+    assert _cluster_from(_cluster_dict(probed)) == probed
+    with pytest.raises(DeviceError, match="optimizer_gain=-1"):
+        replace(link, optimizer_gain=-1.0)
+
+
 def test_two_hosts_are_two_nodes() -> None:
     cluster = world_cluster(["a", "a", "b", "b"], "cpu", cpu=REFERENCE_CPU)
     assert (cluster.nodes, cluster.devices_per_node, cluster.inter_node) == (2, 2, ETHERNET)

@@ -16,6 +16,7 @@ if __name__ == "__main__":
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "latency": got.latency,
                                   "bandwidth": got.bandwidth, "busy": got.busy_latency,
                                   "wake": got.wake, "collective": list(got.collective),
-                                  "scalar": got.scalar, "pairs": got.pairs}),
+                                  "scalar": got.scalar, "pairs": got.pairs,
+                                  "optimizer_gain": got.optimizer_gain}),
           flush=True)
     dist.destroy_process_group()

@@ -23,13 +23,17 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     and all at once; every rank gets the slowest pair's latencies and bandwidth, positive
     and finite, the latency with every pair at once never below the one of a lone pair, the
     compute a rank loses after waiting for its peer (``wake``) finite and not negative, and
-    the all-reduces every rank times together the same on every rank."""
+    the all-reduces every rank times together the same on every rank, and what the ranks'
+    optimizer steps get done at once (never more than one step per rank, never less than
+    one rank's alone shared by all)."""
     per_rank = results(launch(WORKER, world, [], timeout=120))
     figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"],
                 tuple(r[0]["collective"]), r[0]["scalar"],
-                tuple(r[0]["pairs"]) if r[0]["pairs"] is not None else None) for r in per_rank}
+                tuple(r[0]["pairs"]) if r[0]["pairs"] is not None else None,
+                r[0]["optimizer_gain"]) for r in per_rank}
     assert len(figures) == 1, figures
-    latency, bandwidth, busy, wake, (mid, big), scalar, pairs = figures.pop()
+    latency, bandwidth, busy, wake, (mid, big), scalar, pairs, gain = figures.pop()
+    assert 1 / world <= gain <= world
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
     # Every rank's all-reduces of 64 KiB and 4 MiB (the collective's fit): the larger
