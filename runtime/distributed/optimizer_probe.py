@@ -4,8 +4,8 @@ Every rank of a ``partition_distributed`` world steps its own optimizer, all at 
 time (after the step's loss all-reduce). On a CPU host those steps share its cores and its
 memory. The calibration's element-wise row (``DeviceSpec.shared_speedup`` of 0 FLOPs: a
 stream of adds over 64 MiB tensors, which one thread of the 2-core CI VM already holds to the
-memory's speed) said four one-thread ranks get 1.02 steps done in the time of one; Adam,
-whose passes over a few MiB partly stay in the cache, is not that stream. Timed on that VM
+memory's speed) said four one-thread ranks get 1.02 steps done in the time of one; Adam is
+not that stream (why it shares the host better was not measured). Timed on that VM
 (2026-12-05, ``gpt`` and ``wide`` of ``benchmarks/regret_distributed.py``, 4 ranks of one
 thread): every rank's Adam step measured 16-18 ms at once where the prediction said 35 for
 all four (``gpt``, ``dp=4``), and separate processes stepping 16 MiB of weights at once got
