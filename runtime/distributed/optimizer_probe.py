@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from partitioner.runtime.distributed.comm_failure import communicating
 
-__all__ = ["adam_update", "probe_optimizer_gain", "WEIGHT", "WEIGHTS", "ROUNDS"]
+__all__ = ["adam_update", "probe_optimizer_gain", "ranks_gain", "WEIGHT", "WEIGHTS", "ROUNDS"]
 
 WEIGHT = 1024
 """The side of each weight the probe steps (4 MiB in fp32: the calibration's Adam weights)."""
@@ -106,5 +106,18 @@ def probe_optimizer_gain() -> float:
         summed, slowest = figures.clone(), figures.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    gain = float(summed[0]) / max(float(slowest[1]), 1e-9)
-    return min(max(gain, 1.0 / world), float(world))
+    return ranks_gain(float(summed[0]), float(slowest[1]), world)
+
+
+def ranks_gain(alone: float, together: float, world: int) -> float:
+    """Steps done at once in the time of one alone: ``alone``, the ranks' steps alone
+    summed, over ``together``, the slowest rank's step with all of them stepping; between
+    one rank's step shared by all (``1 / world``) and every rank as fast as alone (``world``).
+
+    Example:
+        >>> ranks_gain(4 * 0.010, 0.020, 4)  # four 10 ms steps done in 20 ms
+        2.0
+        >>> ranks_gain(4 * 0.010, 0.005, 4), ranks_gain(4 * 0.010, 1.0, 4)  # noise: clamped
+        (4.0, 0.25)
+    """
+    return min(max(alone / max(together, 1e-9), 1.0 / world), float(world))
