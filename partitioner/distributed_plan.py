@@ -42,6 +42,7 @@ from partitioner.planning.space import SearchSpace
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.tune import (
     MIN_TIMED_SECONDS,
+    SETTLE_TRIALS,
     restore_state,
     run_trials,
     snapshot_state,
@@ -311,7 +312,8 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     records = list(chosen.candidates)
     saved = snapshot_state(model)
     try:
-        trials = run_trials(records, count, lambda r: measure(records.index(r), r))
+        trials = run_trials(records, count, lambda r: measure(records.index(r), r),
+                            settle=SETTLE_TRIALS)
     finally:
         restore_state(model, saved)
     tuned = tuned_records(records, trials)

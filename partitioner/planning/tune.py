@@ -42,7 +42,7 @@ from torch import nn
 from partitioner.errors import TuneError
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
-           "KEEP_WITHIN",
+           "KEEP_WITHIN", "SETTLE_TRIALS",
            "MIN_TIMED_SECONDS", "MAX_TIMED_STEPS",
            "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
            "time_training_steps", "run_trials", "tuned_order", "tuned_records", "snapshot_state",
@@ -69,6 +69,13 @@ apart in either order of what each measured apart in processes of their own, ste
 seconds (``benchmarks/regret.py``, 2026-12-04 13:20 UTC: four of six overrulings within
 10% made the plan 12-41% slower, docs/benchmarks.md "Timed in bursts"): below this share
 the timing is no evidence against the ranking."""
+SETTLE_TRIALS = 1
+"""Across processes, the best-ranked candidate's trials before the rounds, whose times are
+thrown away: the first candidate timed after rank 0's search (its peers waiting in a
+collective meanwhile) measured 33-75% slower than in its later rounds in 4 of 6 worlds of
+``benchmarks/regret_distributed.py --cases wide --ranks 4`` (docs/benchmarks.md, "The first
+candidate timed"), and the candidate timed first is the cost model's pick, whose regret
+that benchmark reports."""
 RETIME_WITHIN = 0.25
 """Candidates measured within this share of the fastest after two rounds are timed a third
 time: on a machine whose speed drifts by 10-25% over seconds (measured on the 2-core VM,
@@ -188,8 +195,11 @@ class Trial:
 
 def run_trials(records: Sequence[dict[str, Any]], count: int,
                measure: Callable[[dict[str, Any]], float], *,
-               rounds: int = ROUNDS) -> list[Trial]:
+               rounds: int = ROUNDS, settle: int = 0) -> list[Trial]:
     """Time ``count`` candidates with ``measure(record)``: those :func:`tuned_order` picks.
+
+    ``settle`` untimed trials of the first of them come before the rounds (their times are
+    discarded; :data:`SETTLE_TRIALS` across processes).
 
     The first two rounds time every candidate, in rank order and then in the reverse order
     (a machine whose speed drifts over the seconds tuning takes favours none of them); each
@@ -213,8 +223,12 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
             text = str(error).strip().splitlines()
             errors[i] = f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
+    for _ in range(settle if order else 0):
+        attempt(order[0])
+        samples.pop(order[0], None)
     for i in order:
-        attempt(i)
+        if i not in errors:
+            attempt(i)
     for k in range(1, rounds):
         ok = [i for i in order if i not in errors]
         timed = contenders({i: statistics.median(samples[i]) for i in ok}) if k > 1 else ok

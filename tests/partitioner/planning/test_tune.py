@@ -133,6 +133,38 @@ def test_one_slow_round_does_not_decide() -> None:
     assert trials[0].measured == pytest.approx(1.0)
 
 
+def test_a_settling_trial_of_the_first_candidate_is_thrown_away() -> None:
+    """The first timing after the search meets a slow machine (3x here): with ``settle=1``
+    it is timed again before the rounds and that time never counts."""
+    records = [{"label": k, "rank": r} for r, k in enumerate("ab", start=1)]
+    calls: list[str] = []
+
+    def measure(record: dict) -> float:
+        calls.append(record["label"])
+        slow = 3.0 if len(calls) == 1 else 1.0
+        return {"a": 1.0, "b": 1.2}[record["label"]] * slow
+    trials = run_trials(records, 2, measure, rounds=1, settle=1)
+    assert calls == ["a", "a", "b"]
+    assert [(t.measured, t.rounds) for t in trials] == [(1.0, 1), (1.2, 1)]
+    unsettled = run_trials(records, 2, lambda r: 3.0 if r["label"] == "a" else 1.2, rounds=1)
+    assert [t.measured for t in unsettled] == [3.0, 1.2]
+
+
+def test_a_candidate_failing_while_settling_is_skipped_once() -> None:
+    calls: list[str] = []
+
+    def measure(record: dict) -> float:
+        calls.append(record["label"])
+        if record["label"] == "a":
+            raise RuntimeError("cannot build")
+        return 1.0
+    records = [{"label": "a", "rank": 1}, {"label": "b", "rank": 2}]
+    trials = run_trials(records, 2, measure, rounds=1, settle=1)
+    assert calls == ["a", "b"]
+    assert [(t.measured, t.error) for t in trials] == [(None, "RuntimeError: cannot build"),
+                                                       (1.0, "")]
+
+
 def test_one_round_times_each_candidate_once() -> None:
     calls: list[int] = []
     records = [{"rank": 1}, {"rank": 2}]
