@@ -72,10 +72,10 @@ the timing is no evidence against the ranking."""
 SETTLE_TRIALS = 1
 """Across processes, the best-ranked candidate's trials before the rounds, whose times are
 thrown away: the first candidate timed after rank 0's search (its peers waiting in a
-collective meanwhile) measured 33-75% slower than in its later rounds in 4 of 6 worlds of
-``benchmarks/regret_distributed.py --cases wide --ranks 4`` (docs/benchmarks.md, "The first
-candidate timed"), and the candidate timed first is the cost model's pick, whose regret
-that benchmark reports."""
+collective meanwhile) measured 33-75% slower than in its later rounds in 4 of the 5 worlds
+of ``benchmarks/regret_distributed.py --cases wide --ranks 4`` whose rounds were all logged
+(docs/benchmarks.md, "Across processes: the first candidate timed"), and the candidate
+timed first is the cost model's pick, whose regret that benchmark reports."""
 RETIME_WITHIN = 0.25
 """Candidates measured within this share of the fastest after two rounds are timed a third
 time: on a machine whose speed drifts by 10-25% over seconds (measured on the 2-core VM,
