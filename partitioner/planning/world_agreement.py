@@ -73,7 +73,12 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
     key = (tuple(hosts), dist.get_rank())  # every rank of a world calls in the same order
     if key not in _MEASURED_LINKS:
         got = probe_link()
-        pairs = LinkSpec("pairs", got.bandwidth, got.busy_latency)
+        # The all-reduces timed are the ring's own figure; the floor that noise may not
+        # beat is a lone pair's message. The busy pairs' median flips between about 50 us
+        # and 2 ms from one probe to the next (round trips of every pair at once on 4 ranks
+        # of 2 cores are either, in shares that change within a second): as the floor it
+        # made each step of a tensor-parallel all-reduce 0.45 or 2.0 ms by the draw.
+        pairs = LinkSpec("pairs", got.bandwidth, got.latency)
         world = len(hosts)
         rings = [(world, *fit_ring_steps(world, COLLECTIVE_BYTES, got.collective, pairs))]
         if got.pairs is not None:

@@ -59,3 +59,31 @@ def test_world_cluster_plans_with_the_given_link() -> None:
     cluster = world_cluster(["h", "h"], "cpu", cpu=REFERENCE_CPU, link=REFERENCE_LOOPBACK)
     assert cluster.intra_node is REFERENCE_LOOPBACK
     assert world_cluster(["h", "h"], "cpu", cpu=REFERENCE_CPU).intra_node == LOOPBACK
+
+
+def test_the_ring_steps_are_fitted_above_a_lone_pairs_message_not_the_busy_pairs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The busy pairs' median round trip reads about 50 us or 2 ms by the probe on 4 ranks
+    of 2 cores: as the floor of the ring's fit it decided every tensor-parallel
+    all-reduce's step. The all-reduces timed decide; a lone pair's message is the floor."""
+    import partitioner.planning.world_agreement as agreement
+    from partitioner.cost.devices import DeviceSpec
+    from partitioner.cost.links import LinkSpec, fit_ring_steps
+    from partitioner.runtime.distributed.link_probe import ProbedLink
+
+    probed = ProbedLink(latency=5e-5, bandwidth=3e9, busy_latency=2e-3, wake=1e-4,
+                        collective=(5e-3, 8e-3), scalar=1e-3, pairs=(1e-3, 4.5e-3),
+                        optimizer_gain=1.8)
+    monkeypatch.setattr(agreement, "probe_link", lambda: probed)
+    monkeypatch.setattr(agreement, "cpu_spec",
+                        lambda: DeviceSpec("cpu (measured)", {"fp32": 1e11}, 2**34, 6e10))
+    monkeypatch.setattr(agreement.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(agreement, "_MEASURED_LINKS", {})
+    link = agreement.cpu_world_link(["host"] * 4)
+    assert link is not None and link.busy_latency == 2e-3
+    lone = LinkSpec("pairs", 3e9, 5e-5)
+    (two, *pair_fit), (four, *ring_fit) = link.rings
+    assert (two, four) == (2, 4)
+    assert tuple(pair_fit) == fit_ring_steps(2, COLLECTIVE_BYTES, probed.pairs, lone)
+    assert tuple(ring_fit) == fit_ring_steps(4, COLLECTIVE_BYTES, probed.collective, lone)
+    assert pair_fit[0] < 1e-3 < probed.busy_latency  # the 64 KiB pair took 1 ms in 2 steps
