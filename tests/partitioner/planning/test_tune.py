@@ -3,6 +3,8 @@ the measured fastest (``partitioner.planning.tune``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -116,17 +118,24 @@ def test_candidates_are_timed_in_rounds_of_opposite_orders() -> None:
     assert [r.get("measured_rounds") for r in tuned] == [3, 3, 2]
 
 
+def _first_call_slowed(factor: float, seconds: dict[str, float]
+                       ) -> tuple[list[str], Callable[[dict], float]]:
+    """A ``measure`` giving each label its ``seconds``, the first call ``factor`` times
+    slower, and the labels it was called with, in order."""
+    calls: list[str] = []
+
+    def measure(record: dict) -> float:
+        calls.append(record["label"])
+        return seconds[record["label"]] * (factor if len(calls) == 1 else 1.0)
+    return calls, measure
+
+
 def test_one_slow_round_does_not_decide() -> None:
     """The best candidate meets a slow moment in its first round (1.5x): with two rounds
     for everyone and the median, it is still measured fastest (the first round alone would
     have left it out of the retiming, 50% behind)."""
     records = [{"label": k, "rank": r} for r, k in enumerate("ab", start=1)]
-    calls: list[str] = []
-
-    def measure(record: dict) -> float:
-        calls.append(record["label"])
-        slow = 1.5 if len(calls) == 1 else 1.0
-        return {"a": 1.0, "b": 1.1}[record["label"]] * slow
+    calls, measure = _first_call_slowed(1.5, {"a": 1.0, "b": 1.1})
     trials = run_trials(records, 2, measure)
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert [r["chosen"] for r in tuned_records(records, trials)] == [True, False]
@@ -137,12 +146,7 @@ def test_a_settling_trial_of_the_first_candidate_is_thrown_away() -> None:
     """The first timing after the search meets a slow machine (3x here): with ``settle=1``
     it is timed again before the rounds and that time never counts."""
     records = [{"label": k, "rank": r} for r, k in enumerate("ab", start=1)]
-    calls: list[str] = []
-
-    def measure(record: dict) -> float:
-        calls.append(record["label"])
-        slow = 3.0 if len(calls) == 1 else 1.0
-        return {"a": 1.0, "b": 1.2}[record["label"]] * slow
+    calls, measure = _first_call_slowed(3.0, {"a": 1.0, "b": 1.2})
     trials = run_trials(records, 2, measure, rounds=1, settle=1)
     assert calls == ["a", "a", "b"]
     assert [(t.measured, t.rounds) for t in trials] == [(1.0, 1), (1.2, 1)]
