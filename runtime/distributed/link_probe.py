@@ -63,15 +63,12 @@ waiting this long or longer loses all of ``LinkSpec.wake``, a shorter wait its s
 WAKE_ROUNDS = 15
 """Rounds timed for the wake cost (about 5.5 ms each)."""
 
-COLLECTIVE_BYTES = (64 << 10, 16 << 20)
+COLLECTIVE_BYTES = (64 << 10, 4 << 20)
 """Buffer sizes of the all-reduces timed over every rank: the ring's step latency and
 bandwidth are fitted to them (``partitioner.cost.links.fit_ring_steps``). A ping-pong of
 pairs does not predict gloo's collective: on the 2-core CI VM (2026-12-04) a 64 KiB
 all-reduce took 0.32 ms on 2 ranks and 4.4 ms on 4, where the pairs' latencies (46 and 74
-us) gave 0.11 and 0.48 ms. The larger size is a gradient bucket's (up to 25 MB): fitted to
-4 MiB, the bandwidth of an 8 MiB bucket came out 1.2-1.8x too high (one pair's 8 MiB
-all-reduce measured 7.8 ms alone and 11.6 with the other pair at once, 2026-12-05, where a
-4 MiB one took 3.5 and 4.5); it adds about 0.4 s to a 4-rank world's probe."""
+us) gave 0.11 and 0.48 ms."""
 
 COLLECTIVE_ROUNDS = 20
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers

@@ -36,7 +36,7 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     assert 1 / world <= gain <= world
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
-    # Every rank's all-reduces of 64 KiB and 16 MiB (the collective's fit): the larger
+    # Every rank's all-reduces of 64 KiB and 4 MiB (the collective's fit): the larger
     # buffer never costs less than a ring's bytes over the pairs' bandwidth.
     assert 0 < mid < 1.0 and 0 < big < 10.0
     assert 0 < scalar < 1.0  # one number, as the step's loss is all-reduced
