@@ -23,7 +23,7 @@ The fastest of many contenders timed with noise is an optimistic figure (the win
 curse: on the 2-core VM one plan's bursts spread by 10-25%), and so the regret against it
 is a pessimistic one. Where auto's or tune's pick measured more than ``--confirm-above``
 slower than the fastest, the two are timed again head to head (``--confirm`` more bursts
-each, alternating which goes first), and the regret is also reported from those bursts
+of ``--confirm-burst`` seconds each, alternating which goes first), and the regret is also reported from those bursts
 alone ("confirmed": 0 where the pick then measures as fast or faster). Both figures are
 printed; the screening's is never replaced.
 
@@ -266,13 +266,15 @@ def head_to_head(pool: Isolated, runs: list[Run], i: int, best: int, bursts: int
 
 def time_all(runs: list[Run], rounds: int, warmup: int, max_foreign: float,
              attempts: int, burst: float = 0.2, picks: tuple[str, ...] = (),
-             confirm: int = 0, confirm_above: float = 0.03) -> tuple[list[Run], int]:
+             confirm: int = 0, confirm_above: float = 0.03, confirm_burst: float = 0.5
+             ) -> tuple[list[Run], int]:
     """Time every run in its own process (``isolated.Isolated``), in rounds: each round a
     burst of steps back to back (``burst`` seconds) of each run in a rotating order, until
     each has ``rounds`` bursts (a run's time: the median of its bursts' median steps); the
     runs that could not be built are reported and dropped. Then each of ``picks`` (labels)
     measured more than ``confirm_above`` slower than the fastest partitioned run is timed
-    head to head with it, ``confirm`` bursts each (:func:`head_to_head`)."""
+    head to head with it, ``confirm`` bursts of ``confirm_burst`` seconds each
+    (:func:`head_to_head`)."""
     pool = Isolated([r.spec for r in runs], warmup=warmup)
     try:
         for i, error in sorted(pool.errors.items()):
@@ -297,7 +299,8 @@ def time_all(runs: list[Run], rounds: int, warmup: int, max_foreign: float,
             best = min(timed, key=lambda i: runs[i].measured)
             for i in sorted({i for i in timed if runs[i].label in picks} - {best}):
                 if runs[i].measured > runs[best].measured * (1 + confirm_above):
-                    head_to_head(pool, runs, i, best, confirm, burst, max_foreign, attempts)
+                    head_to_head(pool, runs, i, best, confirm, confirm_burst, max_foreign,
+                                 attempts)
         built = [runs[i] for i in pool.built]
     finally:
         pool.close()
@@ -384,9 +387,11 @@ def main() -> None:
                         help="discard a burst if other processes kept more than this share "
                              "of the cores busy during it (1 keeps every step)")
     parser.add_argument("--max-attempts", type=int, default=40)
-    parser.add_argument("--confirm", type=int, default=6,
+    parser.add_argument("--confirm", type=int, default=8,
                         help="bursts each when auto's or tune's pick is timed head to head "
                              "with the fastest (0: never)")
+    parser.add_argument("--confirm-burst", type=float, default=0.5,
+                        help="seconds of steps in each head-to-head burst")
     parser.add_argument("--confirm-above", type=float, default=0.03,
                         help="time a pick head to head when its screened regret is above "
                              "this share")
@@ -404,7 +409,8 @@ def main() -> None:
             print(f"\n{case.name} x{devices}, tune=True in this process: {said}")
             runs, discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
                                        args.max_attempts, args.burst, (picked, tuned_label),
-                                       args.confirm, args.confirm_above)
+                                       args.confirm, args.confirm_above,
+                                       args.confirm_burst)
             rows.append(report(case, devices, runs, picked, tuned_label))
             if discarded:
                 print(f"  ({discarded} bursts discarded: other processes were busy)")
