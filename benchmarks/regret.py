@@ -23,9 +23,9 @@ The fastest of many contenders timed with noise is an optimistic figure (the win
 curse: on the 2-core VM one plan's bursts spread by 10-25%), and so the regret against it
 is a pessimistic one. Where auto's or tune's pick measured more than ``--confirm-above``
 slower than the fastest, the two are timed again head to head (``--confirm`` more bursts
-of ``--confirm-burst`` seconds each, alternating which goes first), and the regret is also reported from those bursts
-alone ("confirmed": 0 where the pick then measures as fast or faster). Both figures are
-printed; the screening's is never replaced.
+of ``--confirm-burst`` seconds each, alternating which goes first), and the regret is also
+reported from those bursts alone ("confirmed": 0 where the pick then measures as fast or
+faster). Both figures are printed; the screening's is never replaced.
 
 At the end: the median measured / predicted per kind of plan (pipeline, tensor parallel,
 replicas, mixes) and the regrets' median and maximum.
