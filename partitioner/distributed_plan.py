@@ -41,6 +41,7 @@ from partitioner.planning.predict import Config
 from partitioner.planning.space import SearchSpace
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.tune import (
+    CONFIRM_TRIALS,
     MIN_TIMED_SECONDS,
     SETTLE_TRIALS,
     restore_state,
@@ -313,7 +314,7 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     saved = snapshot_state(model)
     try:
         trials = run_trials(records, count, lambda r: measure(records.index(r), r),
-                            settle=SETTLE_TRIALS)
+                            settle=SETTLE_TRIALS, confirm=CONFIRM_TRIALS)
     finally:
         restore_state(model, saved)
     tuned = tuned_records(records, trials)

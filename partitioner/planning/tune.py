@@ -42,7 +42,7 @@ from torch import nn
 from partitioner.errors import TuneError
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
-           "KEEP_WITHIN", "SETTLE_TRIALS",
+           "KEEP_WITHIN", "SETTLE_TRIALS", "CONFIRM_TRIALS",
            "MIN_TIMED_SECONDS", "MAX_TIMED_STEPS",
            "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
            "time_training_steps", "run_trials", "tuned_order", "tuned_records", "snapshot_state",
@@ -76,6 +76,14 @@ collective meanwhile) measured 33-75% slower than in its later rounds in 4 of th
 of ``benchmarks/regret_distributed.py --cases wide --ranks 4`` whose rounds were all logged
 (docs/benchmarks.md, "Across processes: the first candidate timed"), and the candidate
 timed first is the cost model's pick, whose regret that benchmark reports."""
+CONFIRM_TRIALS = 2
+"""Trials more of each of the two, alternating, before the measured fastest overrules the
+best-ranked candidate (:func:`run_trials`' ``confirm``): a slow moment of the machine that
+lasts over two of a candidate's timings is not a lead. In the planning process on the
+2-core VM, ``tune=True`` for the demo's MLP on two devices timed auto's ``1f1b`` at 5.76 ms
+where every other run of it read 3.55-4.75 (``benchmarks/regret.py``, 2026-12-05 10:02 UTC,
+docs/benchmarks.md "One process: a pick that screened slower timed head to head"), and
+overruled it for a plan 10% slower."""
 RETIME_WITHIN = 0.25
 """Candidates measured within this share of the fastest after two rounds are timed a third
 time: on a machine whose speed drifts by 10-25% over seconds (measured on the 2-core VM,
@@ -195,11 +203,15 @@ class Trial:
 
 def run_trials(records: Sequence[dict[str, Any]], count: int,
                measure: Callable[[dict[str, Any]], float], *,
-               rounds: int = ROUNDS, settle: int = 0) -> list[Trial]:
+               rounds: int = ROUNDS, settle: int = 0, confirm: int = 0) -> list[Trial]:
     """Time ``count`` candidates with ``measure(record)``: those :func:`tuned_order` picks.
 
     ``settle`` untimed trials of the first of them come before the rounds (their times are
-    discarded; :data:`SETTLE_TRIALS` across processes).
+    discarded; :data:`SETTLE_TRIALS` across processes). After the rounds, where the
+    measured fastest would overrule the best-ranked candidate that ran
+    (:func:`tuned_records`), both are timed ``confirm`` more times, alternating which goes
+    first (:data:`CONFIRM_TRIALS` in ``partition`` and ``partition_distributed``), and the
+    choice is made on all their trials.
 
     The first two rounds time every candidate, in rank order and then in the reverse order
     (a machine whose speed drifts over the seconds tuning takes favours none of them); each
@@ -236,6 +248,15 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
             break
         for i in sorted(timed, key=order.index, reverse=k % 2 == 1):
             attempt(i)
+    ok = [i for i in order if i not in errors]
+    if confirm and len(ok) >= 2:
+        first = min(ok, key=lambda i: _rank(records, i))
+        kept = _kept(records, {i: statistics.median(samples[i]) for i in ok})
+        if kept != first:
+            for k in range(confirm):
+                for i in (first, kept) if k % 2 == 0 else (kept, first):
+                    if i not in errors:
+                        attempt(i)
     return [Trial(i, None, errors[i]) if i in errors else
             Trial(i, statistics.median(samples[i]), rounds=len(samples[i])) for i in order]
 
@@ -306,14 +327,22 @@ def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
             out[trial.index]["measured_rounds"] = trial.rounds
         if trial.error:
             out[trial.index]["tune_error"] = trial.error
-    timed = [t for t in trials if t.measured is not None]
-    if timed:
-        close = contenders({t.index: t.measured for t in timed if t.measured is not None},
-                           within=KEEP_WITHIN)
-        best = min(close, key=lambda i: (records[i].get("rank", i + 1), i))
+    measured = {t.index: t.measured for t in trials if t.measured is not None}
+    if measured:
+        best = _kept(records, measured)
         for i, r in enumerate(out):
             r["chosen"] = i == best
     return tuple(out)
+
+
+def _rank(records: Sequence[dict[str, Any]], i: int) -> tuple[int, int]:
+    return records[i].get("rank", i + 1), i
+
+
+def _kept(records: Sequence[dict[str, Any]], measured: dict[int, float]) -> int:
+    """The candidate tuning keeps: the best-ranked of those measured within
+    :data:`KEEP_WITHIN` of the fastest."""
+    return min(contenders(measured, within=KEEP_WITHIN), key=lambda i: _rank(records, i))
 
 
 def snapshot_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import partitioner.api as api
 from partitioner import partition
 from partitioner.errors import PartitionError, TuneError
 from partitioner.planning.tune import (
+    CONFIRM_TRIALS,
     KEEP_WITHIN,
     MAX_TIMED_STEPS,
     Trial,
@@ -226,7 +227,9 @@ def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
     monkeypatch.setattr(api, "time_training_steps", fake)
     pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=3)
     assert _key_of(pm) == keys[2]  # the third-ranked, measured fastest, is what runs
-    assert sorted(timed) == sorted(keys * 2)  # two rounds each; none close enough for a third
+    # Two rounds each, none close enough for a third; then the overruling lead is confirmed:
+    # the best-ranked and the fastest twice more each (CONFIRM_TRIALS).
+    assert sorted(timed) == sorted(keys * 2 + [keys[0], keys[2]] * CONFIRM_TRIALS)
     records = pm.plan.candidates
     chosen = [r for r in records if r.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["measured_step_time"] == 1.0
@@ -380,3 +383,58 @@ def test_tuning_times_the_best_of_each_mesh_before_variants_of_one() -> None:
     calls.clear()
     run_trials(records, 4, lambda r: calls.append(r["rank"]) or 1.0, rounds=1)
     assert calls == [1, 2, 4, 5]  # the three meshes' best, then the next by rank
+
+
+def _moment_then(seconds: dict[str, float], slow: dict[str, list[float]]
+                 ) -> tuple[list[str], Callable[[dict], float]]:
+    """A ``measure`` giving each label its ``seconds``, except its first calls, which take
+    the times ``slow`` lists for it (a slow moment of the machine); and the labels called."""
+    calls: list[str] = []
+    left = {k: list(v) for k, v in slow.items()}
+
+    def measure(record: dict) -> float:
+        label = record["label"]
+        calls.append(label)
+        return left[label].pop(0) if left.get(label) else seconds[label]
+    return calls, measure
+
+
+def test_an_overruling_lead_is_confirmed_before_it_overrules() -> None:
+    """The best-ranked candidate meets a slow moment over both of its rounds (1.6x): the
+    measured fastest would overrule it; ``confirm`` times both again, alternating, and
+    the choice on all their trials keeps the ranking (without it, the moment decides)."""
+    records = [{"label": k, "rank": r} for r, k in enumerate("ab", start=1)]
+    calls, measure = _moment_then({"a": 1.0, "b": 1.2}, {"a": [1.6, 1.6]})
+    trials = run_trials(records, 2, measure, rounds=2, confirm=2)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [r["chosen"] for r in tuned_records(records, trials)] == [True, False]
+    assert [t.rounds for t in trials] == [4, 4]
+    calls, measure = _moment_then({"a": 1.0, "b": 1.2}, {"a": [1.6, 1.6]})
+    unconfirmed = run_trials(records, 2, measure, rounds=2)
+    assert [r["chosen"] for r in tuned_records(records, unconfirmed)] == [False, True]
+
+
+def test_a_real_lead_still_overrules_and_no_overrule_times_nothing_more() -> None:
+    records = [{"label": k, "rank": r} for r, k in enumerate("abc", start=1)]
+    calls, measure = _moment_then({"a": 1.5, "b": 1.0, "c": 1.4}, {})
+    trials = run_trials(records, 3, measure, rounds=2, confirm=2)
+    assert calls[6:] == ["a", "b", "b", "a"]  # the best-ranked and the fastest, alternating
+    assert [r["chosen"] for r in tuned_records(records, trials)] == [False, True, False]
+    calls, measure = _moment_then({"a": 1.0, "b": 1.05, "c": 1.4}, {})
+    run_trials(records, 3, measure, rounds=2, confirm=2)
+    assert len(calls) == 6  # the ranking stands: nothing to confirm
+
+
+def test_a_candidate_failing_while_confirming_is_skipped() -> None:
+    records = [{"label": k, "rank": r} for r, k in enumerate("ab", start=1)]
+    calls: list[str] = []
+
+    def measure(record: dict) -> float:
+        calls.append(record["label"])
+        if record["label"] == "b" and len(calls) > 4:
+            raise RuntimeError("lost a worker")
+        return {"a": 2.0, "b": 1.0}[record["label"]]
+    trials = run_trials(records, 2, measure, rounds=2, confirm=2)
+    assert [(t.measured, t.error) for t in trials] == [(2.0, ""), (None,
+                                                                  "RuntimeError: lost a worker")]
+    assert [r["chosen"] for r in tuned_records(records, trials)] == [True, False]
