@@ -247,8 +247,8 @@ def _burst(pool: Isolated, runs: list[Run], i: int, burst: float,
     return None if foreign > max_foreign else seconds
 
 
-def head_to_head(pool: Isolated, runs: list[Run], i: int, best: int, bursts: int, burst: float,
-         max_foreign: float, attempts: int) -> None:
+def head_to_head(pool: Isolated, runs: list[Run], i: int, best: int, bursts: int,
+                 burst: float, max_foreign: float, attempts: int) -> None:
     """Runs ``i`` and ``best`` timed head to head, ``bursts`` each, the first of each
     pair alternating (``runs[i].duel``)."""
     mine: list[float] = []
