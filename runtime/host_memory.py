@@ -1,4 +1,4 @@
-"""Opt-in: keep freed host memory for the next step instead of page-faulting it back in.
+"""Freed host memory kept for the next step instead of page-faulting it back in.
 
 A training step frees and allocates the same tensors every step: activations, weight
 gradients (``zero_grad(set_to_none=True)``, PyTorch's default), the optimizer's temporaries.
@@ -16,12 +16,24 @@ model, without and with it):
 * GPT-2-small (124M + untied head), 2 micro-batches of 4 x 64 tokens: forward + backward
   2380 ms, then 2238 ms; Adam 367 ms, then 252 ms; peak RSS 3.4 GB, then 3.8 GB.
 
-It is not the default, because the process then keeps its peak memory and more. A loop that
+It is opt-in, because the process then keeps its peak memory and more. A loop that
 allocates and frees one 64 MiB tensor settled at 731 MB resident: ``posix_memalign``'s
 padding keeps a freed block from fitting the next request until enough free blocks merge.
 :func:`release_host_memory` hands the free part back (``malloc_trim``), as
-``torch.cuda.empty_cache`` does on the GPU. The CPU calibration keeps its runs apart by this
-setting (``partitioner.cost.measure``). Where the C library is not glibc, it does nothing.
+``torch.cuda.empty_cache`` does on the GPU.
+
+:func:`steady_host_memory` is the default for CPU devices, applied when a process plans or
+calibrates for them (``partitioner.cost.machine.spec_for``): glibc's mmap threshold fixed at
+its own largest value, 32 MiB, and the free top of the heap handed back only above 1 GiB.
+Tensors above 32 MiB are still mapped afresh (the cost model charges it: ``fresh_threshold``);
+those below are reused, whatever ran in the process before. Left to glibc, the threshold and
+the trimming follow the process's history: on the 2-core VM one ``dp=2 x pp=2`` plan of a
+convolutional network took 69-72 ms a step, or 90-96 ms in a process that had not planned
+before building it, page-faulting 9,000-18,000 pages a step back in (docs/benchmarks.md,
+"One process: the allocator's history"). ``PARTITIONER_HOST_MEMORY=system`` leaves glibc's
+settings alone. The CPU calibration keeps its runs apart by the mode
+(:func:`host_memory_mode`; ``partitioner.cost.calibration_cache``). Where the C library is
+not glibc, neither does anything.
 
 Example:
     >>> host_memory_kept()  # until keep_freed_memory() is called
@@ -32,11 +44,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import threading
 
-__all__ = ["keep_freed_memory", "release_host_memory", "host_memory_kept",
-           "fresh_allocation_bytes"]
+__all__ = ["keep_freed_memory", "steady_host_memory", "release_host_memory",
+           "host_memory_kept", "host_memory_mode", "cpu_host_memory_mode", "fresh_allocation_bytes",
+           "HOST_MEMORY_ENV"]
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -45,9 +59,16 @@ _M_MMAP_THRESHOLD = -3
 # top of the heap stays in the process (mallopt takes an int).
 _MMAP_THRESHOLD = 2**30
 _TRIM_THRESHOLD = 2**31 - 1
+# steady_host_memory: glibc's own largest mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+# systems), fixed from the start; the free top of the heap is trimmed above 1 GiB.
+_STEADY_MMAP_THRESHOLD = 32 * 2**20
+_STEADY_TRIM_THRESHOLD = 2**30
+
+HOST_MEMORY_ENV = "PARTITIONER_HOST_MEMORY"
+"""Set to ``system`` to leave glibc's allocator settings as they are."""
 
 _lock = threading.Lock()
-_kept = False
+_mode = "system"
 
 
 @functools.cache
@@ -67,16 +88,42 @@ def keep_freed_memory() -> bool:
     Returns:
         Whether freed memory is now kept (False where the C library is not glibc).
     """
-    global _kept
+    global _mode
     with _lock:
-        if _kept:
+        if _mode == "kept":
             return True
-        libc = _libc()
-        if libc is None or not hasattr(libc, "mallopt"):
+        if _set(_MMAP_THRESHOLD, _TRIM_THRESHOLD):
+            _mode = "kept"
+        return _mode == "kept"
+
+
+def steady_host_memory() -> bool:
+    """Fix glibc's mmap threshold at 32 MiB and trim the heap's free top only above 1 GiB
+    (once per process; nothing if :func:`keep_freed_memory` came first, or where
+    ``PARTITIONER_HOST_MEMORY=system``): a training step's freed tensors up to 32 MiB are
+    reused by the next whatever ran in the process before, as its CPU spec was measured.
+
+    Returns:
+        Whether the mode is now ``"steady"`` or ``"kept"`` (False where the C library is
+        not glibc or the variable says ``system``).
+    """
+    global _mode
+    with _lock:
+        if _mode != "system":
+            return True
+        if os.environ.get(HOST_MEMORY_ENV, "") == "system":
             return False
-        _kept = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) \
-            & bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
-        return _kept
+        if _set(_STEADY_MMAP_THRESHOLD, _STEADY_TRIM_THRESHOLD):
+            _mode = "steady"
+        return _mode != "system"
+
+
+def _set(mmap_threshold: int, trim_threshold: int) -> bool:
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) \
+        & bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def fresh_allocation_bytes() -> float | None:
@@ -88,12 +135,27 @@ def fresh_allocation_bytes() -> float | None:
     """
     if _libc() is None:
         return None
-    return float(_MMAP_THRESHOLD if _kept else 32 * 2**20)
+    return float(_MMAP_THRESHOLD if _mode == "kept" else _STEADY_MMAP_THRESHOLD)
 
 
 def host_memory_kept() -> bool:
     """Whether :func:`keep_freed_memory` is in effect in this process."""
-    return _kept
+    return _mode == "kept"
+
+
+def host_memory_mode() -> str:
+    """``"kept"`` (:func:`keep_freed_memory`), ``"steady"`` (:func:`steady_host_memory`) or
+    ``"system"`` (glibc's settings as they were)."""
+    return _mode
+
+
+def cpu_host_memory_mode() -> str:
+    """The mode CPU work of this process runs under: :func:`host_memory_mode` once
+    :func:`steady_host_memory` has run (which planning or calibrating for a CPU does)."""
+    if _mode != "system" or os.environ.get(HOST_MEMORY_ENV, "") == "system":
+        return _mode
+    libc = _libc()
+    return "steady" if libc is not None and hasattr(libc, "mallopt") else "system"
 
 
 def release_host_memory() -> bool:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from partitioner.cost.cpu_load import cpu_sample, foreign_share
-from partitioner.runtime.host_memory import host_memory_kept
+from partitioner.runtime.host_memory import cpu_host_memory_mode
 
 __all__ = ["CACHE_FORMAT", "KEPT_RUNS", "QUIET", "Run", "Cached", "cache_file", "read_runs",
            "write_runs", "report_problem", "cache_lock", "is_quiet", "quiet_run", "runs_to_use"]
@@ -132,11 +132,11 @@ def cache_file() -> Path | None:
         os.path.expanduser("~"), ".cache", "partitioner")
     # "runs": a list of runs; "shared-by-size": stages running at once share the intra-op
     # threads, timed for products of four sizes and element-wise streams; the Adam step is
-    # timed after a backward; "kept": whether freed memory stays in the process
-    # (partitioner.runtime.host_memory). Runs timed otherwise must not be mixed in.
+    # timed after a backward; "host": how glibc keeps freed memory, "system", "steady" or
+    # "kept" (partitioner.runtime.host_memory). Runs timed otherwise must not be mixed in.
     key = (f"{_cpu_model()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
            f"|runs|median|shared-by-size-1024|adam-after-backward|action|fresh"
-           f"|kept-{host_memory_kept()}|caller-spin-settled|lone-at-full-rate")
+           f"|host-{cpu_host_memory_mode()}|caller-spin-settled|lone-at-full-rate")
     return Path(root) / f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 

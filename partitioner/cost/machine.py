@@ -35,6 +35,7 @@ from partitioner.cost.devices import REFERENCE_CPU, Cluster, DeviceSpec, parse_d
 from partitioner.cost.measure import cache_file, cached_cpu_spec, measure_cpu
 from partitioner.errors import DeviceError
 from partitioner.runtime import device as accelerators
+from partitioner.runtime.host_memory import steady_host_memory
 
 __all__ = ["cpu_spec", "measured_cpu_spec", "pin_cpu_spec", "pinned_cpu_spec", "spec_for",
            "local_cluster", "as_cluster", "preset_for"]
@@ -104,8 +105,11 @@ def _measure_announced() -> DeviceSpec:
 def spec_for(device: torch.device) -> DeviceSpec:
     """The :class:`DeviceSpec` of a local device (a CPU's from :func:`cpu_spec`, a GPU's
     from its name: :func:`~partitioner.cost.device_names.gpu_spec`, which assumes a
-    mid-range accelerator for a GPU no preset matches)."""
+    mid-range accelerator for a GPU no preset matches). A CPU's makes this process's
+    allocator steady first (``partitioner.runtime.host_memory.steady_host_memory``): the
+    spec holds under it, and the plan then runs under it."""
     if not accelerators.is_accelerator(device):
+        steady_host_memory()
         return cpu_spec()
     name, memory = accelerators.properties(device)
     spec = gpu_spec(name, memory)

@@ -67,7 +67,7 @@ from partitioner.cost.runtime_paths import (
 )
 from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
-from partitioner.runtime.host_memory import fresh_allocation_bytes
+from partitioner.runtime.host_memory import fresh_allocation_bytes, steady_host_memory
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.worker import Worker, shared_threads
 
@@ -183,6 +183,7 @@ def remeasure_cpu(progress: bool = False) -> DeviceSpec:
 
 
 def _calibrated(progress: bool, share: bool) -> DeviceSpec:
+    steady_host_memory()  # the spec holds under the allocator settings the runtime runs with
     def run_once() -> dict[str, float]:
         return _timings(Progress("partitioner: measuring the CPU", _PHASES, enabled=progress))
     return median_spec(runs_to_use(cache_file(), lambda: quiet_run(run_once), TIMING_KEYS,

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
-def _run(code: str) -> dict:
+def _run(code: str, **env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k != "PARTITIONER_HOST_MEMORY"}
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         env={**clean, "OMP_NUM_THREADS": "1", **env},
                          capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -87,6 +88,56 @@ def test_the_runtime_leaves_the_allocator_alone_unless_asked() -> None:
                           "released": release_host_memory()}))
     """)
     assert result == {"untouched": False, "kept": True, "released": True}
+
+
+# Page faults of five steps that each allocate, fill and free six 8 MiB tensors in the main
+# thread (below glibc's largest mmap threshold), after five steps to warm up, in the mode the
+# process is left in by planning for CPU devices (the reference spec: nothing is measured).
+_PLANNED_FAULTS = """
+    import json, resource, torch
+    from partitioner.cost.machine import local_cluster
+    from partitioner.runtime.host_memory import cpu_host_memory_mode, host_memory_mode
+    expected, before = cpu_host_memory_mode(), host_memory_mode()
+    local_cluster(["cpu", "cpu"])
+    def step():
+        tensors = [torch.empty(2 * 2**20).fill_(1.0) for _ in range(6)]
+        del tensors
+    for _ in range(5):
+        step()
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+    print(json.dumps({"expected": expected, "before": before, "after": host_memory_mode(),
+                      "faults": faults}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="steady host memory needs glibc's mallopt")
+def test_planning_for_cpus_makes_freed_tensors_reused_unless_told_not_to() -> None:
+    steady = _run(_PLANNED_FAULTS, PARTITIONER_CPU_SPEC="reference")
+    system = _run(_PLANNED_FAULTS, PARTITIONER_CPU_SPEC="reference",
+                  PARTITIONER_HOST_MEMORY="system")
+    assert (steady["before"], steady["expected"], steady["after"]) == ("system", "steady",
+                                                                       "steady")
+    assert (system["before"], system["expected"], system["after"]) == ("system",) * 3
+    pages = 5 * 6 * 8 * 2**20 // 4096
+    assert system["faults"] > pages / 2  # glibc left alone: faulted in again every step
+    assert steady["faults"] < pages / 20  # reused
+
+
+@pytest.mark.skipif(not GLIBC, reason="without glibc there is one mode, system")
+def test_the_calibration_cache_is_kept_apart_by_the_allocator_mode() -> None:
+    code = """
+        import json
+        from partitioner.cost.calibration_cache import cache_file
+        print(json.dumps({"path": str(cache_file())}))
+    """
+    steady = _run(code, PARTITIONER_CACHE_DIR="/nonexistent")["path"]
+    system = _run(code, PARTITIONER_CACHE_DIR="/nonexistent",
+                  PARTITIONER_HOST_MEMORY="system")["path"]
+    assert steady != system
+    assert steady.startswith("/nonexistent/cpu-") and system.startswith("/nonexistent/cpu-")
 
 
 def test_doctests() -> None:
