@@ -51,6 +51,10 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Ours and torch's contenders under one allocator setting: glibc's own (and the MALLOC_*
+# variables set here), not the steady mode planning for CPU devices applies to its process
+# (partitioner.runtime.host_memory), which torch's contenders would not get.
+os.environ.setdefault("PARTITIONER_HOST_MEMORY", "system")
 
 import torch
 import torch.distributed as dist

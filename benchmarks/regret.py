@@ -62,6 +62,7 @@ from partitioner.analysis import analyze  # noqa: E402
 from partitioner.api import build, plan_record, route  # noqa: E402
 from partitioner.planning.tune import synthetic_loss  # noqa: E402
 from partitioner.request import PlanRequest  # noqa: E402
+from partitioner.runtime.host_memory import steady_host_memory  # noqa: E402
 
 
 @dataclass
@@ -174,7 +175,9 @@ def candidate(name: str, devices: int, record: dict[str, Any]) -> Contender:
 
 
 def unpartitioned(name: str) -> Contender:
-    """The model itself on one device."""
+    """The model itself on one device, under the allocator settings planning for CPU
+    devices gives the plans' processes (``partitioner.runtime.host_memory``)."""
+    steady_host_memory()
     model, x = _case(name)
     return Contender(model, x)
 

@@ -63,6 +63,10 @@ from typing import Any
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Ours and torch's contenders under one allocator setting: glibc's own (and the MALLOC_*
+# variables set here), not the steady mode planning for CPU devices applies to its process
+# (partitioner.runtime.host_memory), which torch's contenders would not get.
+os.environ.setdefault("PARTITIONER_HOST_MEMORY", "system")
 # Plan "cpu" devices with the fixed reference spec: a machine whose calibration cache holds
 # no quiet run (a loaded one) would measure its CPU in every ours-* process, a few seconds
 # and a few hundred MB of peak that belong to the planner, not to what is compared here.
