@@ -62,7 +62,7 @@ from partitioner.analysis import analyze  # noqa: E402
 from partitioner.api import build, plan_record, route  # noqa: E402
 from partitioner.planning.tune import synthetic_loss  # noqa: E402
 from partitioner.request import PlanRequest  # noqa: E402
-from partitioner.runtime.host_memory import steady_host_memory  # noqa: E402
+from partitioner.runtime.host_memory import release_host_memory, steady_host_memory  # noqa: E402
 
 
 @dataclass
@@ -409,6 +409,9 @@ def main() -> None:
             tuned_label = next(r["label"] for r in tuned.plan.candidates if r.get("chosen"))
             said = next((n for n in tuned.plan.notes if n.startswith("tuned:")), "")
             tuned.close()
+            del tuned
+            gc.collect()
+            release_host_memory()  # the contenders' processes start next: hand back the heap
             print(f"\n{case.name} x{devices}, tune=True in this process: {said}")
             runs, discarded = time_all(runs, args.rounds, args.warmup, args.max_foreign,
                                        args.max_attempts, args.burst, (picked, tuned_label),

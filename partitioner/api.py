@@ -67,6 +67,7 @@ from partitioner.plans.plan import Mesh, Plan
 from partitioner.plans.plan_precision import planned_precision
 from partitioner.plans.spec import Spec
 from partitioner.request import STRATEGIES, PlanRequest
+from partitioner.runtime.host_memory import steady_host_memory
 from partitioner.runtime.materialize import InitFn, MaterializerFactory, materializer_for
 from partitioner.runtime.module import PartitionedModule
 from partitioner.runtime.precision import check_precision
@@ -497,6 +498,8 @@ def build(model: nn.Module, analysis: Analysis, routed: Plan | TensorParallelSet
     Raises:
         StrategyError: a meta-built model routed to replicas or tensor parallelism.
     """
+    if any(d.type == "cpu" for d in request.devices):  # as planned, also for a given plan
+        steady_host_memory()
     if materializer is not None and not isinstance(routed, Plan):
         mesh = routed.plan.mesh or Mesh()
         raise StrategyError(_META_PIPELINE_ONLY.format(

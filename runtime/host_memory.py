@@ -23,17 +23,18 @@ padding keeps a freed block from fitting the next request until enough free bloc
 ``torch.cuda.empty_cache`` does on the GPU.
 
 :func:`steady_host_memory` is the default for CPU devices, applied when a process plans or
-calibrates for them (``partitioner.cost.machine.spec_for``): glibc's mmap threshold fixed at
-its own largest value, 32 MiB, and the free top of the heap handed back only above 1 GiB.
-Tensors above 32 MiB are still mapped afresh (the cost model charges it: ``fresh_threshold``);
-those below are reused, whatever ran in the process before. Left to glibc, the threshold and
-the trimming follow the process's history: on the 2-core VM one ``dp=2 x pp=2`` plan of a
-convolutional network took 69-72 ms a step, or 90-96 ms in a process that had not planned
-before building it, page-faulting 9,000-18,000 pages a step back in (docs/benchmarks.md,
-"One process: the allocator's history"). ``PARTITIONER_HOST_MEMORY=system`` leaves glibc's
-settings alone. The CPU calibration keeps its runs apart by the mode
-(:func:`host_memory_mode`; ``partitioner.cost.calibration_cache``). Where the C library is
-not glibc, neither does anything.
+calibrates for them (``partitioner.cost.machine.spec_for``): glibc's mmap and trim thresholds
+fixed where its own dynamic adjustment ends (32 and 64 MiB) instead of where the process's
+history left them. Tensors of 32 MiB and more are still mapped afresh (the cost model charges
+it: ``fresh_threshold``); smaller ones are reused while the free top of the heap stays under
+64 MiB, whatever ran in the process before. Left to glibc, the thresholds follow the
+process's history: on the 2-core VM one ``dp=2 x pp=2`` plan of a convolutional network
+took 90-94 ms a step in a process that had not planned before building it, page-faulting
+17,600-17,900 pages a step back in, and 73-74 ms with the thresholds fixed (76-93 faults a
+step; docs/benchmarks.md, "One process: the allocator's history").
+``PARTITIONER_HOST_MEMORY=system`` leaves glibc's settings alone. The CPU calibration keeps
+its runs apart by the mode (:func:`host_memory_mode`; ``partitioner.cost.calibration_cache``).
+Where the C library is not glibc, neither does anything.
 
 Example:
     >>> host_memory_kept()  # until keep_freed_memory() is called
@@ -59,10 +60,13 @@ _M_MMAP_THRESHOLD = -3
 # top of the heap stays in the process (mallopt takes an int).
 _MMAP_THRESHOLD = 2**30
 _TRIM_THRESHOLD = 2**31 - 1
-# steady_host_memory: glibc's own largest mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-# systems), fixed from the start; the free top of the heap is trimmed above 1 GiB.
+# steady_host_memory: where glibc's dynamic thresholds end once a 32 MiB block has been freed
+# (the mmap threshold at DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems, the trim threshold at
+# twice it), fixed from the start. A 1 GiB trim threshold kept 0.8 GiB more resident after
+# tune=True on regret.py's wide MLP (4.30 against 3.46 GiB peak) and ran the benchmark's
+# contenders out of the VM's 23 GiB.
 _STEADY_MMAP_THRESHOLD = 32 * 2**20
-_STEADY_TRIM_THRESHOLD = 2**30
+_STEADY_TRIM_THRESHOLD = 64 * 2**20
 
 HOST_MEMORY_ENV = "PARTITIONER_HOST_MEMORY"
 """Set to ``system`` to leave glibc's allocator settings as they are."""
@@ -98,10 +102,11 @@ def keep_freed_memory() -> bool:
 
 
 def steady_host_memory() -> bool:
-    """Fix glibc's mmap threshold at 32 MiB and trim the heap's free top only above 1 GiB
-    (once per process; nothing if :func:`keep_freed_memory` came first, or where
-    ``PARTITIONER_HOST_MEMORY=system``): a training step's freed tensors up to 32 MiB are
-    reused by the next whatever ran in the process before, as its CPU spec was measured.
+    """Fix glibc's mmap threshold at 32 MiB and its trim threshold at 64 MiB, the largest its
+    dynamic adjustment gives (once per process; nothing if :func:`keep_freed_memory` came
+    first, or where ``PARTITIONER_HOST_MEMORY=system``): a training step's freed tensors up
+    to 32 MiB are reused by the next whatever ran in the process before, as its CPU spec was
+    measured.
 
     Returns:
         Whether the mode is now ``"steady"`` or ``"kept"`` (False where the C library is
