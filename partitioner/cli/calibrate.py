@@ -53,7 +53,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 
 def _show(cached: Cached, spec: DeviceSpec | None) -> None:
+    from partitioner.runtime.host_memory import HOST_MEMORY_ENV, cpu_host_memory_mode
+
     print(f"calibration cache: {cached.path}")
+    print(f"  host memory: {cpu_host_memory_mode()} (glibc's allocator thresholds while "
+          f"measuring and running; {HOST_MEMORY_ENV}=system leaves glibc's own)")
     if cached.problem is not None:
         print(f"  the file {cached.problem}; the next plan for \"cpu\" devices (or "
               "partitioner calibrate --measure) measures again and rewrites it")

@@ -15,6 +15,7 @@ import partitioner.cost.measure as measure
 from partitioner.cli import main
 from partitioner.cost.calibration_cache import Run, read_runs, write_runs
 from partitioner.cost.devices import REFERENCE_CPU
+from partitioner.runtime.host_memory import cpu_host_memory_mode
 
 TIMINGS = {**dict.fromkeys(measure.TIMING_KEYS, 1e-3),
            "few": 1e-4, "some": 8e-4, "many": 3.2e-3, "fresh": 2e-3}
@@ -55,6 +56,7 @@ def test_calibrate_shows_the_file_its_runs_and_the_spec(
     assert main(["calibrate"]) == 0
     out = capsys.readouterr().out
     assert f"calibration cache: {path}" in out
+    assert f"host memory: {cpu_host_memory_mode()} " in out
     assert "runs kept: 2" in out and "all quiet" in out and "at most 10% of the cores" in out
     spec = measure.median_spec([Run(TIMINGS, 0.0, 0.0)])
     assert f"{spec.flops('fp32') / 1e9:8.1f} GFLOP/s" in out
