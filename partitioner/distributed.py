@@ -90,7 +90,6 @@ from partitioner.runtime.distributed.model import (
     assemble,
     find_ties,
 )
-from partitioner.runtime.host_memory import steady_host_memory
 from partitioner.runtime.materialize import (
     InitFn,
     Materializer,
@@ -449,8 +448,6 @@ def _build(model: nn.Module, planned: Planned, call: Parsed, info: DistInfo,
     """This rank's model: the stage graphs cut, every rank checked to hold the same, this
     rank's stage (or its tensor-parallel slice) on its device, handed to the runtime."""
     made, shape, virtual, running = planned.plan, planned.shape, planned.virtual, call.running
-    if info.device.type == "cpu":  # every rank, not only the one that planned
-        steady_host_memory()
     graphs = _stage_graphs(model, planned, info)
     origin = model_device(model)  # the device the graphs name, before a stage moves
     sharded = planned.optimizer_sharding and call.sharding != "fsdp"  # FSDP cuts it itself

@@ -67,6 +67,7 @@ from partitioner.runtime.distributed.sharded_checkpoint import (
 )
 from partitioner.runtime.distributed.stage_group import merge_stages
 from partitioner.runtime.distributed.zero import ShardedGradients, ShardedOptimizer
+from partitioner.runtime.host_memory import steady_host_memory
 from partitioner.runtime.placement import Placement
 from partitioner.runtime.schedule_registry import schedule_kind
 from partitioner.runtime.stage import StageRunner
@@ -148,6 +149,8 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
         StrategyError: If virtual stages are asked for with ``pp=1`` or tensor parallelism,
             or optimizer sharding with ``dp=1``.
     """
+    if device.type == "cpu":  # on every CPU rank, whichever planned (runtime/host_memory.py)
+        steady_host_memory()
     j, shape = mesh.stage, mesh.shape
     if settings.optimizer_sharding and shape.dp < 2:
         raise StrategyError(sharding_problem(shape.dp))
