@@ -33,18 +33,25 @@ def _run(code: str, **env: str) -> dict:
 # Page faults taken by five steps that each allocate, fill and free 64 MiB (a tensor above
 # glibc's largest mmap threshold), after 20 steps to warm up (kept, a freed block is reused
 # once enough freed blocks have merged: about ten steps).
+def _counting(warmup: int) -> str:
+    """Script lines: ``step()`` run ``warmup`` times, then five times counting page faults."""
+    return f"""
+    for _ in range({warmup}):
+        step()
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+"""
+
+
 _FAULTS = """
     import json, resource, torch
     from partitioner.runtime.host_memory import keep_freed_memory, host_memory_kept
     kept = keep_freed_memory() if {keep} else False
     def step():
         torch.empty(16 * 2**20).fill_(1.0)
-    for _ in range(20):
-        step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+""" + _counting(20) + """
     print(json.dumps({{"kept": kept, "state": host_memory_kept(), "faults": faults}}))
 """
 
@@ -102,12 +109,7 @@ _PLANNED_FAULTS = """
     def step():
         tensors = [torch.empty(2 * 2**20).fill_(1.0) for _ in range(6)]
         del tensors
-    for _ in range(5):
-        step()
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+""" + _counting(5) + """
     print(json.dumps({"expected": expected, "before": before, "after": host_memory_mode(),
                       "faults": faults}))
 """
