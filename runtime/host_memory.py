@@ -23,15 +23,15 @@ padding keeps a freed block from fitting the next request until enough free bloc
 ``torch.cuda.empty_cache`` does on the GPU.
 
 :func:`steady_host_memory` is the default for CPU devices, applied when a process plans or
-calibrates for them (``partitioner.cost.machine.spec_for``): glibc's mmap and trim thresholds
-fixed where its own dynamic adjustment ends (32 and 64 MiB) instead of where the process's
+calibrates for them (``partitioner.cost.machine.spec_for``): glibc's mmap threshold fixed at
+its own largest, 32 MiB, and its trim threshold at 256 MiB, instead of where the process's
 history left them. Tensors of 32 MiB and more are still mapped afresh (the cost model charges
 it: ``fresh_threshold``); smaller ones are reused while the free top of the heap stays under
-64 MiB, whatever ran in the process before. Left to glibc, the thresholds follow the
+256 MiB, whatever ran in the process before. Left to glibc, the thresholds follow the
 process's history: on the 2-core VM one ``dp=2 x pp=2`` plan of a convolutional network
 took 90-94 ms a step in a process that had not planned before building it, page-faulting
-17,600-17,900 pages a step back in, and 73-74 ms with the thresholds fixed (76-93 faults a
-step; docs/benchmarks.md, "One process: the allocator's history").
+17,600-17,900 pages a step back in, and 73-74 ms with the thresholds fixed (trim threshold
+64 or 128 MiB: 76-93 faults a step; docs/benchmarks.md, "One process: the allocator's history").
 ``PARTITIONER_HOST_MEMORY=system`` leaves glibc's settings alone. The CPU calibration keeps
 its runs apart by the mode (:func:`host_memory_mode`; ``partitioner.cost.calibration_cache``).
 Where the C library is not glibc, neither does anything.
@@ -60,13 +60,15 @@ _M_MMAP_THRESHOLD = -3
 # top of the heap stays in the process (mallopt takes an int).
 _MMAP_THRESHOLD = 2**30
 _TRIM_THRESHOLD = 2**31 - 1
-# steady_host_memory: where glibc's dynamic thresholds end once a 32 MiB block has been freed
-# (the mmap threshold at DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems, the trim threshold at
-# twice it), fixed from the start. A 1 GiB trim threshold kept 0.8 GiB more resident after
-# tune=True on regret.py's wide MLP (4.30 against 3.46 GiB peak) and ran the benchmark's
-# contenders out of the VM's 23 GiB.
+# steady_host_memory: the mmap threshold at glibc's own largest (DEFAULT_MMAP_THRESHOLD_MAX on
+# 64-bit systems) from the start, the free top of the heap handed back above 256 MiB. Adam
+# over four 24 MiB weights faulted 1.22 of a weight's size back in a step with the trim
+# threshold where glibc's own adjustment ends (64 MiB; 77-81 ms a step), 0.05 at 256 MiB,
+# none at 512 (41 ms), 0.27-0.47 left to glibc (53-61 ms). A 1 GiB trim threshold kept
+# 0.8 GiB more resident after tune=True on regret.py's wide MLP (4.30 against 3.46 GiB peak)
+# and ran that benchmark's contenders out of the VM's 23 GiB.
 _STEADY_MMAP_THRESHOLD = 32 * 2**20
-_STEADY_TRIM_THRESHOLD = 64 * 2**20
+_STEADY_TRIM_THRESHOLD = 256 * 2**20
 
 HOST_MEMORY_ENV = "PARTITIONER_HOST_MEMORY"
 """Set to ``system`` to leave glibc's allocator settings as they are."""
@@ -102,8 +104,8 @@ def keep_freed_memory() -> bool:
 
 
 def steady_host_memory() -> bool:
-    """Fix glibc's mmap threshold at 32 MiB and its trim threshold at 64 MiB, the largest its
-    dynamic adjustment gives (once per process; nothing if :func:`keep_freed_memory` came
+    """Fix glibc's mmap threshold at 32 MiB, the largest its dynamic adjustment gives, and
+    its trim threshold at 256 MiB (once per process; nothing if :func:`keep_freed_memory` came
     first, or where ``PARTITIONER_HOST_MEMORY=system``): a training step's freed tensors up
     to 32 MiB are reused by the next whatever ran in the process before, as its CPU spec was
     measured.

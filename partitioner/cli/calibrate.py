@@ -87,16 +87,15 @@ def runs_line(cached: Cached) -> str:
 
 def spec_lines(spec: DeviceSpec) -> list[str]:
     """``spec``'s figures, one per line, with units."""
-    from partitioner.cost.devices import FRESH_RAMP
-
     lines = [_figure("matmul rate (fp32)", spec.flops("fp32") / 1e9, "GFLOP/s"),
              _figure("half rate at", spec.matmul_half_flops / 1e3, "kFLOP per product"),
              _figure("weight repacking", spec.pack_bandwidth / 1e9, "GB/s"),
              _figure("memory bandwidth", spec.memory_bandwidth / 1e9, "GB/s"),
              _figure("optimizer step", spec.optimizer_bandwidth / 1e9, "GB/s"),
              _figure("first touch", spec.fresh_bandwidth / 1e9,
-                     f"GB/s (tensors of {spec.fresh_threshold / 2**20:.0f} MiB and more; "
-                     f"in part from {spec.fresh_threshold / FRESH_RAMP / 2**20:.0f} MiB)"),
+                     f"GB/s (tensors of {spec.fresh_threshold / 2**20:.0f} MiB and more"
+                     + (f"; in part from {spec.fresh_threshold / spec.fresh_ramp / 2**20:.0f}"
+                        " MiB)" if spec.fresh_ramp > 1 else ")")),
              _figure("op overhead", spec.op_overhead * 1e6, "us per op"),
              _figure("action overhead", spec.action_overhead * 1e6, "us per stage action"),
              _figure("thread latency", spec.thread_latency * 1e6,

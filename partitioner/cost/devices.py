@@ -39,7 +39,9 @@ from partitioner.runtime import device as accelerators
 
 FRESH_RAMP = 8.0
 """Tensors from ``fresh_threshold / FRESH_RAMP`` up are partly faulted in afresh
-(:meth:`DeviceSpec.fresh_time`): measured on glibc, 4 MiB never, 8 and 16 MiB in part."""
+(:meth:`DeviceSpec.fresh_time`): measured on glibc left to adjust its thresholds, 4 MiB
+never, 8 and 16 MiB in part. With them fixed (``partitioner.runtime.host_memory``'s steady
+mode) Adam's temporaries of 4-24 MiB weights were reused: a spec's ``fresh_ramp`` is 1."""
 
 __all__ = ["DeviceSpec", "LinkSpec", "Cluster", "DEVICES", "LINKS", "FRESH_RAMP", "parse_devices",
            "interpolate_speedup", "link_bandwidth", "dtype_name", "REFERENCE_CPU"]
@@ -86,7 +88,10 @@ class DeviceSpec:
             GPU's caching allocator).
         fresh_threshold: tensors of at least this many bytes get newly mapped memory on
             every allocation (glibc's ``malloc``: above 32 MiB, its largest mmap threshold);
-            from ``1 / FRESH_RAMP`` of it up, a share of them (:meth:`fresh_time`).
+            from ``1 / fresh_ramp`` of it up, a share of them (:meth:`fresh_time`).
+        fresh_ramp: how far below ``fresh_threshold`` tensors are faulted in part:
+            :data:`FRESH_RAMP` where glibc adjusts its thresholds as the process runs, 1 (none
+            below the threshold) where they are fixed.
         action_overhead: seconds the pipeline runtime spends per stage action (one
             micro-batch's forward or backward on one stage: handing it to the stage's
             worker, its stash, autograd bookkeeping), beyond the ops themselves. Measured
@@ -134,6 +139,7 @@ class DeviceSpec:
     action_overhead: float = 0.0
     fresh_bandwidth: float = 0.0
     fresh_threshold: float = 0.0
+    fresh_ramp: float = FRESH_RAMP
     thread_latency: float = 0.0
     replica_overhead: float = 0.0
     optimizer_tensor_overhead: float = 0.0
@@ -158,6 +164,9 @@ class DeviceSpec:
         for name in ("memory_bytes", "memory_bandwidth", "matmul_half_flops"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be > 0")
+        if not self.fresh_ramp >= 1:
+            problems.append(f"fresh_ramp={self.fresh_ramp!r}; it must be >= 1 (1: no tensor "
+                            "below fresh_threshold is faulted in)")
         for name in ("matmul_efficiency", "memory_efficiency", "worker_speed"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}; it must be in (0, 1]")
@@ -199,7 +208,7 @@ class DeviceSpec:
 
     def fresh_time(self, nbytes: float) -> float:
         """Seconds of first-touching a newly allocated tensor of ``nbytes``: all of it from
-        ``fresh_threshold`` up, none below ``fresh_threshold / FRESH_RAMP`` (the allocator
+        ``fresh_threshold`` up, none below ``fresh_threshold / fresh_ramp`` (the allocator
         reuses memory of that size), a share rising with ``log(nbytes)`` in between.
 
         glibc's ``malloc`` maps tensors above its mmap threshold (at most 32 MiB) afresh on
@@ -215,11 +224,16 @@ class DeviceSpec:
             ...                   fresh_threshold=32 * 2**20)
             >>> [round(spec.fresh_time(m * 2**20) * 1e3, 1) for m in (2, 4, 8, 16, 32, 64)]
             [0.0, 0.0, 2.8, 11.2, 33.6, 67.1]
+            >>> steady = replace(spec, fresh_ramp=1.0)
+            >>> [round(steady.fresh_time(m * 2**20) * 1e3, 1) for m in (16, 32, 64)]
+            [0.0, 33.6, 67.1]
         """
         full = max(self.fresh_threshold, 1.0)
-        if not self.fresh_bandwidth or nbytes <= full / FRESH_RAMP:
+        if not self.fresh_bandwidth or nbytes < full / self.fresh_ramp:
             return 0.0
-        share = min(1.0, math.log(nbytes * FRESH_RAMP / full) / math.log(FRESH_RAMP))
+        if self.fresh_ramp <= 1.0:
+            return nbytes / self.fresh_bandwidth
+        share = min(1.0, math.log(nbytes * self.fresh_ramp / full) / math.log(self.fresh_ramp))
         return share * nbytes / self.fresh_bandwidth
 
     @property

@@ -55,7 +55,7 @@ from partitioner.cost.calibration_cache import (
 )
 from partitioner.cost.caller_spin import SETTLE, spin_timings, spin_window
 from partitioner.cost.cost import LayerCost, phase_times
-from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.devices import FRESH_RAMP, DeviceSpec
 from partitioner.cost.layer_timing import time_layers
 from partitioner.cost.memory import optimizer_traffic
 from partitioner.cost.runtime_paths import (
@@ -67,7 +67,11 @@ from partitioner.cost.runtime_paths import (
 )
 from partitioner.errors import CalibrationError
 from partitioner.passes.group_layers import Layer
-from partitioner.runtime.host_memory import fresh_allocation_bytes, steady_host_memory
+from partitioner.runtime.host_memory import (
+    cpu_host_memory_mode,
+    fresh_allocation_bytes,
+    steady_host_memory,
+)
 from partitioner.runtime.local import LocalPipeline
 from partitioner.runtime.worker import Worker, shared_threads
 
@@ -443,6 +447,9 @@ def _spec(t: dict[str, float]) -> DeviceSpec:
     return DeviceSpec("cpu (measured)", _peaks(rate, t), _total_memory(), bandwidth, 1.0, half,
                       1.0, t["overhead"], pack, optimizer, reference, sizes, t["action"],
                       fresh, threshold or 0.0,
+                      # glibc's thresholds fixed (host_memory's steady or kept mode): tensors
+                      # below the mmap threshold are reused, none faulted in part.
+                      fresh_ramp=FRESH_RAMP if cpu_host_memory_mode() == "system" else 1.0,
                       # A two-rank all-reduce between threads is a ring of 2 steps.
                       thread_latency=t["collective"] / 2, replica_overhead=t["replica"],
                       optimizer_tensor_overhead=t["adam_tensor"],

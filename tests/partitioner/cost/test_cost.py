@@ -108,6 +108,16 @@ def test_tensors_below_the_threshold_are_faulted_in_in_part() -> None:
     assert cpu.fresh_time(32 * 2**20 - 1) == pytest.approx(cpu.fresh_time(32 * 2**20), rel=1e-6)
 
 
+def test_with_the_allocator_steady_no_tensor_below_the_threshold_is_faulted_in() -> None:
+    # partitioner.runtime.host_memory's steady mode: measured specs get fresh_ramp=1.
+    from partitioner.errors import DeviceError
+    cpu = replace(CPU, fresh_bandwidth=1e9, fresh_threshold=32 * 2**20, fresh_ramp=1.0)
+    assert cpu.fresh_time(16 * 2**20) == cpu.fresh_time(32 * 2**20 - 1) == 0.0
+    assert cpu.fresh_time(32 * 2**20) == pytest.approx(32 * 2**20 / 1e9)
+    with pytest.raises(DeviceError, match="fresh_ramp=0.5"):
+        replace(CPU, fresh_ramp=0.5)
+
+
 def test_accumulating_gradients_costs_three_more_passes() -> None:
     op = Op("memory", weight_grad=1e9)
     fresh = op_times(op, GPU, 1)[1]

@@ -17,7 +17,7 @@ from partitioner.analysis import analyze
 from partitioner.cost.adam_timing import adam_update
 from partitioner.cost.calibration_cache import Run
 from partitioner.cost.cost import phase_times
-from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.devices import FRESH_RAMP, DeviceSpec
 from partitioner.cost.layer_timing import Timed
 from partitioner.cost.measure import (
     TIMING_KEYS,
@@ -26,6 +26,7 @@ from partitioner.cost.measure import (
     calibrate_layers,
     measure_cpu,
 )
+from partitioner.runtime.host_memory import cpu_host_memory_mode
 
 SPEC = DeviceSpec("cpu", {"fp32": 100e9}, 16e9, 20e9, matmul_efficiency=1.0,
                   matmul_half_flops=1e3, memory_efficiency=1.0, op_overhead=3e-6)
@@ -82,6 +83,9 @@ def test_measured_cpu_spec_is_valid(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         # glibc maps tensors of 32 MiB and more afresh: first touch costs, measured.
         assert spec.fresh_threshold == 32 * 2**20 and spec.fresh_bandwidth > 1e8
+        # Measured with glibc's thresholds fixed (host_memory's steady mode, which measuring
+        # applies): nothing below the mmap threshold is faulted in.
+        assert spec.fresh_ramp == (1.0 if cpu_host_memory_mode() != "system" else FRESH_RAMP)
     assert spec.action_overhead >= 0.0
     # A lone stage worker keeps its share of the threads: timed, at most the whole's speed.
     assert 0.0 < spec.worker_speed <= 1.0 and spec.replica_tensor_overhead > 0.0
