@@ -62,13 +62,17 @@ ROUNDS = 3
 """Rounds of timing (:func:`run_trials`): every candidate in the first two, in opposite
 orders; those close to the fastest in the third. A candidate's time is the median of its
 rounds."""
-KEEP_WITHIN = 0.10
+KEEP_WITHIN = 0.03
 """A better-ranked candidate measured within this share of the fastest is kept
-(:func:`tuned_records`). Tuning's timing in the planning process read candidates 4-10%
-apart in either order of what each measured apart in processes of their own, stepping for
-seconds (``benchmarks/regret.py``, 2026-12-04 13:20 UTC: four of six overrulings within
-10% made the plan 12-41% slower, docs/benchmarks.md "Timed in bursts"): below this share
-the timing is no evidence against the ranking."""
+(:func:`tuned_records`). It was 10% while tuning's timing in the planning process read
+candidates 4-10% apart in either order of what each measured apart in processes of their
+own (``benchmarks/regret.py``, 2026-12-04 13:20 UTC: four of six overrulings within 10% made
+the plan 12-41% slower, docs/benchmarks.md "Timed in bursts"). Two causes of that are gone:
+a slow moment over a candidate's rounds (a lead is confirmed head to head first,
+:data:`CONFIRM_TRIALS`) and glibc's allocator, whose thresholds followed what each process
+had run before (fixed since for CPU devices: ``partitioner.runtime.host_memory``); at 10%,
+``tune=True`` kept plans 6-9% slower than the fastest it had timed (2026-12-05 13:07 UTC,
+docs/benchmarks.md "One process: the allocator's history")."""
 SETTLE_TRIALS = 1
 """Across processes, the best-ranked candidate's trials before the rounds, whose times are
 thrown away: the first candidate timed after rank 0's search (its peers waiting in a
