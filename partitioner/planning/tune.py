@@ -80,10 +80,11 @@ collective meanwhile) measured 33-75% slower than in its later rounds in 4 of th
 of ``benchmarks/regret_distributed.py --cases wide --ranks 4`` whose rounds were all logged
 (docs/benchmarks.md, "Across processes: the first candidate timed"), and the candidate
 timed first is the cost model's pick, whose regret that benchmark reports."""
-CONFIRM_TRIALS = 2
+CONFIRM_TRIALS = 3
 """Trials more of each of the two, alternating, before the measured fastest overrules the
-best-ranked candidate (:func:`run_trials`' ``confirm``): a slow moment of the machine that
-lasts over two of a candidate's timings is not a lead. In the planning process on the
+best-ranked candidate (:func:`run_trials`' ``confirm``), which then decide alone (the median
+of three outlasts one slow moment): a slow moment of the machine that lasts over two of a
+candidate's timings is not a lead. In the planning process on the
 2-core VM, ``tune=True`` for the demo's MLP on two devices timed auto's ``1f1b`` at 5.76 ms
 where every other run of it read 3.55-4.75 (``benchmarks/regret.py``, 2026-12-05 10:02 UTC,
 docs/benchmarks.md "One process: a pick that screened slower timed head to head"), and
@@ -215,7 +216,7 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
     measured fastest would overrule the best-ranked candidate that ran
     (:func:`tuned_records`), both are timed ``confirm`` more times, alternating which goes
     first (:data:`CONFIRM_TRIALS` in ``partition`` and ``partition_distributed``), and the
-    choice is made on all their trials.
+    two are then measured by those head-to-head trials alone.
 
     The first two rounds time every candidate, in rank order and then in the reverse order
     (a machine whose speed drifts over the seconds tuning takes favours none of them); each
@@ -253,16 +254,22 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
         for i in sorted(timed, key=order.index, reverse=k % 2 == 1):
             attempt(i)
     ok = [i for i in order if i not in errors]
+    decisive: dict[int, list[float]] = {}
     if confirm and len(ok) >= 2:
         first = min(ok, key=lambda i: _rank(records, i))
         kept = _kept(records, {i: statistics.median(samples[i]) for i in ok})
         if kept != first:
+            before = {i: len(samples[i]) for i in (first, kept)}
             for k in range(confirm):
                 for i in (first, kept) if k % 2 == 0 else (kept, first):
                     if i not in errors:
                         attempt(i)
+            # The two are measured by their head-to-head trials alone: a slow moment over
+            # the rounds before would otherwise still weigh in the median.
+            decisive = {i: samples[i][before[i]:] for i in (first, kept)}
     return [Trial(i, None, errors[i]) if i in errors else
-            Trial(i, statistics.median(samples[i]), rounds=len(samples[i])) for i in order]
+            Trial(i, statistics.median(decisive.get(i) or samples[i]), rounds=len(samples[i]))
+            for i in order]
 
 
 def tuned_order(records: Sequence[dict[str, Any]], count: int) -> list[int]:
