@@ -118,16 +118,23 @@ def steady_host_memory() -> bool:
     with _lock:
         if _mode != "system":
             return True
-        if os.environ.get(HOST_MEMORY_ENV, "") == "system":
-            return False
-        if _set(_STEADY_MMAP_THRESHOLD, _STEADY_TRIM_THRESHOLD):
+        if _steady_possible() and _set(_STEADY_MMAP_THRESHOLD, _STEADY_TRIM_THRESHOLD):
             _mode = "steady"
         return _mode != "system"
 
 
-def _set(mmap_threshold: int, trim_threshold: int) -> bool:
+def _mallopt() -> ctypes.CDLL | None:
     libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
+
+
+def _steady_possible() -> bool:
+    return _mallopt() is not None and os.environ.get(HOST_MEMORY_ENV, "") != "system"
+
+
+def _set(mmap_threshold: int, trim_threshold: int) -> bool:
+    libc = _mallopt()
+    if libc is None:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) \
         & bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
@@ -159,10 +166,7 @@ def host_memory_mode() -> str:
 def cpu_host_memory_mode() -> str:
     """The mode CPU work of this process runs under: :func:`host_memory_mode` once
     :func:`steady_host_memory` has run (which planning or calibrating for a CPU does)."""
-    if _mode != "system" or os.environ.get(HOST_MEMORY_ENV, "") == "system":
-        return _mode
-    libc = _libc()
-    return "steady" if libc is not None and hasattr(libc, "mallopt") else "system"
+    return "steady" if _mode == "system" and _steady_possible() else _mode
 
 
 def release_host_memory() -> bool:
