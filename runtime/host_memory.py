@@ -49,6 +49,8 @@ import os
 import platform
 import threading
 
+from partitioner.errors import DeviceError
+
 __all__ = ["keep_freed_memory", "steady_host_memory", "release_host_memory",
            "host_memory_kept", "host_memory_mode", "cpu_host_memory_mode", "fresh_allocation_bytes",
            "HOST_MEMORY_ENV"]
@@ -71,7 +73,8 @@ _STEADY_MMAP_THRESHOLD = 32 * 2**20
 _STEADY_TRIM_THRESHOLD = 256 * 2**20
 
 HOST_MEMORY_ENV = "PARTITIONER_HOST_MEMORY"
-"""Set to ``system`` to leave glibc's allocator settings as they are."""
+"""Set to ``system`` to leave glibc's allocator settings as they are (``steady``, or unset:
+the default; anything else is refused)."""
 
 _lock = threading.Lock()
 _mode = "system"
@@ -115,10 +118,11 @@ def steady_host_memory() -> bool:
         not glibc or the variable says ``system``).
     """
     global _mode
+    possible = _steady_possible()  # the variable checked on every call
     with _lock:
         if _mode != "system":
             return True
-        if _steady_possible() and _set(_STEADY_MMAP_THRESHOLD, _STEADY_TRIM_THRESHOLD):
+        if possible and _set(_STEADY_MMAP_THRESHOLD, _STEADY_TRIM_THRESHOLD):
             _mode = "steady"
         return _mode != "system"
 
@@ -129,7 +133,17 @@ def _mallopt() -> ctypes.CDLL | None:
 
 
 def _steady_possible() -> bool:
-    return _mallopt() is not None and os.environ.get(HOST_MEMORY_ENV, "") != "system"
+    """Whether the steady mode can apply here (glibc, and the variable does not opt out).
+
+    Raises:
+        DeviceError: ``PARTITIONER_HOST_MEMORY`` is set to neither ``steady`` nor ``system``.
+    """
+    value = os.environ.get(HOST_MEMORY_ENV, "")
+    if value not in ("", "steady", "system"):
+        raise DeviceError(f"{HOST_MEMORY_ENV}={value!r}; set it to 'system' (glibc's own "
+                          "allocator thresholds) or 'steady' (the default for CPU devices), "
+                          "or unset it")
+    return _mallopt() is not None and value != "system"
 
 
 def _set(mmap_threshold: int, trim_threshold: int) -> bool:
@@ -166,7 +180,8 @@ def host_memory_mode() -> str:
 def cpu_host_memory_mode() -> str:
     """The mode CPU work of this process runs under: :func:`host_memory_mode` once
     :func:`steady_host_memory` has run (which planning or calibrating for a CPU does)."""
-    return "steady" if _mode == "system" and _steady_possible() else _mode
+    possible = _steady_possible()
+    return "steady" if _mode == "system" and possible else _mode
 
 
 def release_host_memory() -> bool:

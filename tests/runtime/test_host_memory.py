@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import partitioner.runtime.host_memory
 
@@ -142,6 +143,22 @@ def test_the_calibration_cache_is_kept_apart_by_the_allocator_mode() -> None:
                   PARTITIONER_HOST_MEMORY="system")["path"]
     assert steady != system
     assert steady.startswith("/nonexistent/cpu-") and system.startswith("/nonexistent/cpu-")
+
+
+def test_an_unknown_host_memory_setting_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from partitioner import partition
+    from partitioner.errors import DeviceError, PartitionError
+    from partitioner.runtime.host_memory import cpu_host_memory_mode
+    monkeypatch.setenv("PARTITIONER_HOST_MEMORY", "sytem")
+    with pytest.raises(DeviceError, match="PARTITIONER_HOST_MEMORY='sytem'.*'system'"):
+        cpu_host_memory_mode()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    if GLIBC:  # elsewhere the mode is "system" whatever the variable says
+        with pytest.raises(PartitionError, match="sytem"):
+            partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(8, 4),))
 
 
 def test_doctests() -> None:
