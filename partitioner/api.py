@@ -55,6 +55,7 @@ from partitioner.planning.planner import candidate_plan, record
 from partitioner.planning.tune import (
     CONFIRM_TRIALS,
     MIN_TIMED_SECONDS,
+    REFINE,
     restore_state,
     run_trials,
     snapshot_state,
@@ -332,7 +333,7 @@ def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanReques
     saved = snapshot_state(model)
     try:
         records = list(made.candidates)
-        trials = run_trials(records, count, measure, confirm=CONFIRM_TRIALS)
+        trials = run_trials(records, count, measure, confirm=CONFIRM_TRIALS, refine=REFINE)
         alone = records[0].get("search", {}).get("one_device") if records else None
         if alone is not None and _on_device(model, alone["device"]):
             records[0] = {**records[0], "search": {**records[0]["search"], "one_device": {

@@ -43,6 +43,7 @@ from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.tune import (
     CONFIRM_TRIALS,
     MIN_TIMED_SECONDS,
+    REFINE,
     SETTLE_TRIALS,
     restore_state,
     run_trials,
@@ -314,7 +315,7 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     saved = snapshot_state(model)
     try:
         trials = run_trials(records, count, lambda r: measure(records.index(r), r),
-                            settle=SETTLE_TRIALS, confirm=CONFIRM_TRIALS)
+                            settle=SETTLE_TRIALS, confirm=CONFIRM_TRIALS, refine=REFINE)
     finally:
         restore_state(model, saved)
     tuned = tuned_records(records, trials)

@@ -57,7 +57,7 @@ from partitioner.passes.liveness import live_values
 from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
-           "workload_from_graph", "op_times", "phase_times", "layer_time",
+           "workload_from_graph", "needs_grad", "op_times", "phase_times", "layer_time",
            "split_backward_overhead", "OP_KINDS", "ATTENTION_BACKWARD"]
 
 OP_KINDS = ("matmul", "attention", "memory")
@@ -91,6 +91,13 @@ class Op:
         replay: the share of its forward run again in the backward (per-layer activation
             checkpointing: 1 under full recomputation; a selective policy replays what it
             did not save): added to its backward by :func:`phase_times`.
+        input_grad: whether its backward computes its inputs' gradient. Autograd skips it
+            where no input needs one (the model's first product on the batch, which no
+            parameter is upstream of): a ``matmul`` then runs one product in its backward
+            (the weight gradient) instead of two, a ``memory`` op only its weight gradient.
+            Traced on 4 gloo ranks, the first stage of ``mlp([1024, 4096, ...])`` spent
+            0.4 ms in its input-gradient action against 4 ms in every other stage's
+            (docs/benchmarks.md, "A backward with no input to reach").
     """
 
     kind: str
@@ -103,6 +110,7 @@ class Op:
     count: int = 1
     out_bytes: float = 0.0
     replay: float = 0.0
+    input_grad: bool = True
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
@@ -285,18 +293,24 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
         pack = weights / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
         forward = max(product, (traffic + weights) / bandwidth) + pack + overhead
         # Two products: the input gradient (which repacks the weights again) and the weight
-        # gradient (whose output is weight-sized: the gradient traffic below).
-        backward = 2 * (max(product, (traffic + weights) / bandwidth) + overhead) + pack \
-            + grads / bandwidth
+        # gradient (whose output is weight-sized: the gradient traffic below); the weight
+        # gradient's alone where no input needs a gradient.
+        products = 2 if op.input_grad else 1
+        backward = products * (max(product, (traffic + weights) / bandwidth) + overhead) \
+            + (pack if op.input_grad else 0.0) + grads / bandwidth
     else:
         forward = (traffic + weights) / bandwidth + overhead
-        backward = op.backward * traffic / bandwidth + grads / bandwidth + overhead
+        if op.input_grad:
+            backward = op.backward * traffic / bandwidth + grads / bandwidth + overhead
+        else:  # nothing to send back: its weight gradient, if it has one
+            backward = grads / bandwidth + overhead if op.weight_grad else 0.0
     if spec.fresh_bandwidth:
         # New tensors too large for the allocator to reuse are faulted in: the output, and in
         # the backward the inputs' gradient and a new weight gradient (added to ``.grad``).
         out = op.out_bytes * samples / share
         forward += spec.fresh_time(out)
-        backward += spec.fresh_time(traffic - out) + spec.fresh_time(op.weight_grad / share)
+        backward += spec.fresh_time(traffic - out) * op.input_grad \
+            + spec.fresh_time(op.weight_grad / share)
     return forward * op.count, backward * op.count
 
 
@@ -356,9 +370,45 @@ def _is_view(node: fx.Node) -> bool:
     return all(v._base is not None for v in leaves)
 
 
-def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int) -> tuple[Op, bool] | None:
-    """The op of one call node (per sample) and whether it multiplies by a weight."""
+def needs_grad(gm: fx.GraphModule) -> set[str]:
+    """The nodes whose values autograd tracks in training: an input that requires a
+    gradient, a trainable parameter, a module holding one, and whatever any of them reaches.
+
+    Example:
+        >>> from torch import nn
+        >>> gm = fx.symbolic_trace(nn.Sequential(nn.ReLU(), nn.Linear(4, 4), nn.ReLU()))
+        >>> sorted(needs_grad(gm))
+        ['_1', '_2', 'output']
+    """
+    tracked: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            own = any(isinstance(t, torch.Tensor) and t.requires_grad
+                      for t in pytree.tree_leaves(node.meta.get("val")))
+        elif node.op == "get_attr":
+            value = _fetch(gm, str(node.target))
+            own = isinstance(value, torch.Tensor) and value.requires_grad
+        elif node.op == "call_module":
+            own = any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
+        else:
+            own = False
+        if own or any(a.name in tracked for a in node.all_input_nodes):
+            tracked.add(node.name)
+    return tracked
+
+
+def _input_grad(node: fx.Node, tracked: set[str]) -> bool:
+    """Whether autograd computes the gradient of one of ``node``'s activation inputs (a
+    parameter's, reached through ``get_attr``, is its weight gradient)."""
+    return any(a.name in tracked for a in node.all_input_nodes if a.op != "get_attr")
+
+
+def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int,
+             tracked: set[str] | None = None) -> tuple[Op, bool] | None:
+    """The op of one call node (per sample) and whether it multiplies by a weight;
+    ``tracked`` (:func:`needs_grad`) says whether its backward reaches its inputs."""
     cost = node.meta["cost"]
+    input_grad = True if tracked is None else _input_grad(node, tracked)
     weights = _weights(gm, node)
     param_bytes = sum(t.numel() * t.element_size() for t in weights if t.requires_grad
                       or isinstance(t, torch.nn.Parameter))
@@ -370,7 +420,8 @@ def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int) -> tuple[Op, bool] |
                 if a.op != "get_attr")
         traffic = max(inputs, 0) + out
         return Op("matmul", cost.forward_flops / batch, traffic / batch, weight_bytes,
-                  param_bytes, split=param_bytes > 0, out_bytes=out / batch), param_bytes > 0
+                  param_bytes, split=param_bytes > 0, out_bytes=out / batch,
+                  input_grad=input_grad), param_bytes > 0
     if _is_view(node):
         return None
     inputs = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
@@ -378,7 +429,7 @@ def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int) -> tuple[Op, bool] |
     # A gathered row of an embedding table is read once; its gradient is the whole table.
     read = min(weight_bytes, out)
     return Op("memory", 0.0, (inputs + out) / batch, read, param_bytes,
-              out_bytes=out / batch), False
+              out_bytes=out / batch, input_grad=input_grad), False
 
 
 def layer_costs(gm: fx.GraphModule, layers: Sequence[Layer],
@@ -403,7 +454,8 @@ def layer_costs(gm: fx.GraphModule, layers: Sequence[Layer],
             for used in nodes[name].all_input_nodes:
                 if used.op == "get_attr":
                     attr_layer.setdefault(used.name, index)
-    return [_layer_cost(gm, index, layer, nodes, attr_layer, batch)
+    tracked = needs_grad(gm)
+    return [_layer_cost(gm, index, layer, nodes, attr_layer, batch, tracked)
             for index, layer in enumerate(layers)]
 
 
@@ -417,13 +469,13 @@ def _batch_of(gm: fx.GraphModule) -> int:
 
 
 def _layer_cost(gm: fx.GraphModule, index: int, layer: Layer, nodes: dict[str, fx.Node],
-                attr_layer: dict[str, int], batch: int) -> LayerCost:
+                attr_layer: dict[str, int], batch: int, tracked: set[str]) -> LayerCost:
     members = [nodes[n] for n in layer.nodes]
     owned = members + [nodes[a] for a, k in attr_layer.items() if k == index]
     node_costs = [n.meta["cost"] for n in owned]
     ops, weight_products = [], 0
     for node in members:
-        made = _node_op(gm, node, batch)
+        made = _node_op(gm, node, batch, tracked)
         if made is not None:
             ops.append(made[0])
             weight_products += made[1]
@@ -434,7 +486,7 @@ def _layer_cost(gm: fx.GraphModule, index: int, layer: Layer, nodes: dict[str, f
     output = tensor_bytes(members[-1].meta.get("val")) / batch
     return LayerCost(layer.name, tuple(ops), params, sum(c.buffer_bytes for c in node_costs),
                      kept, min(split, params), kept_split, output,
-                     math.ceil(weight_products / 2), _signature(gm, members),
+                     math.ceil(weight_products / 2), _signature(gm, members, tracked),
                      param_tensors=sum(_parameter_tensors(gm, n) for n in owned))
 
 
@@ -447,15 +499,17 @@ def _parameter_tensors(gm: fx.GraphModule, node: fx.Node) -> int:
     return 0
 
 
-def _signature(gm: fx.GraphModule, members: list[fx.Node]) -> str:
-    parts = []
+def _signature(gm: fx.GraphModule, members: list[fx.Node], tracked: set[str]) -> str:
+    """Equal for layers that cost the same: the same ops on the same shapes, their
+    backwards reaching their inputs alike (the model's first layer on the batch does not)."""
+    parts: list[Any] = []
     for node in members:
         target = type(gm.get_submodule(str(node.target))).__name__ \
             if node.op == "call_module" else str(getattr(node.target, "__name__", node.target))
         val = node.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
         weights = tuple(tuple(t.shape) for t in _weights(gm, node))
-        parts.append((node.op, target, shape, weights))
+        parts.append((node.op, target, shape, weights, _input_grad(node, tracked)))
     return _digest(repr(parts))
 
 

@@ -42,11 +42,12 @@ from torch import nn
 from partitioner.errors import TuneError
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
-           "KEEP_WITHIN", "SETTLE_TRIALS", "CONFIRM_TRIALS",
+           "KEEP_WITHIN", "SETTLE_TRIALS", "CONFIRM_TRIALS", "REFINE", "REFINE_WITHIN",
+           "REFINE_TRIALS",
            "MIN_TIMED_SECONDS", "MAX_TIMED_STEPS",
            "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
-           "time_training_steps", "run_trials", "tuned_order", "tuned_records", "snapshot_state",
-           "restore_state"]
+           "time_training_steps", "run_trials", "tuned_order", "refinement", "tuned_records",
+           "snapshot_state", "restore_state"]
 
 DEFAULT_CANDIDATES = 4
 """Candidates ``tune=True`` builds and times."""
@@ -89,6 +90,21 @@ candidate's timings is not a lead. In the planning process on the
 where every other run of it read 3.55-4.75 (``benchmarks/regret.py``, 2026-12-05 10:02 UTC,
 docs/benchmarks.md "One process: a pick that screened slower timed head to head"), and
 overruled it for a plan 10% slower."""
+REFINE_WITHIN = 0.10
+"""After the rounds, the best-ranked candidate not yet timed of the mesh measured fastest
+(another schedule, micro-batch count or checkpointing of the same ``dp x tp x pp``) is timed
+head to head with that mesh's fastest when the cost model predicted it within this share
+of it (:func:`refinement`; the fronts ask for one, :data:`REFINE`). Tuning times one
+candidate per mesh first (:func:`tuned_order`), so a near-tie of schedules on the fastest
+mesh was left to the prediction: on 4 gloo ranks ``wide``'s ``tp=2 pp=2`` ``1f1b`` ran
+56.3 ms where the ``zero_bubble`` tuning kept ran 60.3 (predicted 54.0 and 53.0;
+``benchmarks/regret_distributed.py``, 2026-12-05 13:48 UTC, docs/benchmarks.md "One
+process: the allocator's history")."""
+REFINE = 1
+"""Variants of the measured fastest mesh ``partition(tune=)`` and ``partition_distributed``
+time after the rounds (:data:`REFINE_WITHIN`), beyond the ``tune=`` count."""
+REFINE_TRIALS = 2
+"""Head-to-head trials of each, the variant and its mesh's fastest, alternating."""
 RETIME_WITHIN = 0.25
 """Candidates measured within this share of the fastest after two rounds are timed a third
 time: on a machine whose speed drifts by 10-25% over seconds (measured on the 2-core VM,
@@ -208,7 +224,8 @@ class Trial:
 
 def run_trials(records: Sequence[dict[str, Any]], count: int,
                measure: Callable[[dict[str, Any]], float], *,
-               rounds: int = ROUNDS, settle: int = 0, confirm: int = 0) -> list[Trial]:
+               rounds: int = ROUNDS, settle: int = 0, confirm: int = 0,
+               refine: int = 0) -> list[Trial]:
     """Time ``count`` candidates with ``measure(record)``: those :func:`tuned_order` picks.
 
     ``settle`` untimed trials of the first of them come before the rounds (their times are
@@ -225,6 +242,10 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
     of its rounds: one round that met a slow moment of the machine (they read a plan up to
     1.5x apart on the 2-core VM) does not decide, as it did when only the candidates close
     after the first round were timed again.
+
+    Then, ``refine`` times over, the next variant of the mesh measured fastest
+    (:func:`refinement`) is timed :data:`REFINE_TRIALS` times head to head with it, and
+    joins the candidates timed.
 
     A candidate that fails to build or run is skipped with its error (the first line of
     it): tuning never loses the plan.
@@ -253,6 +274,18 @@ def run_trials(records: Sequence[dict[str, Any]], count: int,
             break
         for i in sorted(timed, key=order.index, reverse=k % 2 == 1):
             attempt(i)
+    for _ in range(refine):
+        ok = [i for i in order if i not in errors]
+        medians = {i: statistics.median(samples[i]) for i in ok}
+        extra = refinement(records, order, medians)
+        if extra is None:
+            break
+        lead = min(ok, key=lambda i: (medians[i], _rank(records, i)))
+        order.append(extra)
+        for k in range(REFINE_TRIALS):
+            for i in (extra, lead) if k % 2 == 0 else (lead, extra):
+                if i not in errors:
+                    attempt(i)
     ok = [i for i in order if i not in errors]
     decisive: dict[int, list[float]] = {}
     if confirm and len(ok) >= 2:
@@ -299,6 +332,41 @@ def tuned_order(records: Sequence[dict[str, Any]], count: int) -> list[int]:
     picked = picked[:count]
     picked += [i for i in ranked if i not in picked][:count - len(picked)]
     return sorted(picked, key=ranked.index)
+
+
+def _mesh(records: Sequence[dict[str, Any]], i: int) -> tuple[int, ...] | None:
+    config = records[i].get("config")
+    return tuple(config.get(k, 1) for k in ("dp", "tp", "pp")) if config else None
+
+
+def refinement(records: Sequence[dict[str, Any]], timed: Sequence[int],
+               measured: dict[int, float], within: float = REFINE_WITHIN) -> int | None:
+    """The candidate to time next: the best-ranked one not in ``timed`` of the mesh whose
+    candidate ``measured`` fastest, if the cost model predicted it (``step_time``) within
+    ``within`` of that one; ``None`` when there is none.
+
+    Example:
+        >>> def rec(rank, pp, schedule, step):
+        ...     return {"rank": rank, "step_time": step,
+        ...             "config": {"dp": 1, "tp": 1, "pp": pp, "schedule": schedule}}
+        >>> records = [rec(1, 2, "zero_bubble", 1.00), rec(2, 4, "1f1b", 1.01),
+        ...            rec(3, 2, "1f1b", 1.05), rec(4, 4, "gpipe", 1.30)]
+        >>> refinement(records, [0, 1], {0: 0.9, 1: 1.2})  # pp=2's 1f1b: predicted +5%
+        2
+        >>> refinement(records, [0, 1], {0: 1.3, 1: 1.2})  # pp=4's next: predicted +29%
+    """
+    if not measured:
+        return None
+    lead = min(measured, key=lambda i: (measured[i], _rank(records, i)))
+    mesh, limit = _mesh(records, lead), records[lead].get("step_time")
+    if mesh is None or limit is None:
+        return None
+    for i in sorted(range(len(records)), key=lambda i: _rank(records, i)):
+        if i in timed or _mesh(records, i) != mesh:
+            continue
+        predicted = records[i].get("step_time")
+        return i if predicted is not None and predicted <= limit * (1 + within) else None
+    return None
 
 
 def contenders(measured: dict[int, float], within: float = RETIME_WITHIN) -> list[int]:

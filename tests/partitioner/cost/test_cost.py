@@ -266,3 +266,31 @@ def test_a_lone_worker_loses_its_share_of_threads_on_kernels_not_on_launches() -
         assert stages[0].speedup(spec, 1) == stages[0].lone
     # Without the stage's own figure, the device's.
     assert replace(stages[0], lone=0.0).speedup(spec, 1) == 0.5
+
+
+def test_the_first_product_on_the_batch_has_no_input_gradient_to_compute() -> None:
+    """Autograd skips the gradient of an input no parameter is upstream of: the first
+    Linear's backward is its weight gradient alone (one product), where the same Linear
+    deeper in the model runs two; the two are costed apart (their signatures differ, so a
+    calibration scales each by its own time), and an input that requires a gradient
+    brings the second product back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 256))
+    x = torch.randn(32, 256)
+    layers = analyze(model, (x,)).workload.layers
+    products = [[op for op in layer.ops if op.kind == "matmul"] for layer in layers]
+    firsts = [ops[0] for ops in products if ops]
+    assert [op.input_grad for op in firsts] == [False, True, True]
+    spec = DeviceSpec("cpu", {"fp32": 1e11}, 8e9, 1e10, 0.9, 5e7, 1.0, 1e-5)
+    first, deeper = (op_times(op, spec, 32) for op in firsts[:2])
+    assert first[0] == pytest.approx(deeper[0])  # the same forward
+    assert first[1] < 0.75 * deeper[1]  # one product of two, plus the same gradient write
+    owners = [layer for layer, ops in zip(layers, products) if ops]
+    assert owners[0].signature != owners[1].signature
+    tracked = analyze(model, (x.clone().requires_grad_(),)).workload.layers
+    assert all(op.input_grad for layer in tracked for op in layer.ops)
+    relu_first = analyze(nn.Sequential(nn.ReLU(), nn.Linear(256, 256)), (x,)).workload
+    memory = [op for layer in relu_first.layers for op in layer.ops if op.kind == "memory"]
+    assert memory and all(not op.input_grad and op_times(op, spec, 32)[1] == 0.0
+                          for op in memory)  # a ReLU on the batch has no backward at all

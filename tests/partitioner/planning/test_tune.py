@@ -16,7 +16,11 @@ from partitioner.planning.tune import (
     CONFIRM_TRIALS,
     KEEP_WITHIN,
     MAX_TIMED_STEPS,
+    REFINE,
+    REFINE_TRIALS,
+    REFINE_WITHIN,
     Trial,
+    refinement,
     run_trials,
     synthetic_loss,
     time_training_steps,
@@ -225,6 +229,7 @@ def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
         return 1.0 if _key_of(module) == keys[2] else 2.0
 
     monkeypatch.setattr(api, "time_training_steps", fake)
+    monkeypatch.setattr(api, "REFINE", 0)  # the variants of the fastest mesh: tested below
     pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=3)
     assert _key_of(pm) == keys[2]  # the third-ranked, measured fastest, is what runs
     # Two rounds each, none close enough for a third; then the overruling lead is confirmed:
@@ -438,3 +443,76 @@ def test_a_candidate_failing_while_confirming_is_skipped() -> None:
     assert [(t.measured, t.error) for t in trials] == [(2.0, ""), (None,
                                                                   "RuntimeError: lost a worker")]
     assert [r["chosen"] for r in tuned_records(records, trials)] == [True, False]
+
+
+def _meshed(*rows: tuple[str, int, int, float]) -> list[dict]:
+    """Records of ``(label, tp, pp, predicted seconds)``, ranked in that order."""
+    return [{"label": label, "rank": r, "step_time": step,
+             "config": {"dp": 1, "tp": tp, "pp": pp, "schedule": label}}
+            for r, (label, tp, pp, step) in enumerate(rows, start=1)]
+
+
+def test_the_next_variant_of_the_fastest_mesh_is_timed_head_to_head() -> None:
+    """Tuning times one candidate per mesh; then the best-ranked untimed variant of the mesh
+    measured fastest, predicted within REFINE_WITHIN of it, is timed against it
+    (alternating, REFINE_TRIALS each) and kept when it is faster: a near-tie of schedules
+    on the fastest mesh is measured, not left to the prediction."""
+    records = _meshed(("pp4-zb", 1, 4, 1.00), ("tp2pp2-zb", 2, 2, 1.02),
+                      ("tp2pp2-1f1b", 2, 2, 1.03), ("tp2pp2-ckpt", 2, 2, 1.30))
+    seconds = {"pp4-zb": 1.30, "tp2pp2-zb": 1.20, "tp2pp2-1f1b": 1.10, "tp2pp2-ckpt": 0.5}
+    calls, measure = _moment_then(seconds, {})
+    trials = run_trials(records, 2, measure, rounds=2, refine=1)
+    assert calls[:4] == ["pp4-zb", "tp2pp2-zb", "tp2pp2-zb", "pp4-zb"]  # one per mesh
+    assert REFINE_TRIALS == 2
+    assert calls[4:] == ["tp2pp2-1f1b", "tp2pp2-zb", "tp2pp2-zb", "tp2pp2-1f1b"]
+    assert "tp2pp2-ckpt" not in calls  # predicted 27% behind its mesh's timed candidate
+    chosen = [r["label"] for r in tuned_records(records, trials) if r["chosen"]]
+    assert chosen == ["tp2pp2-1f1b"]
+    assert [t.index for t in trials] == [0, 1, 2]
+    calls, measure = _moment_then(seconds, {})
+    run_trials(records, 2, measure, rounds=2)  # refine=0: the mesh's variants wait
+    assert "tp2pp2-1f1b" not in calls
+
+
+def test_refinement_needs_a_mesh_a_prediction_and_a_close_variant() -> None:
+    records = _meshed(("a", 1, 2, 1.0), ("b", 1, 4, 1.0), ("c", 1, 2, 1.0 + REFINE_WITHIN))
+    assert refinement(records, [0, 1], {0: 1.0, 1: 2.0}) == 2
+    assert refinement(records, [0, 1], {0: 2.0, 1: 1.0}) is None  # pp=4 has no other
+    assert refinement(records, [0, 1, 2], {0: 1.0, 1: 2.0}) is None  # all timed
+    assert refinement(records, [0, 1], {}) is None
+    plain = [{"label": "a", "rank": 1}, {"label": "b", "rank": 2}]
+    assert refinement(plain, [0], {0: 1.0}) is None  # records without a mesh
+    far = _meshed(("a", 1, 2, 1.0), ("b", 1, 4, 1.0), ("c", 1, 2, 1.2))
+    assert refinement(far, [0, 1], {0: 1.0, 1: 2.0}) is None
+
+
+def test_partition_tune_times_a_variant_of_the_fastest_mesh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``partition``: with tune=1 only the best-ranked is timed in the rounds; the
+    next-ranked candidate of its mesh, measured faster, is what runs, and the plan records
+    both measurements."""
+    model = _model()
+    x = torch.randn(16, 16)
+    untuned = partition(model, ["cpu"] * 2, example_inputs=(x,))
+    ranked = sorted(untuned.plan.candidates, key=lambda r: r["rank"])
+    first = ranked[0]
+    mesh = tuple(first["config"][k] for k in ("dp", "tp", "pp"))
+    variants = [r for r in ranked[1:]
+                if tuple(r["config"][k] for k in ("dp", "tp", "pp")) == mesh]
+    if not variants or variants[0]["step_time"] > first["step_time"] * (1 + REFINE_WITHIN):
+        pytest.skip("the search ranked no close variant of its pick's mesh")
+    target = _key_of_record(variants[0])
+
+    def fake(module: nn.Module, inputs: tuple, kwargs: object, batch: int,
+             min_seconds: float = 0.0) -> float:
+        if not hasattr(module, "plan"):
+            return 10.0
+        return 1.0 if _key_of(module) == target else 2.0
+
+    monkeypatch.setattr(api, "time_training_steps", fake)
+    assert REFINE >= 1
+    pm = partition(model, ["cpu"] * 2, example_inputs=(x,), tune=1)
+    assert _key_of(pm) == target
+    measured = [r for r in pm.plan.candidates if r.get("measured_step_time")]
+    assert sorted(_key_of_record(r) for r in measured) == sorted(
+        [_key_of_record(first), target])
