@@ -89,10 +89,12 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
             f"gloo over loopback (measured: {got.latency * 1e6:.0f} us a message, "
             f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step over {steps}; a rank's "
             f"compute {got.wake * 1e3:.2f} ms slower after a wait; a one-number all-reduce "
-            f"{got.scalar * 1e3:.2f} ms; the ranks' optimizer steps at once "
+            f"{got.scalar * 1e3:.2f} ms, the last rank out {got.staggered * 1e3:.2f} ms "
+            "after the last in when they come one by one; the ranks' optimizer steps at once "
             f"{got.optimizer_gain:.2f}x one alone)", got.bandwidth, got.latency,
             busy_latency=got.busy_latency, wake=got.wake, rings=tuple(rings),
-            scalar_all_reduce=got.scalar, optimizer_gain=got.optimizer_gain)
+            scalar_all_reduce=got.scalar, optimizer_gain=got.optimizer_gain,
+            staggered_all_reduce=got.staggered)
     return _MEASURED_LINKS[key]
 
 

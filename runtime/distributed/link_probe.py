@@ -46,7 +46,8 @@ from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.optimizer_probe import probe_optimizer_gain
 
 __all__ = ["probe_link", "ProbedLink", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP",
-           "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS"]
+           "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS", "STAGGER_GAP",
+           "STAGGER_ROUNDS"]
 
 SMALL_ROUNDS = 40
 """Round trips of a 4-byte message timed for the latency (after 5 not timed)."""
@@ -69,6 +70,14 @@ bandwidth are fitted to them (``partitioner.cost.links.fit_ring_steps``). A ping
 pairs does not predict gloo's collective: on the 2-core CI VM (2026-12-04) a 64 KiB
 all-reduce took 0.32 ms on 2 ranks and 4.4 ms on 4, where the pairs' latencies (46 and 74
 us) gave 0.11 and 0.48 ms."""
+
+STAGGER_GAP = 1e-3
+"""Seconds between the ranks' arrivals at the staggered loss all-reduce
+(:func:`_staggered_scalar`): the last rank first, rank 0 last, as a pipeline's stages finish
+their backwards."""
+
+STAGGER_ROUNDS = 9
+"""Staggered loss all-reduces timed (after 2 not timed); the median counts."""
 
 COLLECTIVE_ROUNDS = 20
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
@@ -158,6 +167,9 @@ class ProbedLink:
         optimizer_gain: the ranks' optimizer steps at once against one alone
             (:func:`~partitioner.runtime.distributed.optimizer_probe.probe_optimizer_gain`);
             1.0 in a world of one.
+        staggered: seconds from the last rank's arrival at the one-number all-reduce to
+            the last rank's release, the ranks arriving one after another and computing
+            once released (:func:`_staggered_scalar`; 0 in a world of one).
     """
 
     latency: float
@@ -168,6 +180,7 @@ class ProbedLink:
     scalar: float = 0.0
     pairs: tuple[float, float] | None = None
     optimizer_gain: float = 1.0
+    staggered: float = 0.0
 
 
 def probe_link() -> ProbedLink:
@@ -198,17 +211,51 @@ def probe_link() -> ProbedLink:
         reduced = ([_all_reduces(scalar), *(_all_reduces(b) for b in buffers)] if world > 1
                    else [0.0, 0.0, 0.0])
         paired = _pair_all_reduces(buffers) if world > 2 else [0.0, 0.0]
-        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired],
+        staggered = _staggered_scalar(scalar, STAGGER_ROUNDS) if world > 1 else 0.0
+        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired, staggered],
                               dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big = (
+    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big, staggered = (
         float(v) for v in agreed)
     # The latency's share of a large message: a lone pair's message, at most half of it.
     # Not the busy pairs' median: it reads about 50 us or 2 ms by the probe on 4 ranks of 2
     # cores, which took 2 ms off 8 MiB round trips of about 3 ms and doubled the bandwidth.
     bandwidth = LARGE_BYTES / max(per_large - latency, per_large / 2, 1e-9)
     return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big), one,
-                      (pair_mid, pair_big) if world > 2 else None, probe_optimizer_gain())
+                      (pair_mid, pair_big) if world > 2 else None, probe_optimizer_gain(),
+                      staggered)
+
+
+def _staggered_scalar(tensor: torch.Tensor, rounds: int) -> float:
+    """Seconds from the last rank's arrival at an all-reduce of ``tensor`` (one number) to
+    the last rank's release, as a pipeline's ranks reach the step's loss all-reduce: rank
+    ``r`` computes ``(world - 1 - r)`` :data:`STAGGER_GAP` before it (the last stage
+    finishes its backward first, the first stage last) and :data:`WAKE_GAP` after it (its
+    optimizer step). The median of ``rounds``, on the host's one clock (``perf_counter``
+    is the host's monotonic clock in every process: the probe runs in one-host worlds).
+
+    Traced on the 2-core CI VM, 4 gloo ranks of ``mlp([1024, 4096, 1024, 4096, 1024])``
+    as ``pp=4``: rank 0, the last to arrive, was released 0.6 ms later and the others
+    2.1-4.3 ms later, where the same all-reduce entered together took 1.0-1.7 ms.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work = _reference_work()
+    marks = torch.zeros(rounds + 2, world, 2, dtype=torch.float64)
+    for k in range(rounds + 2):
+        dist.barrier()
+        end = time.perf_counter() + (world - 1 - rank) * STAGGER_GAP
+        while time.perf_counter() < end:
+            work()
+        arrived = time.perf_counter()
+        dist.all_reduce(tensor)
+        released = time.perf_counter()
+        marks[k, rank] = torch.tensor([arrived, released], dtype=torch.float64)
+        end = released + WAKE_GAP
+        while time.perf_counter() < end:
+            work()
+    dist.all_reduce(marks)  # each rank filled its own row
+    spans = [float(m[:, 1].max() - m[:, 0].max()) for m in marks[2:]]
+    return max(statistics.median(spans), 0.0)
 
 
 def _all_reduces(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:

@@ -304,6 +304,26 @@ def test_the_loss_all_reduce_timed_in_the_world_is_what_the_ranks_wait_for() -> 
         LinkSpec("bad", 1e9, 0.0, scalar_all_reduce=-1.0)
 
 
+def test_a_pipeline_s_ranks_wait_for_the_staggered_loss_all_reduce() -> None:
+    """A pipeline's ranks reach the loss all-reduce one by one (the first stage's backward
+    ends last) and the late ones come out later than ranks entering together: the probe's
+    ``staggered_all_reduce`` is what a pipeline's ranks wait for; ranks of one stage (no
+    pipeline) keep ``scalar_all_reduce``; a negative figure is refused by name."""
+    own = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10)
+    link = LinkSpec("loopback", 1e9, 0.01, scalar_all_reduce=0.3, staggered_all_reduce=0.7)
+    ranks = Cluster(own, devices_per_node=2, intra_node=link, processes=True)
+    prediction = replace(_equal_stages(Config(pp=2, chunks=1)), optimizer_times=(0.5, 0.25))
+    steps = {j: (start, end) for j, kind, start, end in simulate(prediction, ranks).updates
+             if kind == "optimizer"}
+    assert steps[0] == pytest.approx((6.0 + 0.7, 6.0 + 0.7 + 0.5))
+    assert loss_all_reduce_time(ranks, 2, staggered=True) == 0.7
+    assert loss_all_reduce_time(ranks, 2) == 0.3
+    unmeasured = replace(ranks, intra_node=replace(link, staggered_all_reduce=None))
+    assert loss_all_reduce_time(unmeasured, 2, staggered=True) == 0.3
+    with pytest.raises(DeviceError, match="staggered_all_reduce=-1"):
+        LinkSpec("bad", 1e9, 0.0, staggered_all_reduce=-1.0)
+
+
 def test_a_rank_starts_its_optimizer_cold_after_waiting_in_the_loss_all_reduce() -> None:
     """The loss all-reduce is a wait like any other: each rank's optimizer step loses
     ``LinkSpec.wake_time`` of the time it waited there (processes only)."""

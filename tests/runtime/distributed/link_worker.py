@@ -17,6 +17,7 @@ if __name__ == "__main__":
                                   "bandwidth": got.bandwidth, "busy": got.busy_latency,
                                   "wake": got.wake, "collective": list(got.collective),
                                   "scalar": got.scalar, "pairs": got.pairs,
-                                  "optimizer_gain": got.optimizer_gain}),
+                                  "optimizer_gain": got.optimizer_gain,
+                                  "staggered": got.staggered}),
           flush=True)
     dist.destroy_process_group()

@@ -23,16 +23,17 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     and all at once; every rank gets the slowest pair's latencies and bandwidth, positive
     and finite, the latency with every pair at once never below the one of a lone pair, the
     compute a rank loses after waiting for its peer (``wake``) finite and not negative, and
-    the all-reduces every rank times together the same on every rank, and what the ranks'
-    optimizer steps get done at once (never more than one step per rank, never less than
+    the all-reduces every rank times together the same on every rank, the loss all-reduce
+    as a pipeline's ranks reach it one by one, and what the ranks' optimizer steps get done
+    at once (never more than one step per rank, never less than
     one rank's alone shared by all)."""
     per_rank = results(launch(WORKER, world, [], timeout=120))
     figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"],
                 tuple(r[0]["collective"]), r[0]["scalar"],
                 tuple(r[0]["pairs"]) if r[0]["pairs"] is not None else None,
-                r[0]["optimizer_gain"]) for r in per_rank}
+                r[0]["optimizer_gain"], r[0]["staggered"]) for r in per_rank}
     assert len(figures) == 1, figures
-    latency, bandwidth, busy, wake, (mid, big), scalar, pairs, gain = figures.pop()
+    latency, bandwidth, busy, wake, (mid, big), scalar, pairs, gain, staggered = figures.pop()
     assert 1 / world <= gain <= world
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
@@ -40,6 +41,9 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     # buffer never costs less than a ring's bytes over the pairs' bandwidth.
     assert 0 < mid < 1.0 and 0 < big < 10.0
     assert 0 < scalar < 1.0  # one number, as the step's loss is all-reduced
+    # The same, the ranks arriving one by one (a pipeline's): the last rank out after the
+    # last in, on the host's one clock; at least a message's way back.
+    assert latency / 2 < staggered < 1.0
     # Within pairs (every pair at once): timed where the world has more than one pair's
     # ranks (a lone last rank of 3 times nothing; the slowest pair counts).
     assert (pairs is None) == (world == 2)
