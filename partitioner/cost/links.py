@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from partitioner.errors import DeviceError
@@ -58,13 +59,16 @@ class LinkSpec:
             (the step's loss), measured by the link probe; ``None``: a ring of ``latency``
             hand-offs (with more ranks than cores, 0.5-1.2 ms on 4 ranks of the 2-core CI VM
             against 0.25 ms for six hand-offs).
-        staggered_all_reduce: seconds from the last rank's arrival at that all-reduce to
-            the last rank's release when the ranks arrive one after another and compute
-            once released, as a pipeline's stages do (the first stage's backward ends
-            last), measured by the link probe; ``None``: ``scalar_all_reduce``. Traced on
-            4 gloo ranks of the 2-core CI VM, the late ranks came out 2.1-4.3 ms after
-            rank 0's arrival (``pp=4``) and 3.3-6.2 ms (``tp=2 pp=2``), where the ranks
-            entering together took 1.0-1.7 ms.
+        staggered_all_reduce: ``(seconds computed once released, seconds)`` pairs, in
+            increasing order of the first: from the last rank's arrival at that all-reduce
+            to the last rank's release when the ranks arrive one after another, as a
+            pipeline's stages do (the first stage's backward ends last), and then compute
+            for that long (their optimizer steps: ranks released first hold the cores the
+            others need to come out), measured by the link probe; empty:
+            ``scalar_all_reduce`` (:meth:`staggered_time`). Traced on 4 gloo ranks of the
+            2-core CI VM, the last rank came out 1.1-1.7 ms after the last one in where
+            the optimizer steps took 0.3-0.4 ms, 2.1-4.3 ms where they took 16 ms, and
+            ranks entering together took 1.0-1.7 ms.
         wake: seconds a rank's compute loses when it starts right after waiting
             ``WAKE_GAP`` or longer for a message (a process that blocked lets its core idle
             or run another process: on the 2-core CI VM the next forward and backward of a
@@ -88,7 +92,7 @@ class LinkSpec:
     rings: tuple[tuple[int, float, float], ...] = ()
     scalar_all_reduce: float | None = None
     optimizer_gain: float = 0.0
-    staggered_all_reduce: float | None = None
+    staggered_all_reduce: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,9 +112,11 @@ class LinkSpec:
         if self.scalar_all_reduce is not None and not self.scalar_all_reduce >= 0:
             problems.append(f"scalar_all_reduce={self.scalar_all_reduce!r}; it must be >= 0 "
                             "or None")
-        if self.staggered_all_reduce is not None and not self.staggered_all_reduce >= 0:
-            problems.append(f"staggered_all_reduce={self.staggered_all_reduce!r}; it must "
-                            "be >= 0 or None")
+        points = self.staggered_all_reduce
+        if any(len(p) != 2 or not (p[0] >= 0 and p[1] >= 0) for p in points) or any(
+                a[0] >= b[0] for a, b in itertools.pairwise(points)):
+            problems.append(f"staggered_all_reduce={points!r}; it must be (seconds after "
+                            ">= 0, seconds >= 0) pairs in increasing order of the first")
         if not self.wake >= 0:
             problems.append(f"wake={self.wake!r}; it must be >= 0")
         if not self.optimizer_gain >= 0:
@@ -118,6 +124,28 @@ class LinkSpec:
                             "(0: unmeasured)")
         if problems:
             raise DeviceError(f"LinkSpec {self.name!r}: " + "; ".join(problems))
+
+    def staggered_time(self, after: float) -> float | None:
+        """Seconds from the last rank's arrival at the loss all-reduce to the last one's
+        release when the ranks then compute ``after`` seconds each: interpolated between
+        the probe's :attr:`staggered_all_reduce` points, the nearest one outside them;
+        ``None`` where none was measured.
+
+        Example:
+            >>> link = LinkSpec("l", 3e9, 4e-5, staggered_all_reduce=((1e-3, 1e-3),
+            ...                                                      (5e-3, 3e-3)))
+            >>> [round(link.staggered_time(a) * 1e3, 2) for a in (0.0, 3e-3, 0.1)]
+            [1.0, 2.0, 3.0]
+        """
+        points = self.staggered_all_reduce
+        if not points:
+            return None
+        if after <= points[0][0]:
+            return points[0][1]
+        for (a, t), (b, u) in itertools.pairwise(points):
+            if after <= b:
+                return t + (u - t) * (after - a) / (b - a)
+        return points[-1][1]
 
     @property
     def step_latency(self) -> float:

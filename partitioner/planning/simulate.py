@@ -181,7 +181,9 @@ class _Simulation:
         self.processes = cluster.processes
         self.link = cluster.intra_node
         self.free_since = [0.0] * c.pp
-        self.loss_time = loss_all_reduce_time(cluster, c.devices, staggered=c.pp > 1)
+        self.loss_time = loss_all_reduce_time(
+            cluster, c.devices, staggered=c.pp > 1,
+            after=max(self.p.optimizer_times, default=0.0))
         self.ready_to_step: list[int] = []
         self.ready_at = [0.0] * c.pp  # when each rank's backward (and its reduce) ended
 
@@ -446,13 +448,15 @@ class _Simulation:
                                 tuple(sorted(self.updates, key=lambda u: (u[2], u[0]))))
 
 
-def loss_all_reduce_time(cluster: Cluster, ranks: int, staggered: bool = False) -> float:
+def loss_all_reduce_time(cluster: Cluster, ranks: int, staggered: bool = False,
+                         after: float = 0.0) -> float:
     """Seconds of the one-number all-reduce of the step's loss over a world of ``ranks``
     processes (0 for one process's devices): as the link probe timed it in this world
     (``LinkSpec.scalar_all_reduce``; with ``staggered``, a pipeline's ranks arriving one
-    after another, ``LinkSpec.staggered_all_reduce``: from the last arrival to the last
-    release), else a ring of lone hand-offs, since every rank but the last to finish its
-    backward is waiting in it already.
+    after another and then stepping optimizers of ``after`` seconds each,
+    ``LinkSpec.staggered_time``: from the last arrival to the last release), else a ring
+    of lone hand-offs, since every rank but the last to finish its backward is waiting in
+    it already.
 
     Example:
         >>> from partitioner.cost.devices import REFERENCE_CPU
@@ -464,8 +468,9 @@ def loss_all_reduce_time(cluster: Cluster, ranks: int, staggered: bool = False) 
     if not cluster.processes or ranks < 2:
         return 0.0
     link = cluster.intra_node
-    if staggered and link.staggered_all_reduce is not None and ranks == cluster.size:
-        return link.staggered_all_reduce
+    timed = link.staggered_time(after) if staggered and ranks == cluster.size else None
+    if timed is not None:
+        return timed
     if link.scalar_all_reduce is not None and ranks == cluster.size:  # timed in this world
         return link.scalar_all_reduce
     return all_reduce_time(8.0, ranks, replace(link, busy_latency=None, rings=()))

@@ -36,7 +36,11 @@ from partitioner.planning.world_prediction import not_predicted, predicted_as_ru
 from partitioner.plans.plan import Plan
 from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
-from partitioner.runtime.distributed.link_probe import COLLECTIVE_BYTES, probe_link
+from partitioner.runtime.distributed.link_probe import (
+    COLLECTIVE_BYTES,
+    STAGGER_AFTER,
+    probe_link,
+)
 
 __all__ = ["infer_cluster", "cpu_world_link", "predicted_for_world", "rank0_error"]
 
@@ -85,16 +89,18 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
             rings.insert(0, (2, *fit_ring_steps(2, COLLECTIVE_BYTES, got.pairs, pairs)))
         steps = ", ".join(f"{n} ranks {a * 1e6:.0f} us and {b / 1e9:.2f} GB/s"
                           for n, a, b in rings)
+        staggered = " or ".join(f"{t * 1e3:.2f} ms ({a * 1e3:.1f} ms of compute after)"
+                                for a, t in zip(STAGGER_AFTER, got.staggered))
         _MEASURED_LINKS[key] = LinkSpec(
             f"gloo over loopback (measured: {got.latency * 1e6:.0f} us a message, "
             f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step over {steps}; a rank's "
             f"compute {got.wake * 1e3:.2f} ms slower after a wait; a one-number all-reduce "
-            f"{got.scalar * 1e3:.2f} ms, the last rank out {got.staggered * 1e3:.2f} ms "
-            "after the last in when they come one by one; the ranks' optimizer steps at once "
+            f"{got.scalar * 1e3:.2f} ms, the last rank out {staggered} after the last "
+            "in when they come one by one; the ranks' optimizer steps at once "
             f"{got.optimizer_gain:.2f}x one alone)", got.bandwidth, got.latency,
             busy_latency=got.busy_latency, wake=got.wake, rings=tuple(rings),
             scalar_all_reduce=got.scalar, optimizer_gain=got.optimizer_gain,
-            staggered_all_reduce=got.staggered)
+            staggered_all_reduce=tuple(zip(STAGGER_AFTER, got.staggered)))
     return _MEASURED_LINKS[key]
 
 

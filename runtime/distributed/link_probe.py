@@ -47,7 +47,7 @@ from partitioner.runtime.distributed.optimizer_probe import probe_optimizer_gain
 
 __all__ = ["probe_link", "ProbedLink", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP",
            "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS", "STAGGER_GAP",
-           "STAGGER_ROUNDS"]
+           "STAGGER_ROUNDS", "STAGGER_AFTER"]
 
 SMALL_ROUNDS = 40
 """Round trips of a 4-byte message timed for the latency (after 5 not timed)."""
@@ -77,7 +77,16 @@ STAGGER_GAP = 1e-3
 their backwards."""
 
 STAGGER_ROUNDS = 9
-"""Staggered loss all-reduces timed (after 2 not timed); the median counts."""
+"""Staggered loss all-reduces timed per :data:`STAGGER_AFTER` (after 2 not timed); the
+median counts."""
+
+STAGGER_AFTER = (5e-4, 5e-3)
+"""Seconds each rank computes once released from the staggered loss all-reduce (its
+optimizer step): with more ranks than cores, the ranks released first hold the cores the
+others need to come out. Traced on the 2-core CI VM with 4 gloo ranks, the last rank came
+out 1.1-1.7 ms after the last one in where the optimizer steps took 0.3-0.4 ms (``mlp``
+x4), 2.1-4.3 ms where they took 16 ms (``wide`` x4); the probe read about 1.5 and 3-6 ms
+for these two."""
 
 COLLECTIVE_ROUNDS = 20
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
@@ -167,9 +176,10 @@ class ProbedLink:
         optimizer_gain: the ranks' optimizer steps at once against one alone
             (:func:`~partitioner.runtime.distributed.optimizer_probe.probe_optimizer_gain`);
             1.0 in a world of one.
-        staggered: seconds from the last rank's arrival at the one-number all-reduce to
-            the last rank's release, the ranks arriving one after another and computing
-            once released (:func:`_staggered_scalar`; 0 in a world of one).
+        staggered: per :data:`STAGGER_AFTER` (the compute that follows), seconds from the
+            last rank's arrival at the one-number all-reduce to the last rank's release,
+            the ranks arriving one after another (:func:`_staggered_scalar`; 0 in a world
+            of one).
     """
 
     latency: float
@@ -180,7 +190,7 @@ class ProbedLink:
     scalar: float = 0.0
     pairs: tuple[float, float] | None = None
     optimizer_gain: float = 1.0
-    staggered: float = 0.0
+    staggered: tuple[float, ...] = ()
 
 
 def probe_link() -> ProbedLink:
@@ -211,28 +221,30 @@ def probe_link() -> ProbedLink:
         reduced = ([_all_reduces(scalar), *(_all_reduces(b) for b in buffers)] if world > 1
                    else [0.0, 0.0, 0.0])
         paired = _pair_all_reduces(buffers) if world > 2 else [0.0, 0.0]
-        staggered = _staggered_scalar(scalar, STAGGER_ROUNDS) if world > 1 else 0.0
-        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired, staggered],
+        staggered = [_staggered_scalar(scalar, STAGGER_ROUNDS, after) if world > 1 else 0.0
+                     for after in STAGGER_AFTER]
+        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired, *staggered],
                               dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big, staggered = (
-        float(v) for v in agreed)
+    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big = (
+        float(v) for v in agreed[:9])
     # The latency's share of a large message: a lone pair's message, at most half of it.
     # Not the busy pairs' median: it reads about 50 us or 2 ms by the probe on 4 ranks of 2
     # cores, which took 2 ms off 8 MiB round trips of about 3 ms and doubled the bandwidth.
     bandwidth = LARGE_BYTES / max(per_large - latency, per_large / 2, 1e-9)
     return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big), one,
                       (pair_mid, pair_big) if world > 2 else None, probe_optimizer_gain(),
-                      staggered)
+                      tuple(float(v) for v in agreed[9:]))
 
 
-def _staggered_scalar(tensor: torch.Tensor, rounds: int) -> float:
+def _staggered_scalar(tensor: torch.Tensor, rounds: int, after: float) -> float:
     """Seconds from the last rank's arrival at an all-reduce of ``tensor`` (one number) to
     the last rank's release, as a pipeline's ranks reach the step's loss all-reduce: rank
     ``r`` computes ``(world - 1 - r)`` :data:`STAGGER_GAP` before it (the last stage
-    finishes its backward first, the first stage last) and :data:`WAKE_GAP` after it (its
-    optimizer step). The median of ``rounds``, on the host's one clock (``perf_counter``
-    is the host's monotonic clock in every process: the probe runs in one-host worlds).
+    finishes its backward first, the first stage last) and ``after`` seconds once released
+    (its optimizer step). The median of ``rounds``, on the host's one clock
+    (``perf_counter`` is the host's monotonic clock in every process: the probe runs in
+    one-host worlds).
 
     Traced on the 2-core CI VM, 4 gloo ranks of ``mlp([1024, 4096, 1024, 4096, 1024])``
     as ``pp=4``: rank 0, the last to arrive, was released 0.6 ms later and the others
@@ -250,7 +262,7 @@ def _staggered_scalar(tensor: torch.Tensor, rounds: int) -> float:
         dist.all_reduce(tensor)
         released = time.perf_counter()
         marks[k, rank] = torch.tensor([arrived, released], dtype=torch.float64)
-        end = released + WAKE_GAP
+        end = released + after
         while time.perf_counter() < end:
             work()
     dist.all_reduce(marks)  # each rank filled its own row

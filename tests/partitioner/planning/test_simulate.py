@@ -310,18 +310,23 @@ def test_a_pipeline_s_ranks_wait_for_the_staggered_loss_all_reduce() -> None:
     ``staggered_all_reduce`` is what a pipeline's ranks wait for; ranks of one stage (no
     pipeline) keep ``scalar_all_reduce``; a negative figure is refused by name."""
     own = DeviceSpec("cpu", {"fp32": 1e10}, 1e9, 1e10)
-    link = LinkSpec("loopback", 1e9, 0.01, scalar_all_reduce=0.3, staggered_all_reduce=0.7)
+    link = LinkSpec("loopback", 1e9, 0.01, scalar_all_reduce=0.3,
+                    staggered_all_reduce=((0.1, 0.6), (1.0, 0.9)))
     ranks = Cluster(own, devices_per_node=2, intra_node=link, processes=True)
     prediction = replace(_equal_stages(Config(pp=2, chunks=1)), optimizer_times=(0.5, 0.25))
     steps = {j: (start, end) for j, kind, start, end in simulate(prediction, ranks).updates
              if kind == "optimizer"}
-    assert steps[0] == pytest.approx((6.0 + 0.7, 6.0 + 0.7 + 0.5))
-    assert loss_all_reduce_time(ranks, 2, staggered=True) == 0.7
+    # The longest optimizer step (0.5 s) follows: 0.6 + 0.3 x (0.5 - 0.1) / 0.9.
+    reduced = 6.0 + 0.6 + 0.3 * 0.4 / 0.9
+    assert steps[0] == pytest.approx((reduced, reduced + 0.5))
+    assert loss_all_reduce_time(ranks, 2, staggered=True, after=0.0) == 0.6
+    assert loss_all_reduce_time(ranks, 2, staggered=True, after=5.0) == 0.9
     assert loss_all_reduce_time(ranks, 2) == 0.3
-    unmeasured = replace(ranks, intra_node=replace(link, staggered_all_reduce=None))
+    unmeasured = replace(ranks, intra_node=replace(link, staggered_all_reduce=()))
     assert loss_all_reduce_time(unmeasured, 2, staggered=True) == 0.3
-    with pytest.raises(DeviceError, match="staggered_all_reduce=-1"):
-        LinkSpec("bad", 1e9, 0.0, staggered_all_reduce=-1.0)
+    for bad in (((0.1, -1.0),), ((1.0, 0.5), (0.1, 0.6)), ((0.1,),)):
+        with pytest.raises(DeviceError, match="staggered_all_reduce="):
+            LinkSpec("bad", 1e9, 0.0, staggered_all_reduce=bad)  # type: ignore[arg-type]
 
 
 def test_a_rank_starts_its_optimizer_cold_after_waiting_in_the_loss_all_reduce() -> None:
