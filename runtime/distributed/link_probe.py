@@ -88,9 +88,12 @@ out 1.1-1.7 ms after the last one in where the optimizer steps took 0.3-0.4 ms (
 x4), 2.1-4.3 ms where they took 16 ms (``wide`` x4); the probe read about 1.5 and 3-6 ms
 for these two."""
 
-COLLECTIVE_ROUNDS = 20
+COLLECTIVE_ROUNDS = 60
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
-up, 1.7x the later ones on 2 ranks)."""
+up, 1.7x the later ones on 2 ranks). Sixty, not twenty: on the 2-core CI VM a 64 KiB
+all-reduce of 2 ranks takes about 0.3 or about 3 ms, and the means of twenty in a row
+(the slowest two left out) read 0.30-2.34 ms within one world's 300, whose mean was 1.2
+and 1.7 ms in two worlds (2026-12-05); the probes of five worlds read 0.47-1.65 ms."""
 
 
 def _round_trips(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
