@@ -99,4 +99,5 @@ def _cluster_from(data: dict[str, Any]) -> Cluster:
 
 def _link_from(data: dict[str, Any]) -> LinkSpec:
     rings = tuple((int(n), float(a), float(b)) for n, a, b in data.get("rings", ()))
-    return LinkSpec(**{**data, "rings": rings})
+    staggered = tuple((float(a), float(t)) for a, t in data.get("staggered_all_reduce", ()))
+    return LinkSpec(**{**data, "rings": rings, "staggered_all_reduce": staggered})

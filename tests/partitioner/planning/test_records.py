@@ -30,7 +30,8 @@ def test_records_round_trip_through_json() -> None:
 
 def test_a_measured_world_link_round_trips_with_its_timed_rings() -> None:
     link = LinkSpec("gloo (measured)", 3e9, 4e-5, busy_latency=9e-5, wake=1e-4,
-                    rings=((2, 1.3e-4, 1.2e9), (4, 7e-4, 2e9)), scalar_all_reduce=5e-4)
+                    rings=((2, 1.3e-4, 1.2e9), (4, 7e-4, 2e9)), scalar_all_reduce=5e-4,
+                    staggered_all_reduce=((5e-4, 1.5e-3), (5e-3, 5.6e-3)))
     world = world_cluster(["h"] * 4, "cpu", cpu=REFERENCE_CPU, link=link)
     prediction = predict(WORKLOAD, world, Config(dp=2, pp=2, chunks=2))
     _, cluster = from_record(json.loads(json.dumps(to_record(prediction, world))))
