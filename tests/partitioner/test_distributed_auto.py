@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from distributed_harness import launch, results
 
-from partitioner.planning.tune import KEEP_WITHIN
+from partitioner.planning.tune import KEEP_WITHIN, REFINE
 from partitioner.runtime.schedule_registry import Runtime, schedule_names
 
 WORKER = Path(__file__).with_name("auto_worker.py")
@@ -79,11 +79,13 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int, world: int) -> None
     if case.get("tune"):
         # Every rank times the same candidates and agrees on the measured fastest (or a
         # better-ranked one within KEEP_WITHIN of it, a tie the timing cannot break).
+        # The tune= count, and at most REFINE more: variants of the mesh measured fastest.
         measured = records[0]["measured"]
-        assert sum(m is not None for m in measured) == case["tune"], measured
+        timed = sum(m is not None for m in measured)
+        assert case["tune"] <= timed <= case["tune"] + REFINE, measured
         chosen = records[0]["chosen"].index(True)
         assert measured[chosen] <= min(m for m in measured if m is not None) * (1 + KEEP_WITHIN)
-        assert records[0]["explain"].startswith("tuned: timed 2 candidates")
+        assert records[0]["explain"].startswith(f"tuned: timed {timed} candidates")
     else:
         assert records[0]["explain"].startswith("chosen: ")
     # Only rank 0 plans, so only rank 0 times the model (when asked).
