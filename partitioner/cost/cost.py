@@ -51,14 +51,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner.cost.devices import DeviceSpec, dtype_name
+from partitioner.cost.grad_flow import is_linear, needs_grad, reaches_inputs
 from partitioner.errors import CostModelError
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.liveness import live_values
 from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
-           "workload_from_graph", "needs_grad", "op_times", "phase_times", "layer_time",
-           "split_backward_overhead", "OP_KINDS", "ATTENTION_BACKWARD"]
+           "workload_from_graph", "op_times", "weight_time", "phase_times",
+           "layer_time", "split_backward_overhead", "OP_KINDS", "ATTENTION_BACKWARD"]
 
 OP_KINDS = ("matmul", "attention", "memory")
 
@@ -98,6 +99,11 @@ class Op:
             Traced on 4 gloo ranks, the first stage of ``mlp([1024, 4096, ...])`` spent
             0.4 ms in its input-gradient action against 4 ms in every other stage's
             (docs/benchmarks.md, "A backward with no input to reach").
+        queued: whether a schedule that splits its backwards queues this product's weight
+            gradient for its ``W`` action: a Linear's (``passes.fuse_weight_grads`` routes
+            every ``nn.Linear`` and ``F.linear`` through ``runtime.fused_linear``); other
+            products (convolutions) compute theirs with the input gradients, in ``I``
+            (:func:`weight_time`).
     """
 
     kind: str
@@ -111,6 +117,7 @@ class Op:
     out_bytes: float = 0.0
     replay: float = 0.0
     input_grad: bool = True
+    queued: bool = True
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
@@ -314,6 +321,41 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
     return forward * op.count, backward * op.count
 
 
+def weight_time(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
+                dtype: str = "fp32", accumulate: float = 0.0) -> float:
+    """Seconds of a layer's backward that a split backward's ``W`` action runs: the weight
+    gradients of its queued products (:attr:`Op.queued`: one product each, the gradient's
+    write, and its faulting in where too large for the allocator), scaled like
+    :func:`phase_times`; the rest of its backward (input gradients, element-wise ops,
+    other parameters' gradients) is ``I``'s.
+
+    Example:
+        >>> from partitioner.cost.devices import DeviceSpec
+        >>> cpu = DeviceSpec("cpu", {"fp32": 1e11}, 8e9, 1e10, 0.9, 5e7, 1.0, 1e-5)
+        >>> op = Op("matmul", flops=2 * 1024 * 1024, bytes=8 * 1024, weight_read=4 * 2**20,
+        ...         weight_grad=4 * 2**20)
+        >>> layer = LayerCost("fc", (op, Op("memory", bytes=8 * 1024)), param_bytes=4 * 2**20)
+        >>> w, (f, b) = weight_time(layer, cpu, 64), phase_times(layer, cpu, 64)
+        >>> round(w / b, 2)  # one of two products, the gradient's write; no element-wise op
+        0.54
+    """
+    total = 0.0
+    for op in layer.ops:
+        if op.kind != "matmul" or not op.weight_grad or not op.queued:
+            continue
+        share = tp if op.split else 1
+        flops, traffic = op.flops * samples / share, op.bytes * samples / share
+        weights = op.weight_read / share
+        grads = op.weight_grad / share * (1 + 3 * accumulate)
+        product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
+        seconds = max(product, (traffic + weights) / spec.achievable_bandwidth) \
+            + spec.op_overhead + grads / spec.achievable_bandwidth
+        if spec.fresh_bandwidth:
+            seconds += spec.fresh_time(op.weight_grad / share)
+        total += seconds * op.count
+    return total * layer.time_scale
+
+
 def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
                 dtype: str = "fp32", accumulate: float = 0.0) -> tuple[float, float]:
     """Seconds of a layer's forward and backward for a micro-batch of ``samples``; the
@@ -370,45 +412,13 @@ def _is_view(node: fx.Node) -> bool:
     return all(v._base is not None for v in leaves)
 
 
-def needs_grad(gm: fx.GraphModule) -> set[str]:
-    """The nodes whose values autograd tracks in training: an input that requires a
-    gradient, a trainable parameter, a module holding one, and whatever any of them reaches.
-
-    Example:
-        >>> from torch import nn
-        >>> gm = fx.symbolic_trace(nn.Sequential(nn.ReLU(), nn.Linear(4, 4), nn.ReLU()))
-        >>> sorted(needs_grad(gm))
-        ['_1', '_2', 'output']
-    """
-    tracked: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            own = any(isinstance(t, torch.Tensor) and t.requires_grad
-                      for t in pytree.tree_leaves(node.meta.get("val")))
-        elif node.op == "get_attr":
-            value = _fetch(gm, str(node.target))
-            own = isinstance(value, torch.Tensor) and value.requires_grad
-        elif node.op == "call_module":
-            own = any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
-        else:
-            own = False
-        if own or any(a.name in tracked for a in node.all_input_nodes):
-            tracked.add(node.name)
-    return tracked
-
-
-def _input_grad(node: fx.Node, tracked: set[str]) -> bool:
-    """Whether autograd computes the gradient of one of ``node``'s activation inputs (a
-    parameter's, reached through ``get_attr``, is its weight gradient)."""
-    return any(a.name in tracked for a in node.all_input_nodes if a.op != "get_attr")
-
-
 def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int,
              tracked: set[str] | None = None) -> tuple[Op, bool] | None:
     """The op of one call node (per sample) and whether it multiplies by a weight;
     ``tracked`` (:func:`needs_grad`) says whether its backward reaches its inputs."""
     cost = node.meta["cost"]
-    input_grad = True if tracked is None else _input_grad(node, tracked)
+    input_grad = True if tracked is None else reaches_inputs(node, tracked)
+    queued = is_linear(gm, node)
     weights = _weights(gm, node)
     param_bytes = sum(t.numel() * t.element_size() for t in weights if t.requires_grad
                       or isinstance(t, torch.nn.Parameter))
@@ -421,7 +431,7 @@ def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int,
         traffic = max(inputs, 0) + out
         return Op("matmul", cost.forward_flops / batch, traffic / batch, weight_bytes,
                   param_bytes, split=param_bytes > 0, out_bytes=out / batch,
-                  input_grad=input_grad), param_bytes > 0
+                  input_grad=input_grad, queued=queued), param_bytes > 0
     if _is_view(node):
         return None
     inputs = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
@@ -509,7 +519,7 @@ def _signature(gm: fx.GraphModule, members: list[fx.Node], tracked: set[str]) ->
         val = node.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
         weights = tuple(tuple(t.shape) for t in _weights(gm, node))
-        parts.append((node.op, target, shape, weights, _input_grad(node, tracked)))
+        parts.append((node.op, target, shape, weights, reaches_inputs(node, tracked)))
     return _digest(repr(parts))
 
 

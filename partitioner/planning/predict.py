@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
-from partitioner.cost.cost import Workload, phase_times, split_backward_overhead
+from partitioner.cost.cost import Workload, phase_times, split_backward_overhead, weight_time
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
@@ -174,6 +174,8 @@ class StageProfile:
             the threads) runs this stage against all the threads
             (:func:`partitioner.cost.sharing.lone_work`: its launches lose nothing); 0: the
             device's ``worker_speed``.
+        weight: with split backwards, the seconds of ``backward`` its ``W`` runs (its
+            layers' ``cost.weight_time``, ``W``'s own cost); 0: :data:`INPUT_SHARE`'s.
     """
 
     first: int
@@ -191,6 +193,7 @@ class StageProfile:
     input_bytes: float
     sharing: tuple[float, ...] = ()
     lone: float = 0.0
+    weight: float = 0.0
 
     def speedup(self, spec: DeviceSpec, n: float) -> float:
         """Gain of ``n`` busy devices over one with all threads (below 2: from a lone worker's)."""
@@ -460,6 +463,12 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
         forward = sum(times[i][0] for i in range(a, b)) + spec.action_overhead
         backward = sum(times[i][1] for i in range(a, b)) + spec.action_overhead + (
             split_backward_overhead(layers, spec) if split else 0.0)
+        # What W runs: the Linear weight products (traced on 4 gloo ranks, `mlp` x4's I
+        # took 0.65-0.72 of its 1F1B backward; docs/benchmarks.md "A backward with no input").
+        weight = min(sum(weight_time(lay, spec, samples, config.tp if lay.splittable else 1,
+                                     workload.dtype, (config.chunks - 1) / config.chunks)
+                         for lay in layers) + split_backward_overhead(layers, spec),
+                     backward) if split else 0.0
         out_bytes = workload.boundaries[b] * samples
         params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
         out.append(StageProfile(
@@ -471,7 +480,7 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
             * samples, workload.boundaries[a] * samples, sharing_gains(
                 [shared[lay.signature] for lay in layers] if shared else []),
             lone_gain(forward + backward, [shared[lay.signature][0] for lay in layers],
-                  [lone[lay.signature] for lay in layers]) if shared else 0.0))
+                  [lone[lay.signature] for lay in layers]) if shared else 0.0, weight))
     return tuple(out)
 
 

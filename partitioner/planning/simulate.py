@@ -8,9 +8,10 @@ registered schedule); an action starts when the device is free and its inputs ha
   ``F(k - 1, i)``, sent over the link between their devices;
 * ``B(k, i)`` needs ``F(k, i)`` and the gradient of ``B(k + 1, i)``, sent back; a
   zero-bubble schedule splits it into ``I(k, i)`` (the input gradients, sent back; it
-  replays a checkpointed forward) and ``W(k, i)`` (the weight gradients, after ``I``),
-  each taking ``partitioner.planning.predict.INPUT_SHARE`` of the backward (a Linear's
-  backward is two products of equal size, one per half);
+  replays a checkpointed forward) and ``W(k, i)`` (the weight gradients, after ``I``):
+  ``W`` the stage's Linear weight products (``StageProfile.weight``), ``I`` the rest (the
+  input gradients' products, element-wise ops, other parameters' gradients), or
+  ``partitioner.planning.predict.INPUT_SHARE`` of the backward each where not costed;
 * each link carries one message at a time in each direction (alpha-beta times);
 * a device's tensor-parallel all-reduces are part of its forward and backward (they block
   compute, as in Megatron-LM);
@@ -227,10 +228,11 @@ class _Simulation:
             return stage.forward + blocked * stage.send
         replay = stage.replay if action.microbatch < self.replay_below else 0.0
         send = blocked * (self.stages[k - 1].send if k else 0.0)
+        weight = stage.weight or (1 - INPUT_SHARE) * stage.backward
         if action.phase is Phase.WEIGHT:
-            return (1 - INPUT_SHARE) * stage.backward
+            return weight
         if action.phase is Phase.INPUT:
-            return INPUT_SHARE * stage.backward + replay + send
+            return stage.backward - weight + replay + send
         return stage.backward + replay + send
 
     def link_time(self, seconds: float) -> float:
