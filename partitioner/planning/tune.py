@@ -97,8 +97,8 @@ head to head with that mesh's fastest when the cost model predicted it within th
 of it (:func:`refinement`; the fronts ask for one, :data:`REFINE`). Tuning times one
 candidate per mesh first (:func:`tuned_order`), so a near-tie of schedules on the fastest
 mesh was left to the prediction: on 4 gloo ranks ``wide``'s ``tp=2 pp=2`` ``1f1b`` ran
-56.3 ms where the ``zero_bubble`` tuning kept ran 60.3 (predicted 54.0 and 53.0;
-``benchmarks/regret_distributed.py``, 2026-12-05 13:48 UTC, docs/benchmarks.md "One
+56.3 ms (predicted 54.0) where the ``zero_bubble`` tuning kept, ranked above it, ran 60.3
+(``benchmarks/regret_distributed.py``, 2026-12-05 13:48 UTC, docs/benchmarks.md "One
 process: the allocator's history")."""
 REFINE = 1
 """Variants of the measured fastest mesh ``partition(tune=)`` and ``partition_distributed``
@@ -324,8 +324,7 @@ def tuned_order(records: Sequence[dict[str, Any]], count: int) -> list[int]:
     picked: list[int] = []
     meshes: set[Any] = set()
     for i in ranked:
-        config = records[i].get("config") or {}
-        mesh = tuple(config.get(k, 1) for k in ("dp", "tp", "pp")) if config else i
+        mesh = _mesh(records, i) or i
         if mesh not in meshes:
             meshes.add(mesh)
             picked.append(i)
