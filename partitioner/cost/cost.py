@@ -296,15 +296,14 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
         forward = max(product, traffic / bandwidth) + overhead
         backward = ATTENTION_BACKWARD * max(product, traffic / bandwidth) + overhead
     elif op.kind == "matmul":
-        product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
+        one = _product_pass(op, spec, samples, tp, dtype)
         pack = weights / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
-        forward = max(product, (traffic + weights) / bandwidth) + pack + overhead
+        forward = one + pack
         # Two products: the input gradient (which repacks the weights again) and the weight
         # gradient (whose output is weight-sized: the gradient traffic below); the weight
         # gradient's alone where no input needs a gradient.
         products = 2 if op.input_grad else 1
-        backward = products * (max(product, (traffic + weights) / bandwidth) + overhead) \
-            + (pack if op.input_grad else 0.0) + grads / bandwidth
+        backward = products * one + (pack if op.input_grad else 0.0) + grads / bandwidth
     else:
         forward = (traffic + weights) / bandwidth + overhead
         if op.input_grad:
@@ -344,16 +343,23 @@ def weight_time(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
         if op.kind != "matmul" or not op.weight_grad or not op.queued:
             continue
         share = tp if op.split else 1
-        flops, traffic = op.flops * samples / share, op.bytes * samples / share
-        weights = op.weight_read / share
         grads = op.weight_grad / share * (1 + 3 * accumulate)
-        product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
-        seconds = max(product, (traffic + weights) / spec.achievable_bandwidth) \
-            + spec.op_overhead + grads / spec.achievable_bandwidth
+        seconds = _product_pass(op, spec, samples, tp, dtype) \
+            + grads / spec.achievable_bandwidth
         if spec.fresh_bandwidth:
             seconds += spec.fresh_time(op.weight_grad / share)
         total += seconds * op.count
     return total * layer.time_scale
+
+
+def _product_pass(op: Op, spec: DeviceSpec, samples: float, tp: int, dtype: str) -> float:
+    """Seconds of one product of a ``matmul`` op's size (its forward, either gradient):
+    the roofline of its FLOPs and of its activations and weights read, plus the launch."""
+    share = tp if op.split else 1
+    flops = op.flops * samples / share
+    moved = (op.bytes * samples + op.weight_read) / share
+    product = flops / spec.matmul_rate(flops, dtype) if flops else 0.0
+    return max(product, moved / spec.achievable_bandwidth) + spec.op_overhead
 
 
 def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
@@ -413,11 +419,11 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _node_op(gm: fx.GraphModule, node: fx.Node, batch: int,
-             tracked: set[str] | None = None) -> tuple[Op, bool] | None:
+             tracked: set[str]) -> tuple[Op, bool] | None:
     """The op of one call node (per sample) and whether it multiplies by a weight;
     ``tracked`` (:func:`needs_grad`) says whether its backward reaches its inputs."""
     cost = node.meta["cost"]
-    input_grad = True if tracked is None else reaches_inputs(node, tracked)
+    input_grad = reaches_inputs(node, tracked)
     queued = is_linear(gm, node)
     weights = _weights(gm, node)
     param_bytes = sum(t.numel() * t.element_size() for t in weights if t.requires_grad
