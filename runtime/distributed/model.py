@@ -169,7 +169,7 @@ def assemble(model: nn.Module, plan: Any, graphs: Sequence[fx.GraphModule],
     line = mesh.ranks("pp")  # each virtual stage's neighbours are where the schedule put them
     links = PipeLinks(mesh.group("pp"), None, None, device, batched=batched,
                       stage_ranks=[line[placement[k]] for k in range(len(graphs))],
-                      rank=mesh.rank)
+                      rank=mesh.rank, reverse_group=None if batched else mesh.reverse_group())
     # One module for all virtual stages: parameters, state dict and checkpoints see them all.
     held = stages[j] if len(stages) == 1 else merge_stages(stages)
     ties = find_ties(graphs) if ties is None else ties

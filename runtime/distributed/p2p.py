@@ -222,6 +222,9 @@ class PipeLinks:
             it instead of ``prev_rank`` and ``next_rank``.
         rank: this rank, with ``stage_ranks``: a boundary between two of its own stages
             is handed over in memory.
+        reverse_group: a second group of the same ranks for the messages going to a lower
+            rank (:meth:`ProcessMesh.reverse_group`), so that no gloo pair carries messages
+            both ways at once; None: ``group`` carries both (needs ``rank``).
 
     Example:
         >>> links = PipeLinks(None, None, None, torch.device("cpu"),
@@ -235,8 +238,13 @@ class PipeLinks:
 
     def __init__(self, group: Any, prev_rank: int | None, next_rank: int | None,
                  device: torch.device, *, batched: bool = False,
-                 stage_ranks: Sequence[int] | None = None, rank: int | None = None) -> None:
+                 stage_ranks: Sequence[int] | None = None, rank: int | None = None,
+                 reverse_group: Any = None) -> None:
+        if reverse_group is not None and (rank is None or batched):
+            raise ValueError("reverse_group needs this rank (rank=) and unbatched links: "
+                             "it routes each message by the direction between two ranks")
         self.group = group
+        self.reverse_group = reverse_group
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
@@ -250,6 +258,11 @@ class PipeLinks:
     def _peer(self, stage: int, line: int | None) -> int | None:
         """The rank of virtual stage ``stage`` (``line``: the neighbour without a map)."""
         return line if self.stage_ranks is None else self.stage_ranks[stage]
+
+    def _group(self, sender: int, receiver: int) -> Any:
+        """The group a message from ``sender`` to ``receiver`` travels on: both ends agree."""
+        return self.group if self.reverse_group is None or sender < receiver \
+            else self.reverse_group
 
     def take_local(self, tags: Sequence[int], what: str) -> list[torch.Tensor]:
         """The tensors this rank handed itself under ``tags`` (a :class:`Pending`'s wait).
@@ -309,8 +322,9 @@ class PipeLinks:
             return local
         tensors = [meta.empty(self.device) for meta in metas]
         pending = Pending(self, tensors, peer, what)
+        group = self._group(peer, self.rank) if self.rank is not None else self.group
         ops: list[tuple[dist.P2POp, Pending | None]] = [
-            (dist.P2POp(dist.irecv, t, peer, self.group, message_tag(direction, i, k, b)),
+            (dist.P2POp(dist.irecv, t, peer, group, message_tag(direction, i, k, b)),
              pending)
             for t, k in zip(tensors, positions) if t.numel()]
         self._enqueue(ops, pending)
@@ -327,10 +341,11 @@ class PipeLinks:
                 self._mailbox[message_tag(direction, i, k, b)] = t.detach()
             return
         ops: list[tuple[dist.P2POp, Pending | None]] = []
+        group = self._group(self.rank, peer) if self.rank is not None else self.group
         for t, k in zip(tensors, positions):
             if t.numel():
                 t = t.detach().contiguous()
-                ops.append((dist.P2POp(dist.isend, t, peer, self.group,
+                ops.append((dist.P2POp(dist.isend, t, peer, group,
                                        message_tag(direction, i, k, b)), None))
         self._enqueue(ops, None)
 

@@ -353,16 +353,19 @@ def scenario_mesh(args: dict[str, Any]) -> None:
 
 
 def scenario_p2p(args: dict[str, Any]) -> None:
-    """Boundaries with constants, ints, bools, empty tensors, sent out of order, both modes."""
+    """Boundaries with constants, ints, bools, empty tensors, sent out of order, in every mode:
+    one group, batched, and one group per direction (gloo's two pipeline groups)."""
     from partitioner.runtime.distributed.mesh import Mesh, MeshShape, init_distributed
     from partitioner.runtime.distributed.p2p import Boundary, PipeLinks
 
     info = init_distributed()
     mesh = Mesh(MeshShape(pp=2))
     records = {}
-    for batched in (False, True):
+    modes = {"eager": {}, "batched": {"batched": True},
+             "directions": {"rank": info.rank, "reverse_group": mesh.reverse_group()}}
+    for mode, kwargs in modes.items():
         links = PipeLinks(mesh.group("pp"), mesh.neighbour("pp", -1), mesh.neighbour("pp", 1),
-                          info.device, batched=batched)
+                          info.device, **kwargs)
 
         def values(i: int) -> Any:
             g = torch.Generator().manual_seed(i)
@@ -394,8 +397,8 @@ def scenario_p2p(args: dict[str, Any]) -> None:
                 links.send_grads(0, i, boundaries[i],
                                  [torch.full(m.shape, float(i), dtype=m.dtype) for m in metas])
         links.finish()
-        records["batched" if batched else "eager"] = bool(ok)
-    report(rank=info.rank, **records)
+        records[mode] = bool(ok)
+    report(rank=info.rank, reverse_group=mesh.reverse_group() is not None, **records)
 
 
 def scenario_dp(args: dict[str, Any]) -> None:

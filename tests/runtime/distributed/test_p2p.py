@@ -12,6 +12,7 @@ from partitioner.errors import ChunksError, ScheduleError
 from partitioner.runtime.distributed.p2p import (
     Boundary,
     BoundaryMismatchError,
+    PipeLinks,
     TensorMeta,
     message_tag,
 )
@@ -78,10 +79,32 @@ def test_message_tags_are_distinct_and_bounded() -> None:
 
 
 @pytest.mark.slow
-def test_transfers_between_two_processes_in_both_posting_modes() -> None:
-    """Out-of-order sends, pytrees, ints, bools, empty tensors; eager and batched posting."""
+def test_transfers_between_two_processes_in_every_posting_mode() -> None:
+    """Out-of-order sends, pytrees, ints, bools, empty tensors; eager and batched posting,
+    and a group per direction (a gloo mesh's pipeline has its second group)."""
     records = [r[0] for r in results(launch(WORKER, 2, ["p2p", "{}"], timeout=120))]
     assert len(records) == 2
     for record in records:
         assert record["eager"] is True, record
         assert record["batched"] is True, record
+        assert record["directions"] is True, record
+        assert record["reverse_group"] is True, record
+
+
+def test_a_message_travels_on_its_directions_group_at_both_ends() -> None:
+    """Messages to a higher rank on the pipeline's group, to a lower rank on the second:
+    the sender and the receiver of one message pick the same group."""
+    up, down = object(), object()
+    low = PipeLinks(up, None, None, torch.device("cpu"), rank=0, reverse_group=down,
+                    stage_ranks=(0, 1))
+    high = PipeLinks(up, None, None, torch.device("cpu"), rank=1, reverse_group=down,
+                     stage_ranks=(0, 1))
+    assert low._group(0, 1) is high._group(0, 1) is up
+    assert low._group(1, 0) is high._group(1, 0) is down
+    one = PipeLinks(up, None, None, torch.device("cpu"), rank=1)
+    assert one._group(1, 0) is one._group(0, 1) is up
+    with pytest.raises(ValueError, match="reverse_group needs this rank"):
+        PipeLinks(up, None, None, torch.device("cpu"), reverse_group=down)
+    with pytest.raises(ValueError, match="unbatched links"):
+        PipeLinks(up, None, None, torch.device("cpu"), rank=0, reverse_group=down,
+                  batched=True)
