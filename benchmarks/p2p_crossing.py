@@ -67,16 +67,30 @@ def _slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def pipeline_steps(rounds: int) -> dict[str, list[float]]:
-    """The interleaved GPT stepped with one pipeline group, then with two, in turn."""
+PIPELINES: dict[str, dict[str, Any]] = {
+    "gpt": {"pp": 2, "schedule": "interleaved", "chunks": 2, "virtual_stages": 3},
+    "mlp": {"pp": 2, "schedule": "zero_bubble", "chunks": 1},
+}
+
+
+def _pipeline_case(case: str) -> tuple[Any, Any, Any]:
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from examples.models import classifier, gpt
+    if case == "gpt":
+        return (gpt(4, 256, 4, 2048, 64), torch.randint(0, 2048, (8, 64)),
+                torch.randn(8, 64, 2048))
+    return classifier(32, width=128, depth=6, classes=8), torch.randn(64, 32), torch.randn(64, 8)
+
+
+def pipeline_steps(case: str, rounds: int) -> dict[str, list[float]]:
+    """A pipeline stepped with one pipeline group, then with two, in turn."""
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, str(ROOT))
-    from examples.models import gpt
+
     from partitioner.distributed import partition_distributed
     from partitioner.runtime.distributed import mesh as process_mesh
     torch.manual_seed(0)
-    x = torch.randint(0, 2048, (8, 64))
     built: dict[str, Any] = {}
     original = process_mesh.ProcessMesh.reverse_group
     for layout in ("one group", "a group per direction"):
@@ -84,12 +98,11 @@ def pipeline_steps(rounds: int) -> dict[str, list[float]]:
             process_mesh.ProcessMesh.reverse_group = lambda self: None  # type: ignore[method-assign]
         else:
             process_mesh.ProcessMesh.reverse_group = original  # type: ignore[method-assign]
-        model = gpt(4, 256, 4, 2048, 64)
-        dpm = partition_distributed(model, (x,), pp=2, schedule="interleaved", chunks=2,
-                                    virtual_stages=3, backend="gloo", calibrate=False)
+        model, x, target = _pipeline_case(case)
+        dpm = partition_distributed(model, (x,), backend="gloo", calibrate=False,
+                                    **PIPELINES[case])
         built[layout] = (dpm, torch.optim.Adam(dpm.parameters(), lr=1e-4))
     process_mesh.ProcessMesh.reverse_group = original  # type: ignore[method-assign]
-    target = torch.randn(8, 64, 2048)
     times: dict[str, list[float]] = {k: [] for k in built}
     for k in range(rounds):
         for layout, (dpm, opt) in built.items():
@@ -119,7 +132,8 @@ def rank_main(rounds: int) -> None:
             for layout, groups in layouts.items():
                 times[layout] += crossing(groups, nbytes, rounds // 4)[2:]
         rows.append((nbytes, {k: _slowest(v) for k, v in times.items()}))
-    steps = pipeline_steps(max(rounds // 2, 20))
+    steps = {case: pipeline_steps(case, max(rounds // 2, 20) * (10 if case == "mlp" else 1))
+             for case in PIPELINES}
     if dist.get_rank() == 0:
         def cell(v: list[float]) -> str:
             return f"{statistics.median(v) * 1e3:.2f} / {statistics.fmean(v) * 1e3:.2f}"
@@ -130,10 +144,12 @@ def rank_main(rounds: int) -> None:
             one, two = t["one group"], t["a group per direction"]
             print(f"| {nbytes >> 10} KiB | {cell(one)} | {cell(two)} | "
                   f"{statistics.fmean(two) / statistics.fmean(one):.2f} |")
-        one, two = steps["one group"], steps["a group per direction"]
-        print(f"\ngpt, pp=2 interleaved(v=3) m=2, Adam: one group {cell(one)} ms a step, a "
-              f"group per direction {cell(two)} ms (ratio of medians "
-              f"{statistics.median(two) / statistics.median(one):.2f})")
+        print()
+        for case, times in steps.items():
+            one, two = times["one group"], times["a group per direction"]
+            print(f"{case} {PIPELINES[case]}, Adam: one group {cell(one)} ms a step, a group "
+                  f"per direction {cell(two)} ms (ratio of medians "
+                  f"{statistics.median(two) / statistics.median(one):.2f})")
     dist.destroy_process_group()
 
 
