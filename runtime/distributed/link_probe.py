@@ -76,9 +76,13 @@ STAGGER_GAP = 1e-3
 (:func:`_staggered_scalar`): the last rank first, rank 0 last, as a pipeline's stages finish
 their backwards."""
 
-STAGGER_ROUNDS = 9
-"""Staggered loss all-reduces timed per :data:`STAGGER_AFTER` (after 2 not timed); the
-median counts."""
+STAGGER_ROUNDS = 24
+"""Staggered loss all-reduces timed per :data:`STAGGER_AFTER` (after 2 not timed); their
+mean counts, the slowest tenth left out (:func:`_trimmed_mean`). Not the median: on the
+2-core CI VM with 2 ranks (2026-12-05, 17:55 UTC) the last rank came out 0.2-0.5 ms after
+the last one in, median, but 1-5 ms in a quarter to a third of the rounds, means 0.4-1.8
+ms over 30; traced in a pipeline (``wide``, ``pp=2``), the first stage's rank came out
+1-3 ms after the last one in, where the probe's median of nine had read 0.2-0.3."""
 
 STAGGER_AFTER = (5e-4, 5e-3)
 """Seconds each rank computes once released from the staggered loss all-reduce (its
@@ -245,9 +249,9 @@ def _staggered_scalar(tensor: torch.Tensor, rounds: int, after: float) -> float:
     the last rank's release, as a pipeline's ranks reach the step's loss all-reduce: rank
     ``r`` computes ``(world - 1 - r)`` :data:`STAGGER_GAP` before it (the last stage
     finishes its backward first, the first stage last) and ``after`` seconds once released
-    (its optimizer step). The median of ``rounds``, on the host's one clock
-    (``perf_counter`` is the host's monotonic clock in every process: the probe runs in
-    one-host worlds).
+    (its optimizer step). The mean of ``rounds``, the slowest tenth left out, on the host's
+    one clock (``perf_counter`` is the host's monotonic clock in every process: the probe
+    runs in one-host worlds).
 
     Traced on the 2-core CI VM, 4 gloo ranks of ``mlp([1024, 4096, 1024, 4096, 1024])``
     as ``pp=4``: rank 0, the last to arrive, was released 0.6 ms later and the others
@@ -270,7 +274,14 @@ def _staggered_scalar(tensor: torch.Tensor, rounds: int, after: float) -> float:
             work()
     dist.all_reduce(marks)  # each rank filled its own row
     spans = [float(m[:, 1].max() - m[:, 0].max()) for m in marks[2:]]
-    return max(statistics.median(spans), 0.0)
+    return max(_trimmed_mean(spans), 0.0)
+
+
+def _trimmed_mean(times: list[float]) -> float:
+    """The mean of ``times`` with the slowest tenth left out: a step pays the slow calls as
+    well as the fast ones, but not one that waited for another process's time slice."""
+    kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
+    return sum(kept) / len(kept)
 
 
 def _all_reduces(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
@@ -287,8 +298,7 @@ def _all_reduces(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -
         dist.all_reduce(tensor, group=group)
         if k >= 5:
             times.append(time.perf_counter() - start)
-    kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
-    return sum(kept) / len(kept)
+    return _trimmed_mean(times)
 
 
 def _pair_all_reduces(buffers: list[torch.Tensor]) -> list[float]:
