@@ -33,7 +33,8 @@ from partitioner.cost.devices import Cluster, LinkSpec
 from partitioner.errors import CommError
 
 __all__ = ["CommError", "COLLECTIVES", "p2p_time", "all_reduce_time", "all_gather_time",
-           "reduce_scatter_time", "collective_time", "replica_sync_time"]
+           "reduce_scatter_time", "collective_time", "replica_sync_time", "fsdp_time",
+           "fsdp_ends_time"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -90,6 +91,40 @@ def reduce_scatter_time(nbytes: float, n: int, link: LinkSpec) -> float:
     """
     _check(nbytes, n)
     return _ring_steps(nbytes, n, link)
+
+
+def fsdp_time(nbytes: float, n: int, link: LinkSpec, reduce_scale: float = 1.0) -> float:
+    """Seconds of FSDP's collectives in a step over ``n`` replicas holding ``nbytes`` of
+    parameters each (whole): all-gathered for the forward and again for the backward, and
+    the gradients reduce-scattered, ``reduce_scale`` times their bytes (2 where bf16
+    parameters reduce their gradients in fp32, torchtitan's ``MixedPrecisionPolicy``
+    default); at 1, an all-reduce and a half.
+
+    Example:
+        >>> link = LinkSpec("l", 1e9, 0.0)
+        >>> fsdp_time(4e9, 4, link) / all_reduce_time(4e9, 4, link)
+        1.5
+        >>> fsdp_time(4e9, 4, link, reduce_scale=2.0) / all_reduce_time(4e9, 4, link)
+        2.0
+    """
+    return 2 * all_gather_time(nbytes, n, link) \
+        + reduce_scatter_time(nbytes * reduce_scale, n, link)
+
+
+def fsdp_ends_time(unit_bytes: float, n: int, link: LinkSpec,
+                   reduce_scale: float = 1.0) -> float:
+    """Seconds of FSDP's collectives that no compute hides: a step's first unit (the
+    parameters of a rank's first layer, ``unit_bytes`` whole) is all-gathered before the
+    first forward can start, and the same unit's gradients, whose backward is the step's
+    last, are reduce-scattered after it; every other unit's are prefetched or reduced
+    beside the compute.
+
+    Example:
+        >>> round(fsdp_ends_time(1e9, 8, LinkSpec("l", 1e9, 0.0), reduce_scale=2.0), 3)
+        2.625
+    """
+    return all_gather_time(unit_bytes, n, link) \
+        + reduce_scatter_time(unit_bytes * reduce_scale, n, link)
 
 
 def _ring_steps(nbytes: float, n: int, link: LinkSpec) -> float:

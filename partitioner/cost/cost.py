@@ -261,6 +261,13 @@ class Workload:
             raise CostModelError(f"bad Workload {self.name!r}: " + "; ".join(problems))
 
     @property
+    def reduce_scale(self) -> float:
+        """Gradient bytes FSDP reduces per parameter byte: fp32 gradients where the
+        parameters are low-precision copies of an fp32 master (torchtitan's default
+        ``MixedPrecisionPolicy``), else the parameters' own dtype."""
+        return 4 / self.param_bytes_per_element if self.mixed_precision else 1.0
+
+    @property
     def max_tp(self) -> int:
         """1 when no layer can be split by tensor parallelism, else unbounded (0)."""
         return 0 if any(layer.splittable for layer in self.layers) else 1

@@ -16,7 +16,8 @@ the checkpoint mode. :func:`predict` finds the optimal stage split
   ``j``, ``t_k`` one chunk, ``f`` the schedule's fill: ``p - 1`` interleaved, counted for
   the V), and never faster than the host can get through the work on shared cores;
 * after each device's last backward: the data-parallel all-reduce of its gradients
-  (overlapped with that backward when ``overlap_grad_reduce``), then the optimizer step
+  (overlapped with that backward when ``overlap_grad_reduce``; under FSDP its all-gathers
+  and reduce-scatter, the first layer's in no window), then the optimizer step
   (memory-bound; devices sharing one host are stepped one after another by one process's
   optimizer once the whole backward is done);
 * memory per device from ``partitioner.cost.memory``.
@@ -38,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from partitioner.cost import comm
 from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
 from partitioner.cost.cost import Workload, phase_times, split_backward_overhead, weight_time
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
@@ -53,7 +55,13 @@ from partitioner.cost.memory import (
 from partitioner.cost.optimizer_steps import optimizer_copies, overlaps
 from partitioner.cost.sharing import lone_gain, lone_work, shared_work, sharing_gains
 from partitioner.errors import ConfigError
-from partitioner.planning.solver import InfeasibleError, PartitionProblem, evaluate, solve
+from partitioner.planning.solver import (
+    InfeasibleError,
+    PartitionProblem,
+    balanced_cuts,
+    evaluate,
+    solve,
+)
 from partitioner.runtime.checkpointing import (
     ALWAYS,
     EXCEPT_LAST,
@@ -176,6 +184,9 @@ class StageProfile:
             device's ``worker_speed``.
         weight: with split backwards, the seconds of ``backward`` its ``W`` runs (its
             layers' ``cost.weight_time``, ``W``'s own cost); 0: :data:`INPUT_SHARE`'s.
+        fsdp_ends: with FSDP over replicas, seconds of its first layer's all-gather and
+            reduce-scatter that no compute hides (``cost.comm.fsdp_ends_time``), paid by a
+            device's first stage; 0 without.
     """
 
     first: int
@@ -194,6 +205,7 @@ class StageProfile:
     sharing: tuple[float, ...] = ()
     lone: float = 0.0
     weight: float = 0.0
+    fsdp_ends: float = 0.0
 
     def speedup(self, spec: DeviceSpec, n: float) -> float:
         """Gain of ``n`` busy devices over one with all threads (below 2: from a lone worker's)."""
@@ -389,7 +401,7 @@ def predict(workload: Workload, cluster: Cluster, config: Config,
     if boundaries is None:
         try:
             best = solve(problem)
-            boundaries = best.boundaries if config.virtual == 1 else _balanced(
+            boundaries = best.boundaries if config.virtual == 1 else balanced_cuts(
                 problem, best.bottleneck)
         except InfeasibleError as error:
             reason = str(error)
@@ -398,42 +410,6 @@ def predict(workload: Workload, cluster: Cluster, config: Config,
         evaluate(problem, boundaries)  # validates the cuts
     stages = _profiles(workload, cluster, config, times, tuple(boundaries), samples)
     return _assemble(workload, cluster, config, stages, cap, reason)
-
-
-def _balanced(problem: PartitionProblem, limit: float) -> tuple[int, ...]:
-    """Cuts with every stage time within ``limit`` that minimise the sum of squared stage times.
-
-    For the interleaved schedule a device's load is the sum of its chunks, and the solver's
-    optimum only bounds the largest chunk (its ties leave the first chunks nearly empty);
-    spreading the layers evenly over all chunks balances the devices too.
-    """
-    n, layers = problem.n_stages, problem.n_layers
-    limit *= 1 + 1e-9
-    prefix = [0.0]
-    for t in problem.compute[0]:
-        prefix.append(prefix[-1] + t)
-    mem = [0.0]
-    for b in problem.memory:
-        mem.append(mem[-1] + b)
-    best = [[math.inf] * (layers + 1) for _ in range(n + 1)]
-    choice = [[0] * (layers + 1) for _ in range(n + 1)]
-    best[n][layers] = 0.0
-    for k in reversed(range(n)):
-        for a in range(k, layers - (n - k) + 1):
-            arrival = problem.transfer[k][a] if k and a else 0.0
-            for b in range(a + 1, layers - (n - k - 1) + 1):
-                time = prefix[b] - prefix[a] + arrival
-                if time > limit or mem[b] - mem[a] > problem.capacity[k]:
-                    break
-                cost = time * time + best[k + 1][b]
-                if cost < best[k][a]:
-                    best[k][a], choice[k][a] = cost, b
-    if math.isinf(best[0][0]):
-        return solve(problem).boundaries
-    cuts = [0]
-    for k in range(n):
-        cuts.append(choice[k][cuts[-1]])
-    return tuple(cuts)
 
 
 def _even(n_layers: int, n_stages: int) -> tuple[int, ...]:
@@ -471,6 +447,11 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                      backward) if split else 0.0
         out_bytes = workload.boundaries[b] * samples
         params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
+        ends = comm.fsdp_ends_time(
+            layers[0].params_on(config.tp if layers[0].splittable else 1), config.dp,
+            cluster.group_link([(where[k] * config.dp + r) * config.tp
+                                for r in range(config.dp)]),
+            workload.reduce_scale) if workload.fsdp else 0.0
         out.append(StageProfile(
             a, b, where[k], forward, backward, forward - spec.action_overhead,
             _send(workload, cluster, config, out_bytes, where[k], where[k + 1]) if b < len(
@@ -480,7 +461,7 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
             * samples, workload.boundaries[a] * samples, sharing_gains(
                 [shared[lay.signature] for lay in layers] if shared else []),
             lone_gain(forward + backward, [shared[lay.signature][0] for lay in layers],
-                  [lone[lay.signature] for lay in layers]) if shared else 0.0, weight))
+                  [lone[lay.signature] for lay in layers]) if shared else 0.0, weight, ends))
     return tuple(out)
 
 
@@ -564,10 +545,11 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
                 + (config.dp * cluster.spec(j).replica_overhead + (config.dp - 1) * sum(
                     lay.param_tensors for lay in workload.layers)
                    * cluster.spec(j).replica_tensor_overhead if j == 0 else 0.0)
+        elif workload.fsdp:  # its ends in no window (``StageProfile.fsdp_ends``)
+            reduce = comm.fsdp_time(grads, config.dp, cluster.group_link(ranks),
+                                    workload.reduce_scale)
         else:
-            # FSDP gathers the parameters twice and reduce-scatters the gradients.
-            reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks)) \
-                * (1.5 if workload.fsdp else 1.0) if config.dp > 1 else 0.0
+            reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks))
         # The sharded optimizer's reduce-scatter starts after the last backward; where the
         # others hide behind it: ``optimizer_steps.overlaps``.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
@@ -580,7 +562,7 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
                      + _fresh_temporaries(workload, config, mine, cluster.spec(j))
                      + tensors * cluster.spec(j).optimizer_tensor_overhead) \
             * workload.optimizer_scale
-        ends.append(pipeline - drained + max(reduce - window, 0.0)
+        ends.append(pipeline - drained + max(reduce - window, 0.0) + mine[0].fsdp_ends
                     + (0.0 if shared else optimizer))
         drained += stages[j].backward + share * stages[j].replay
         dp_times.append(reduce)

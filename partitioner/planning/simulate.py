@@ -345,8 +345,11 @@ class _Simulation:
         """
         seconds = self.p.dp_times[j]
         start, end = self.last_backward[j]
+        # FSDP's first layer: gathered before the first forward, reduced after the last
+        # backward, hidden by nothing (``StageProfile.fsdp_ends``).
+        exposed = self.stages[min(stages_on(self.where, j))].fsdp_ends
         if seconds == 0:
-            self.push(end, "optimizer", j)
+            self.push(end + exposed, "optimizer", j)
             return
         grads = sum(self.stages[k].grad_bytes for k in stages_on(self.where, j))
         buckets = max(1, math.ceil(grads / 25e6))
@@ -355,6 +358,7 @@ class _Simulation:
         for b in range(buckets):
             ready = start + (b + 1) / buckets * (end - start) if overlap else end
             free = max(free, ready) + seconds / buckets
+        free += exposed
         self.transfers.append((f"all-reduce grads device {j}", begin, free))
         self.updates.append((j, REDUCE, begin, free))
         self.push(free, "optimizer", j)

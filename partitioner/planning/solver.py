@@ -45,6 +45,7 @@ __all__ = [
     "PartitionProblem",
     "PartitionSolution",
     "ProblemError",
+    "balanced_cuts",
     "evaluate",
     "lower_bound",
     "solve",
@@ -502,3 +503,39 @@ def _boundary_problems(cuts: Sequence[int], n_layers: int, n_stages: int) -> lis
             f"stage {steps[0]} is empty or reversed ({cuts[steps[0]]} to {cuts[steps[0] + 1]})"
         )
     return problems
+
+
+def balanced_cuts(problem: PartitionProblem, limit: float) -> tuple[int, ...]:
+    """Cuts with every stage time within ``limit`` that minimise the sum of squared stage times.
+
+    For the interleaved schedule a device's load is the sum of its chunks, and the solver's
+    optimum only bounds the largest chunk (its ties leave the first chunks nearly empty);
+    spreading the layers evenly over all chunks balances the devices too.
+    """
+    n, layers = problem.n_stages, problem.n_layers
+    limit *= 1 + 1e-9
+    prefix = [0.0]
+    for t in problem.compute[0]:
+        prefix.append(prefix[-1] + t)
+    mem = [0.0]
+    for b in problem.memory:
+        mem.append(mem[-1] + b)
+    best = [[math.inf] * (layers + 1) for _ in range(n + 1)]
+    choice = [[0] * (layers + 1) for _ in range(n + 1)]
+    best[n][layers] = 0.0
+    for k in reversed(range(n)):
+        for a in range(k, layers - (n - k) + 1):
+            arrival = problem.transfer[k][a] if k and a else 0.0
+            for b in range(a + 1, layers - (n - k - 1) + 1):
+                time = prefix[b] - prefix[a] + arrival
+                if time > limit or mem[b] - mem[a] > problem.capacity[k]:
+                    break
+                cost = time * time + best[k + 1][b]
+                if cost < best[k][a]:
+                    best[k][a], choice[k][a] = cost, b
+    if math.isinf(best[0][0]):
+        return solve(problem).boundaries
+    cuts = [0]
+    for k in range(n):
+        cuts.append(choice[k][cuts[-1]])
+    return tuple(cuts)

@@ -210,3 +210,36 @@ def test_fsdp_divides_parameters_gradients_and_optimizer_state_by_dp() -> None:
     assert (fsdp.params, fsdp.grads, fsdp.optimizer) == pytest.approx(
         (mem.params / 8, mem.grads / 8, mem.optimizer / 8))
     assert fsdp.activations == mem.activations
+
+
+def test_fsdp_s_first_layer_is_gathered_and_reduced_outside_any_window() -> None:
+    """FSDP gathers a rank's first layer before its first forward and reduce-scatters that
+    layer's gradients (fp32 where the parameters are bf16) after its last backward: both
+    the analytic prediction and the simulation add them, whatever the overlap hides."""
+    from dataclasses import replace
+
+    from partitioner.cost.comm import fsdp_ends_time, fsdp_time
+    from partitioner.cost.devices import Cluster
+    from partitioner.planning.predict import Config, predict
+    from partitioner.planning.simulate import predict_step
+
+    cluster = Cluster.preset("H100-SXM", nodes=2)
+    run = LlamaRun(True, "flash", "selective")
+    sharded = llama_workload(LLAMA3_8B, 32, run=run, fsdp=True, mixed_precision=True)
+    assert sharded.reduce_scale == 2.0 and sharded.param_bytes_per_element == 2
+    config = Config(dp=16, chunks=1)
+    bounds = (0, len(sharded.layers))
+    p = predict(sharded, cluster, config, bounds)
+    link = cluster.group_link(list(range(16)))
+    ends = fsdp_ends_time(sharded.layers[0].param_bytes, 16, link, 2.0)
+    assert p.stages[0].fsdp_ends == pytest.approx(ends) and ends > 0
+    grads = p.stages[0].grad_bytes
+    assert p.dp_times[0] == pytest.approx(fsdp_time(grads, 16, link, 2.0))
+    assert fsdp_time(grads, 16, link, 2.0) > fsdp_time(grads, 16, link)  # fp32 reduced
+    # The all-gathers and reduce-scatter hide behind the backward; the ends do not.
+    window = p.stages[0].backward
+    assert p.dp_times[0] < window
+    assert p.step_time == pytest.approx(p.pipeline_time + ends + p.optimizer_times[0])
+    hidden = replace(p, stages=tuple(replace(s, fsdp_ends=0.0) for s in p.stages))
+    simulated, plain = predict_step(p, cluster), predict_step(hidden, cluster)
+    assert simulated.step_time - plain.step_time == pytest.approx(ends, rel=1e-6)
