@@ -226,7 +226,8 @@ class Workload:
         fsdp: parameters, gradients and optimizer state are sharded over the data-parallel
             replicas (FSDP, ``torch.distributed.fsdp.fully_shard``): each holds ``1/dp`` of
             them, and a step all-gathers the parameters in the forward and again in the
-            backward and reduce-scatters the gradients (``3/2`` of an all-reduce's traffic).
+            backward and reduce-scatters the gradients (``3/2`` of an all-reduce's traffic;
+            :attr:`reduce_scale` times the gradients' bytes: ``cost.comm.fsdp_time``).
         optimizer_scale: measured / predicted seconds of the optimizer step, from the
             model's own Adam step timed on this machine (``calibrate=True``); 1 otherwise.
     """
