@@ -451,7 +451,7 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
             layers[0].params_on(config.tp if layers[0].splittable else 1), config.dp,
             cluster.group_link([(where[k] * config.dp + r) * config.tp
                                 for r in range(config.dp)]),
-            workload.reduce_scale) if workload.fsdp else 0.0
+            workload.reduce_scale) if workload.fsdp and config.dp > 1 else 0.0
         out.append(StageProfile(
             a, b, where[k], forward, backward, forward - spec.action_overhead,
             _send(workload, cluster, config, out_bytes, where[k], where[k + 1]) if b < len(
@@ -545,6 +545,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
                 + (config.dp * cluster.spec(j).replica_overhead + (config.dp - 1) * sum(
                     lay.param_tensors for lay in workload.layers)
                    * cluster.spec(j).replica_tensor_overhead if j == 0 else 0.0)
+        elif config.dp == 1:
+            reduce = 0.0
         elif workload.fsdp:  # its ends in no window (``StageProfile.fsdp_ends``)
             reduce = comm.fsdp_time(grads, config.dp, cluster.group_link(ranks),
                                     workload.reduce_scale)
