@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from partitioner.passes.base import PassResult, require_meta
+from partitioner.passes.base import PassResult, attr_value, require_meta
 from partitioner.passes.shape_prop import fake_mode_for, tensor_bytes
 
 __all__ = ["NodeCost", "annotate_cost", "total_flops"]
@@ -162,17 +162,12 @@ def _owned_tensors(gm: fx.GraphModule, node: fx.Node, seen: set[int]) -> tuple[i
         module = gm.get_submodule(str(node.target))
         params, buffers = list(module.parameters()), list(module.buffers())
     elif node.op == "get_attr":
-        value = _fetch(gm, str(node.target))
+        value = attr_value(gm, str(node.target))
         if isinstance(value, torch.nn.Parameter):
             params = [value]
         elif isinstance(value, torch.Tensor):
             buffers = [value]
     return _charge(params, seen), _charge(buffers, seen)
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _charge(tensors: list[torch.Tensor], seen: set[int]) -> int:

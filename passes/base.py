@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
 from partitioner.errors import PassError
 
-__all__ = ["PassResult", "PassError", "META_KEYS", "require_meta", "graph_modules"]
+__all__ = ["PassResult", "PassError", "META_KEYS", "require_meta", "graph_modules",
+           "attr_value"]
 
 #: The ``node.meta`` keys the passes write, and what each holds.
 META_KEYS = {
@@ -53,3 +55,9 @@ def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             yield module
+
+
+def attr_value(gm: fx.GraphModule, target: str) -> Any:
+    """What a ``get_attr`` node of ``target`` (a dotted path) reads from ``gm``."""
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)

@@ -53,6 +53,7 @@ import torch.utils._pytree as pytree
 from partitioner.cost.devices import DeviceSpec, dtype_name
 from partitioner.cost.grad_flow import is_linear, needs_grad, reaches_inputs
 from partitioner.errors import CostModelError
+from partitioner.passes.base import attr_value
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.liveness import live_values
 from partitioner.passes.shape_prop import tensor_bytes
@@ -409,15 +410,10 @@ def _weights(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
     found = []
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
-            value = _fetch(gm, str(arg.target))
+            value = attr_value(gm, str(arg.target))
             if isinstance(value, torch.Tensor):
                 found.append(value)
     return found
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -26,6 +26,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from partitioner.passes.base import attr_value
+
 __all__ = ["needs_grad", "reaches_inputs", "is_linear"]
 
 
@@ -38,8 +40,7 @@ def needs_grad(gm: fx.GraphModule) -> set[str]:
             own = any(isinstance(t, torch.Tensor) and t.requires_grad
                       for t in pytree.tree_leaves(node.meta.get("val")))
         elif node.op == "get_attr":
-            owner, _, name = str(node.target).rpartition(".")
-            value = getattr(gm.get_submodule(owner) if owner else gm, name)
+            value = attr_value(gm, str(node.target))
             own = isinstance(value, torch.Tensor) and value.requires_grad
         elif node.op == "call_module":
             own = any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())

@@ -39,8 +39,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from partitioner.cost import comm
-from partitioner.cost.comm import all_gather_time, all_reduce_time, replica_sync_time
+from partitioner.cost.comm import (
+    all_gather_time,
+    all_reduce_time,
+    fsdp_ends_time,
+    fsdp_time,
+    replica_sync_time,
+)
 from partitioner.cost.cost import Workload, phase_times, split_backward_overhead, weight_time
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
@@ -447,7 +452,7 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
                      backward) if split else 0.0
         out_bytes = workload.boundaries[b] * samples
         params = sum(lay.params_on(config.tp if lay.splittable else 1) for lay in layers)
-        ends = comm.fsdp_ends_time(
+        ends = fsdp_ends_time(
             layers[0].params_on(config.tp if layers[0].splittable else 1), config.dp,
             cluster.group_link([(where[k] * config.dp + r) * config.tp
                                 for r in range(config.dp)]),
@@ -548,8 +553,8 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         elif config.dp == 1:
             reduce = 0.0
         elif workload.fsdp:  # its ends in no window (``StageProfile.fsdp_ends``)
-            reduce = comm.fsdp_time(grads, config.dp, cluster.group_link(ranks),
-                                    workload.reduce_scale)
+            reduce = fsdp_time(grads, config.dp, cluster.group_link(ranks),
+                               workload.reduce_scale)
         else:
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks))
         # The sharded optimizer's reduce-scatter starts after the last backward; where the
