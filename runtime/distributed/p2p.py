@@ -259,10 +259,12 @@ class PipeLinks:
         """The rank of virtual stage ``stage`` (``line``: the neighbour without a map)."""
         return line if self.stage_ranks is None else self.stage_ranks[stage]
 
-    def _group(self, sender: int, receiver: int) -> Any:
-        """The group a message from ``sender`` to ``receiver`` travels on: both ends agree."""
-        return self.group if self.reverse_group is None or sender < receiver \
-            else self.reverse_group
+    def _group(self, sender: int | None, receiver: int | None) -> Any:
+        """The group a message from ``sender`` to ``receiver`` travels on: both ends agree
+        (with a reverse group, ``rank`` is known, so both are)."""
+        if self.reverse_group is None or sender is None or receiver is None:
+            return self.group
+        return self.group if sender < receiver else self.reverse_group
 
     def take_local(self, tags: Sequence[int], what: str) -> list[torch.Tensor]:
         """The tensors this rank handed itself under ``tags`` (a :class:`Pending`'s wait).
@@ -322,7 +324,7 @@ class PipeLinks:
             return local
         tensors = [meta.empty(self.device) for meta in metas]
         pending = Pending(self, tensors, peer, what)
-        group = self._group(peer, self.rank) if self.rank is not None else self.group
+        group = self._group(peer, self.rank)
         ops: list[tuple[dist.P2POp, Pending | None]] = [
             (dist.P2POp(dist.irecv, t, peer, group, message_tag(direction, i, k, b)),
              pending)
@@ -341,7 +343,7 @@ class PipeLinks:
                 self._mailbox[message_tag(direction, i, k, b)] = t.detach()
             return
         ops: list[tuple[dist.P2POp, Pending | None]] = []
-        group = self._group(self.rank, peer) if self.rank is not None else self.group
+        group = self._group(self.rank, peer)
         for t, k in zip(tensors, positions):
             if t.numel():
                 t = t.detach().contiguous()
