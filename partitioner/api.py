@@ -56,6 +56,7 @@ from partitioner.planning.tune import (
     CONFIRM_TRIALS,
     MIN_TIMED_SECONDS,
     REFINE,
+    chosen_first,
     restore_state,
     run_trials,
     snapshot_state,
@@ -345,7 +346,8 @@ def _tuned(model: nn.Module, analysis: Analysis, made: Plan, request: PlanReques
     index = next(i for i, r in enumerate(tuned) if r.get("chosen"))
     base = made if index == 0 else plan_of(records[index])
     notes = tuple(n for n in base.notes if not n.startswith(SEARCH_NOTES))
-    return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
+    candidates = chosen_first(tuned, base.candidates[0]) if base.candidates else tuned
+    return replace(base, candidates=candidates, notes=(*notes, tuned_line(candidates)))
 
 
 def plan_record(model: nn.Module, analysis: Analysis, request: PlanRequest,

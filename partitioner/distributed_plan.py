@@ -45,6 +45,7 @@ from partitioner.planning.tune import (
     MIN_TIMED_SECONDS,
     REFINE,
     SETTLE_TRIALS,
+    chosen_first,
     restore_state,
     run_trials,
     snapshot_state,
@@ -322,7 +323,8 @@ def tuned_choice(model: nn.Module, chosen: Plan, count: int,
     index = next(i for i, r in enumerate(tuned) if r.get("chosen"))
     base = chosen if index == 0 or index not in plans else plans[index]
     notes = tuple(n for n in chosen.notes if not n.startswith(SEARCH_NOTES))
-    return replace(base, candidates=tuned, notes=(*notes, tuned_line(tuned)))
+    candidates = chosen_first(tuned, base.candidates[0]) if base is not chosen else tuned
+    return replace(base, candidates=candidates, notes=(*notes, tuned_line(candidates)))
 
 
 def _slowest(seconds: float) -> float:

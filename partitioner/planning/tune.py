@@ -47,7 +47,7 @@ __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIM
            "MIN_TIMED_SECONDS", "MAX_TIMED_STEPS",
            "TuneError", "Trial", "tune_count", "contenders", "synthetic_loss",
            "time_training_steps", "run_trials", "tuned_order", "refinement", "tuned_records",
-           "snapshot_state", "restore_state"]
+           "chosen_first", "snapshot_state", "restore_state"]
 
 DEFAULT_CANDIDATES = 4
 """Candidates ``tune=True`` builds and times."""
@@ -411,6 +411,42 @@ def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
         for i, r in enumerate(out):
             r["chosen"] = i == best
     return tuple(out)
+
+
+TUNING_KEYS = ("rank", "chosen", "measured_step_time", "measured_rounds", "tune_error")
+"""What tuning writes into a candidate's record (:func:`tuned_records`)."""
+DETAIL_KEYS = ("stages", "memory", "dp_times", "optimizer_times", "breakdown", "cluster")
+"""What only the chosen candidate's record holds (``partitioner.planning.records``)."""
+
+
+def chosen_first(tuned: Sequence[dict[str, Any]], own: dict[str, Any]
+                 ) -> tuple[dict[str, Any], ...]:
+    """``tuned`` records as a plan keeps them: the chosen one first, holding ``own`` (the
+    record of the plan that runs, built for that candidate: its prediction, stage costs and
+    cluster) with the rank and measurements tuning gave it; the search's summary stays on
+    the first record and the other records keep no stage costs.
+
+    A plan's first candidate is the one its step is simulated from, explained and drawn
+    (``Plan.candidates``); when tuning chose another, that must be the plan that runs.
+
+    Example:
+        >>> tuned = [{"label": "a", "rank": 1, "chosen": False, "stages": [1], "search": {}},
+        ...          {"label": "b", "rank": 2, "chosen": True, "measured_step_time": 0.2}]
+        >>> own = {"label": "b", "rank": 1, "step_time": 0.3, "stages": [2], "search": {"n": 1}}
+        >>> [(r["label"], r["rank"], r.get("stages"), r.get("search")) for r in
+        ...  chosen_first(tuned, own)]
+        [('b', 2, [2], {}), ('a', 1, None, None)]
+    """
+    index = next((i for i, r in enumerate(tuned) if r.get("chosen")), 0)
+    if index == 0:
+        return tuple(tuned)
+    first = {k: v for k, v in own.items() if k != "search"}
+    first.update({k: v for k, v in tuned[index].items() if k in TUNING_KEYS})
+    if "search" in tuned[0]:
+        first["search"] = tuned[0]["search"]
+    others = ({k: v for k, v in r.items() if k not in DETAIL_KEYS and k != "search"}
+              for i, r in enumerate(tuned) if i != index)
+    return (first, *others)
 
 
 def _rank(records: Sequence[dict[str, Any]], i: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import mlp
 from tp_models import TinyGPT
 
+import partitioner.distributed_plan as distributed_plan
 from partitioner.cost.devices import Cluster
 from partitioner.distributed import partition_distributed
 from partitioner.errors import PartitionError
@@ -85,6 +87,31 @@ def reference(model: nn.Module, batches: list[Any], loss_fn: Any
     return model.state_dict(), losses
 
 
+def _key(plan: Any) -> tuple[Any, ...]:
+    mesh = plan.mesh
+    return (mesh.dp, mesh.pp, mesh.tp, plan.chunks, plan.schedule, plan.checkpoint)
+
+
+@contextlib.contextmanager
+def overruled_ranking() -> Iterator[None]:
+    """Tuning's clock made to read the ranking's pick (the first candidate tuning times)
+    slower than every other candidate, so the best-ranked of the others wins; the steps
+    still run, on every rank alike."""
+    real = distributed_plan.time_training_steps
+    picks: list[tuple[Any, ...]] = []
+
+    def timed(module: Any, *args: Any, **kwargs: Any) -> float:
+        real(module, *args, **kwargs)
+        picks.append(_key(module.plan))
+        return 2.0 if _key(module.plan) == picks[0] else 1.0
+
+    distributed_plan.time_training_steps = timed
+    try:
+        yield
+    finally:
+        distributed_plan.time_training_steps = real
+
+
 def train(case: dict[str, Any]) -> dict[str, Any]:
     """Partition with ``strategy="auto"`` (and the sizes ``case`` fixes), train, compare."""
     name, batch, steps = case["model"], case["batch"], case.get("steps", 3)
@@ -92,7 +119,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     expected, ref_losses = reference(model, batches, loss_fn)
     said = io.StringIO()
     given = case.get("given")  # sizes given without strategy="auto": one replica's batch
-    with contextlib.redirect_stderr(said):  # what the calibration says it timed
+    with contextlib.ExitStack() as stack:
+        if case.get("overrule"):
+            stack.enter_context(overruled_ranking())
+        stack.enter_context(contextlib.redirect_stderr(said))  # what calibration timed
         if given is not None:
             example = batches[0][0][: batch // given.get("dp", 1)]
             dpm = partition_distributed(model, (example,), failure=POLICY, **given)
@@ -124,6 +154,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                   predicted=[r.get("step_time") for r in dpm.plan.candidates],
                   chosen=[bool(r.get("chosen")) for r in dpm.plan.candidates],
                   labels=[r.get("label") for r in dpm.plan.candidates],
+                  ranks=[r.get("rank") for r in dpm.plan.candidates],
                   processes=[r.get("cluster", {}).get("processes") for r in dpm.plan.candidates],
                   step=dpm.plan.predicted_step_time, simulated=simulate(dpm.plan).step_time,
                   timed="in training passes of the whole model" in said.getvalue())

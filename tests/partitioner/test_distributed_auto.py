@@ -31,6 +31,9 @@ TWO = [
     dict(model="mlp", batch=16, fixed=dict(pp=2)),
     dict(model="gpt", batch=8, fixed=dict(pp=2, schedule="1f1b", chunks=2)),
     dict(model="mlp", batch=16, tune=2),  # tuned: the measured fastest of 2, weights restored
+    # Tuning overrules the ranking (its clock reads the pick slowest): the plan that runs is
+    # the second-ranked, and its step is what simulate(plan) replays.
+    dict(model="mlp", batch=16, tune=2, overrule=True),
     # Rank 0 times the model before planning; its weights and generator are left as they were.
     dict(model="gpt", batch=8, calibrate=True),
     # Sizes given, no search: the step still predicted as these processes run it.
@@ -86,6 +89,10 @@ def _check(per_rank: list[list[dict[str, Any]]], index: int, world: int) -> None
         chosen = records[0]["chosen"].index(True)
         assert measured[chosen] <= min(m for m in measured if m is not None) * (1 + KEEP_WITHIN)
         assert records[0]["explain"].startswith(f"tuned: timed {timed} candidates")
+        # The plan's first record is the one that runs (what simulate replays, above).
+        assert records[0]["chosen"][0] is True
+        if case.get("overrule"):
+            assert records[0]["ranks"][chosen] > 1, records[0]["ranks"]
     else:
         assert records[0]["explain"].startswith("chosen: ")
     # Only rank 0 plans, so only rank 0 times the model (when asked).

@@ -3,6 +3,7 @@ the measured fastest (``partitioner.planning.tune``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 import partitioner.api as api
 from partitioner import partition
 from partitioner.errors import PartitionError, TuneError
+from partitioner.planning.simulate import simulate
 from partitioner.planning.tune import (
     CONFIRM_TRIALS,
     KEEP_WITHIN,
@@ -28,6 +30,7 @@ from partitioner.planning.tune import (
     tuned_records,
 )
 from partitioner.plans.explain import explain, one_device_line, tuned_line
+from partitioner.plans.plan import Mesh, Plan
 
 
 def _model() -> nn.Sequential:
@@ -239,6 +242,7 @@ def test_partition_tune_runs_the_measured_fastest_and_restores_the_weights(
     chosen = [r for r in records if r.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["measured_step_time"] == 1.0
     assert sum("measured_step_time" in r for r in records) == 3
+    _check_runs_what_it_records(pm.plan)
     for key, value in state.items():  # tuning trained candidates on the model's weights
         assert torch.equal(model.state_dict()[key], value), key
     assert torch.allclose(pm(x), model(x), atol=1e-6)
@@ -274,7 +278,24 @@ def test_tuning_that_picks_a_tensor_parallel_plan_says_so(
     tuned = [n for n in pm.plan.notes if n.startswith("tuned:")]
     assert len(tuned) == 1 and "the measured fastest is dp=1 tp=2" in tuned[0]
     assert tuned[0] in pm.plan.explain()
+    _check_runs_what_it_records(pm.plan)
     assert torch.allclose(pm(x), model(x), atol=1e-5)
+
+
+def _check_runs_what_it_records(plan: Plan) -> None:
+    """A tuned plan's first record is the candidate that runs, with its stage costs: the
+    step simulated, explained and drawn is this plan's (the planner's pick was first,
+    so simulate(plan) replayed another configuration than the one that ran)."""
+    first = plan.candidates[0]
+    assert first["chosen"] and "measured_step_time" in first
+    c = first["config"]
+    mesh = plan.mesh or Mesh(dp=1, pp=len(plan.devices), tp=1)
+    assert (c["dp"], c["tp"], c["pp"], c["chunks"]) == (mesh.dp, mesh.tp, mesh.pp, plan.chunks)
+    assert "search" in first  # the search's summary stays on the first record
+    assert all("stages" not in r for r in plan.candidates[1:])
+    assert simulate(plan).step_time == pytest.approx(plan.predicted_step_time, rel=1e-12)
+    again = Plan.from_dict(json.loads(plan.to_json()))
+    assert simulate(again).step_time == pytest.approx(plan.predicted_step_time, rel=1e-12)
 
 
 def test_partition_tune_keeps_the_plan_when_a_candidate_fails(
