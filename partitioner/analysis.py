@@ -32,6 +32,7 @@ from partitioner.capture import Captured, capture, example_error, module_paths
 from partitioner.cost.cost import LayerCost, Workload, boundary_bytes, workload_from_graph
 from partitioner.cost.llama_model import LlamaModel, recognise_llama
 from partitioner.errors import ChunksError, ExampleInputsError, PartitionError, PassError
+from partitioner.passes import python_state
 from partitioner.passes.annotate_cost import annotate_cost
 from partitioner.passes.dead_code import eliminate_dead_code
 from partitioner.passes.flatten_sequential import assign_layer_paths
@@ -46,6 +47,7 @@ from partitioner.plans.plan import Plan
 from partitioner.runtime.device import model_device
 from partitioner.runtime.materialize import MaterializerFactory, materialize_module
 from partitioner.runtime.microbatch import MEAN, SUM, OutputHint, batch_size, scatter
+from partitioner.runtime.sample_mixing import mixes_samples
 
 __all__ = ["Analysis", "analyze", "regrouped", "merge_like", "recapture", "build_stage_graphs",
            "output_rows"]
@@ -65,6 +67,9 @@ class Analysis:
         inputs: the graph's placeholder values for the example batch.
         llama: a transformers Llama model's shape (``partitioner.cost.llama_model``), from
             which the planner costs its training on clusters; else ``None``.
+        mixing: how splitting the example batch changed the model's outputs
+            (``partitioner.runtime.sample_mixing``); ``None`` if it did not, or was not
+            tried (no example inputs, a meta-built model).
     """
 
     captured: Captured
@@ -75,6 +80,7 @@ class Analysis:
     workload: Workload | None = None
     inputs: list[Any] | None = field(default=None, repr=False)
     llama: LlamaModel | None = None
+    mixing: str | None = None
 
     @property
     def layer_names(self) -> list[str]:
@@ -115,9 +121,11 @@ def analyze(model: nn.Module, example_inputs: tuple[Any, ...] | None,
         values = captured.placeholder_values(tuple(example_inputs), dict(example_kwargs or {}))
         _propagate_shapes(model, gm, values, tuple(example_inputs), dict(example_kwargs or {}))
         annotate_cost(gm)
+    mixing = (_mixing(model, tuple(example_inputs), example_kwargs)
+              if need_costs and example_inputs is not None else None)
     analysis = Analysis(captured, layers, None, None, model.training, None,
                         list(values) if values is not None else None,
-                        recognise_llama(model, example_inputs))
+                        recognise_llama(model, example_inputs), mixing)
     return regrouped(analysis, layers, type(model).__name__)
 
 
@@ -136,17 +144,21 @@ def regrouped(analysis: Analysis, layers: tuple[Layer, ...],
     values = analysis.inputs
     label = name or (analysis.workload.name if analysis.workload is not None else "model")
     workload = _mark_unsplittable(analysis.captured, values, workload_from_graph(
-        gm, layers, batch_size(values) or 1, label))
+        gm, layers, batch_size(values) or 1, label), analysis.mixing)
     return replace(analysis, layers=layers, costs=list(workload.layers),
                    boundaries=boundary_bytes(gm, layers), workload=workload)
 
 
-def _mark_unsplittable(captured: Captured, values: list[Any], workload: Workload) -> Workload:
+def _mark_unsplittable(captured: Captured, values: list[Any], workload: Workload,
+                       mixing: str | None = None) -> Workload:
     """The workload, marked unsafe to micro-batch when the capture does not hold for halves
-    of the example batch or ``forward`` updates a counter (the planner then keeps chunks=1)."""
+    of the example batch, ``forward`` updates a counter, or splitting the batch changed the
+    model's outputs (``mixing``): the planner then keeps chunks=1 and one replica."""
     note = None
     batch = batch_size(values) or 1
-    if captured.writes:
+    if mixing is not None:
+        note = mixing
+    elif captured.writes:
         note = f"forward updates buffer {captured.writes[0]}: micro-batches would repeat it"
     elif captured.rules is not None and batch > 1:
         rules = captured.rules
@@ -163,6 +175,17 @@ def _mark_unsplittable(captured: Captured, values: list[Any], workload: Workload
 
 _MAX_SPLIT = 256
 """The most pieces a batch is checked for against the captured graph's guards."""
+
+
+def _mixing(model: nn.Module, args: tuple[Any, ...],
+            kwargs: dict[str, Any] | None) -> str | None:
+    """``runtime.sample_mixing.mixes_samples``, the model's Python attributes put back after
+    (its forwards may count calls or keep what they saw, as under capture)."""
+    before = python_state.snapshot(model)
+    try:
+        return mixes_samples(model, args, kwargs)
+    finally:
+        python_state.restore(model, before)
 
 
 def _propagate_shapes(model: nn.Module, gm: fx.GraphModule, values: list[Any],

@@ -134,7 +134,8 @@ def _no_configuration(workload: Workload, cluster: Cluster, mesh: Mesh,
                 "a dp dividing it")
     if mesh.dp > 1 and not workload.microbatch_safe:
         return (f"dp={mesh.dp} splits the batch, but the model is not micro-batch safe "
-                "(batch norm sees the whole batch); pass dp=1")
+                "(batch norm or another operation across the batch, or a buffer its forward "
+                "updates: the workload's notes say which); pass dp=1")
     allowed = _tp_degrees(workload, cluster, space.tp_degrees)
     if mesh.tp > 1 and mesh.tp not in allowed:
         return (f"tp={mesh.tp} but the model's layers split only {allowed[1:] or 'no'} ways "
