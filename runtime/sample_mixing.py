@@ -6,10 +6,12 @@ name in the captured graph (``partitioner.cost.cost``); any other such operation
 (``x - x.mean(0)``, a softmax or a sort over dim 0, ``x.T @ x``) only by its result, which
 is what :func:`mixes_samples` looks at: the first :data:`PROBE_SAMPLES` samples of the
 example batch run as one batch and as two halves split as the runtime splits a batch
-(:func:`~partitioner.runtime.microbatch.scatter`), their outputs joined as it joins them
-(rows concatenated; a value without a batch dimension, such as a loss, the halves' mean or
-sum). Found on 2026-12-05: ``strategy="auto"`` gave such a model two replicas and its
-outputs differed from the model's by 2.4e-3, with no note.
+(:func:`~partitioner.runtime.microbatch.scatter`), the rows of every output with a batch
+dimension concatenated and compared with the whole's. An output without one (a loss, an
+MoE router's auxiliary loss) is the micro-batches' average by the runtime's contract (the
+README's restrictions), so it is not compared. Found on 2026-12-05: ``strategy="auto"``
+gave such a model two replicas and its outputs differed from the model's by 2.4e-3, with
+no note.
 
 It runs in eval mode (dropout off; batch norm's running statistics, which its own rule
 covers), without gradients, under a forked random state, and puts back every buffer and
@@ -117,9 +119,10 @@ def _untouched(model: nn.Module) -> Iterator[None]:
 
 
 def _joined(whole: Any, parts: list[Any]) -> torch.Tensor | None:
-    """The halves' outputs joined as the runtime joins them: rows concatenated where they
-    add up to the whole's, else (a value without a batch dimension) the one of their mean
-    and sum nearer the whole's; ``None`` for what is not a tensor or does not join."""
+    """The halves' outputs joined as the runtime joins an output with a batch dimension
+    (rows concatenated, where they add up to the whole's); ``None`` for what is not a tensor
+    or has no batch dimension: such an output (a loss, an MoE router's auxiliary loss) is
+    the micro-batches' average by the runtime's contract (the README), not the model's."""
     if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor)
                                                       for p in parts):
         return None
@@ -127,12 +130,6 @@ def _joined(whole: Any, parts: list[Any]) -> torch.Tensor | None:
                                for p in parts) and sum(p.shape[0] for p in parts) == \
             whole.shape[0] and any(p.shape != whole.shape for p in parts):
         return torch.cat(parts)
-    if all(p.shape == whole.shape for p in parts) and whole.is_floating_point():
-        stacked = torch.stack([p.double() for p in parts])
-        mean, total = stacked.mean(0), stacked.sum(0)
-        reference = whole.double()
-        return mean if (mean - reference).abs().max() <= (total - reference).abs().max() \
-            else total
     return None
 
 
