@@ -174,3 +174,15 @@ def test_splitting_it_on_request_warns_and_replicas_are_refused() -> None:
                                              r"micro-batch safe.*pass dp=1"):
         partition(model, ["cpu"] * 2, strategy="auto", example_inputs=(X,),
                   mesh=Mesh(dp=2, pp=1, tp=1))
+
+
+def test_a_sequence_first_transformer_is_not_split_along_its_sequence() -> None:
+    """``nn.TransformerEncoder`` without ``batch_first`` takes ``(S, B, E)``: dim 0, which
+    micro-batches and replicas split, is the sequence, and attention mixes it."""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 2)
+    x = torch.randn(12, 4, 16)
+    assert mixes_samples(encoder, (x,), {}) is not None
+    batch_first = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+    assert mixes_samples(batch_first, (x.transpose(0, 1),), {}) is None
