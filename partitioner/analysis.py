@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -323,12 +324,21 @@ def build_stage_graphs(analysis: Analysis, plan: Plan,
 def _check_microbatches(analysis: Analysis, plan: Plan) -> None:
     """Refuse a plan whose micro-batches the captured graph does not hold for.
 
+    Warns (``UserWarning``) when ``plan.chunks`` splits the batch of a model whose outputs
+    splitting changed (``Analysis.mixing``).
+
     Raises:
         ChunksError: the example batch split ``plan.chunks`` ways gives micro-batches outside
             what ``torch.export`` recorded, or ``forward`` updates a buffer (other than batch
             norm statistics) that micro-batches or checkpoint replays would update more often.
     """
     captured = analysis.captured
+    if analysis.mixing is not None and plan.chunks > 1:
+        # The user fixed it so: the search never splits such a model's batch. Batch norm's
+        # per-micro-batch statistics are GPipe's, documented (README) and a plan note.
+        warnings.warn(f"chunks={plan.chunks} splits each batch, but {analysis.mixing}: the "
+                      "partitioned model computes other outputs and gradients than the "
+                      "model; pass chunks=1 to keep them", UserWarning, stacklevel=4)
     counters = captured.writes
     replays = {"always": plan.chunks, "except_last": plan.chunks - 1}.get(plan.checkpoint, 0)
     if counters and (plan.chunks > 1 or replays):

@@ -167,24 +167,7 @@ def _costed_plan(analysis: Analysis, request: PlanRequest, strategy: str,
                              boundaries=cuts, capacity=limit, capture=method,
                              schedule=schedule, virtual=virtual, reserve=reserve,
                              tp=len(groups[0]) if groups else 1)
-    _warn_if_split(plan, analysis.mixing)
     return _check_host_memory(replace(plan, precision=request.precision), cluster)
-
-
-def _warn_if_split(plan: Plan, mixing: str | None) -> None:
-    """Warn when ``plan`` splits each batch (micro-batches or replicas) of a model whose
-    outputs splitting changed (``mixing``, ``Analysis.mixing``): the user fixed it so, as
-    the search never splits such a model. Batch norm's per-micro-batch statistics are
-    GPipe's documented behaviour (the README) and a plan note; a buffer update or a graph
-    that does not hold for the micro-batches is refused when the stages are built."""
-    dp = plan.mesh.dp if plan.mesh is not None else 1
-    if mixing is None or (plan.chunks == 1 and dp == 1):
-        return
-    split = " and ".join(f"{name}={n}" for name, n in (("chunks", plan.chunks), ("dp", dp))
-                         if n > 1)
-    warnings.warn(f"{split} splits each batch, but {mixing}: the partitioned model computes "
-                  "other outputs and gradients than the model; pass chunks=1 (and dp=1) to "
-                  "keep them", UserWarning, stacklevel=5)
 
 
 def _precision_limits(request: PlanRequest, cluster: Cluster) -> int | None:
