@@ -18,6 +18,7 @@ plan's records:
 Run (a quiet machine; about a minute a case):
     python benchmarks/regret_distributed.py
     python benchmarks/regret_distributed.py --cases mlp --ranks 2
+    python benchmarks/regret_distributed.py --no-posting   # predicted without posting
 """
 
 from __future__ import annotations
@@ -51,10 +52,14 @@ def _cases() -> dict[str, Any]:
 CALIBRATE = {"default": None, "on": True, "off": False}
 
 
-def rank_main(case: str, calibrate: str, min_seconds: float) -> None:
+def rank_main(case: str, calibrate: str, min_seconds: float, no_posting: bool = False) -> None:
     """One rank: plan and tune with every candidate timed; rank 0 prints the records."""
     import torch
     import torch.distributed as dist
+
+    if no_posting:  # the A/B of the term: predicted as before it was charged
+        from partitioner.cost.links import LinkSpec
+        LinkSpec.post_time = lambda self, nbytes: 0.0  # type: ignore[method-assign]
 
     import partitioner.distributed_plan as tuning
     import partitioner.planning.tune as tune
@@ -161,12 +166,16 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=1.0,
                         help="each candidate's timed steps last at least this long per round "
                              "(tune's own default is 0.3 s)")
+    parser.add_argument("--no-posting", action="store_true",
+                        help="predict without the sender's posting of its messages "
+                             "(LinkSpec.post_time 0, as before 2026-12-05): the A/B of it")
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        rank_main(args.rank_of, args.calibrate, args.min_seconds)
+        rank_main(args.rank_of, args.calibrate, args.min_seconds, args.no_posting)
         return
-    extra = ["--calibrate", args.calibrate, "--min-seconds", str(args.min_seconds)]
+    extra = ["--calibrate", args.calibrate, "--min-seconds", str(args.min_seconds),
+             *(["--no-posting"] if args.no_posting else [])]
     rows = []
     for case in args.cases.split(","):
         for ranks in [int(r) for r in args.ranks.split(",")]:

@@ -81,6 +81,10 @@ class LinkSpec:
             (``partitioner.runtime.distributed.optimizer_probe``: 4 one-thread ranks of the
             2-core CI VM, 1.7-2.9 where the calibration's element-wise row said 1.02); 0:
             unmeasured (``partitioner.cost.optimizer_steps`` takes that row).
+        post_latency: seconds a rank spends posting one message before it computes again
+            (the ``isend`` call: gloo writes into the socket in the caller's thread),
+            measured by the link probe; 0: none (the presets, NCCL's queued sends).
+        post_bandwidth: bytes per second of that posting beyond ``post_latency``; 0: none.
     """
 
     name: str
@@ -93,6 +97,8 @@ class LinkSpec:
     scalar_all_reduce: float | None = None
     optimizer_gain: float = 0.0
     staggered_all_reduce: tuple[tuple[float, float], ...] = ()
+    post_latency: float = 0.0
+    post_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -119,6 +125,9 @@ class LinkSpec:
                             ">= 0, seconds >= 0) pairs in increasing order of the first")
         if not self.wake >= 0:
             problems.append(f"wake={self.wake!r}; it must be >= 0")
+        if not (self.post_latency >= 0 and self.post_bandwidth >= 0):
+            problems.append(f"post_latency={self.post_latency!r}, post_bandwidth="
+                            f"{self.post_bandwidth!r}; each must be >= 0 (0: none)")
         if not self.optimizer_gain >= 0:
             problems.append(f"optimizer_gain={self.optimizer_gain!r}; it must be >= 0 "
                             "(0: unmeasured)")
@@ -187,6 +196,18 @@ class LinkSpec:
         if waited <= 0:
             return 0.0
         return self.wake * (WAKE_FLOOR + (1 - WAKE_FLOOR) * min(waited / WAKE_GAP, 1.0))
+
+    def post_time(self, nbytes: float) -> float:
+        """Seconds the sending rank spends posting a message of ``nbytes`` (its compute
+        waits for it): ``post_latency + nbytes / post_bandwidth``.
+
+        Example:
+            >>> link = LinkSpec("loopback", 2e9, 1e-4, post_latency=4e-5, post_bandwidth=5e9)
+            >>> round(link.post_time(1 << 20) * 1e6), LinkSpec("l", 2e9, 1e-4).post_time(8)
+            (250, 0.0)
+        """
+        per_byte = 1 / self.post_bandwidth if self.post_bandwidth > 0 else 0.0
+        return self.post_latency + nbytes * per_byte
 
     def time(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` over this link."""

@@ -221,19 +221,30 @@ class _Simulation:
         heapq.heappush(self.events, (time, self.seq, kind, payload))
 
     def duration(self, action: Action) -> float:
-        """Compute time, plus the send it waits for when sends block (then free on the link)."""
+        """Compute time, plus the send it waits for when sends block (then free on the
+        link), or else the posting of that send (``LinkSpec.post_time``, ranks of a world)."""
         stage, k = self.stages[action.stage], action.stage
         blocked = 0.0 if self.config.overlap_p2p else 1.0
         if action.phase is Phase.FORWARD:
-            return stage.forward + blocked * stage.send
+            return stage.forward + (blocked * stage.send or self.posting(k, k + 1))
         replay = stage.replay if action.microbatch < self.replay_below else 0.0
-        send = blocked * (self.stages[k - 1].send if k else 0.0)
+        send = (blocked * self.stages[k - 1].send or self.posting(k, k - 1)) if k else 0.0
         weight = stage.weight or (1 - INPUT_SHARE) * stage.backward
         if action.phase is Phase.WEIGHT:
             return weight
         if action.phase is Phase.INPUT:
             return stage.backward - weight + replay + send
         return stage.backward + replay + send
+
+    def posting(self, k: int, to: int) -> float:
+        """Seconds stage ``k``'s rank spends posting its message to stage ``to`` (the
+        boundary's bytes per tensor-parallel rank): nothing in one process, past the ends,
+        or where both stages share a device."""
+        if not self.processes or not 0 <= to < len(self.stages) \
+                or self.where[to] == self.where[k]:
+            return 0.0
+        boundary = self.stages[min(k, to)]
+        return self.link.post_time(boundary.send_bytes / self.config.tp)
 
     def link_time(self, seconds: float) -> float:
         return seconds if self.config.overlap_p2p else 0.0

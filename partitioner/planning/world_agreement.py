@@ -38,11 +38,13 @@ from partitioner.runtime import device as accelerators
 from partitioner.runtime.distributed.comm_failure import communicating
 from partitioner.runtime.distributed.link_probe import (
     COLLECTIVE_BYTES,
+    POST_BYTES,
     STAGGER_AFTER,
     probe_link,
 )
 
-__all__ = ["infer_cluster", "cpu_world_link", "predicted_for_world", "rank0_error"]
+__all__ = ["infer_cluster", "cpu_world_link", "post_figures", "predicted_for_world",
+           "rank0_error"]
 
 
 def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster:
@@ -97,11 +99,29 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
             f"compute {got.wake * 1e3:.2f} ms slower after a wait; a one-number all-reduce "
             f"{got.scalar * 1e3:.2f} ms, the last rank out {staggered} after the last "
             "in when they come one by one; the ranks' optimizer steps at once "
-            f"{got.optimizer_gain:.2f}x one alone)", got.bandwidth, got.latency,
+            f"{got.optimizer_gain:.2f}x one alone; posting a message "
+            f"{got.posting[0] * 1e6:.0f} us, {POST_BYTES >> 20} MiB {got.posting[1] * 1e6:.0f} "
+            "us)", got.bandwidth, got.latency,
             busy_latency=got.busy_latency, wake=got.wake, rings=tuple(rings),
             scalar_all_reduce=got.scalar, optimizer_gain=got.optimizer_gain,
-            staggered_all_reduce=tuple(zip(STAGGER_AFTER, got.staggered)))
+            staggered_all_reduce=tuple(zip(STAGGER_AFTER, got.staggered)),
+            **post_figures(got.posting))
     return _MEASURED_LINKS[key]
+
+
+def post_figures(posting: tuple[float, float]) -> dict[str, float]:
+    """``LinkSpec``'s ``post_latency`` and ``post_bandwidth`` from the probe's posting times
+    of a 4-byte message and a :data:`POST_BYTES` one (no per-byte term where the larger
+    posted no slower).
+
+    Example:
+        >>> figures = post_figures((4e-5, 2.4e-4))
+        >>> figures["post_latency"], round(figures["post_bandwidth"] / 1e9, 2)
+        (4e-05, 5.24)
+    """
+    small, large = posting
+    per_byte = max(large - small, 0.0) / (POST_BYTES - 4)
+    return {"post_latency": small, "post_bandwidth": 1 / per_byte if per_byte > 0 else 0.0}
 
 
 _MEASURED_LINKS: dict[tuple[Any, ...], LinkSpec] = {}

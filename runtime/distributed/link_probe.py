@@ -25,7 +25,9 @@ A rank that waits lets its core idle, and its next compute runs slow: on that VM
 pipeline of a small MLP spent 0.2-0.5 ms more on each action than the same work took back
 to back, 1.8x its stages' predicted compute. The probe measures that too, per pair: the
 receiver times a small forward and backward back to back, then right after waiting while
-its peer computes for :data:`WAKE_GAP` (``LinkSpec.wake``: the excess). Last, what the
+its peer computes for :data:`WAKE_GAP` (``LinkSpec.wake``: the excess), and what posting
+a message costs the sender (``LinkSpec.post_time``: its compute waits for the ``isend``
+call, which writes into the socket). Last, what the
 ranks' optimizer steps get done at once (``partitioner.runtime.distributed.optimizer_probe``).
 Example:
     >>> probe_link  # doctest: +ELLIPSIS
@@ -47,7 +49,7 @@ from partitioner.runtime.distributed.optimizer_probe import probe_optimizer_gain
 
 __all__ = ["probe_link", "ProbedLink", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP",
            "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS", "STAGGER_GAP",
-           "STAGGER_ROUNDS", "STAGGER_AFTER"]
+           "STAGGER_ROUNDS", "STAGGER_AFTER", "POST_BYTES", "POST_ROUNDS"]
 
 SMALL_ROUNDS = 40
 """Round trips of a 4-byte message timed for the latency (after 5 not timed)."""
@@ -92,6 +94,16 @@ out 1.1-1.7 ms after the last one in where the optimizer steps took 0.3-0.4 ms (
 x4), 2.1-4.3 ms where they took 16 ms (``wide`` x4); the probe read about 1.5 and 3-6 ms
 for these two."""
 
+POST_BYTES = 1 << 20
+"""The larger message whose posting is timed (the smaller is 4 bytes): what the sending
+rank spends in ``isend`` itself (gloo writes what the socket takes in the caller's thread)
+before it computes again. On the 2-core CI VM (2026-12-05, 20:15 UTC) a lone pair posted
+4 KiB in 0.04 ms, 512 KiB in 0.10 and 2 MiB in 0.39, and the compute after it ran no
+slower."""
+
+POST_ROUNDS = 15
+"""Messages of each size timed for their posting (after 3 not timed); the median counts."""
+
 COLLECTIVE_ROUNDS = 60
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
 up, 1.7x the later ones on 2 ranks). Sixty, not twenty: on the 2-core CI VM a 64 KiB
@@ -115,6 +127,26 @@ def _round_trips(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> f
             dist.send(tensor, peer)
         times.append((time.perf_counter() - start) / 2)
     return statistics.median(times)
+
+
+def _posting(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
+    """Seconds the first rank of a pair spends posting ``tensor`` to ``peer`` (the
+    ``isend`` call, not the transfer), the median of ``rounds``; the peer receives it and
+    answers with one number, so each message finds the link idle. 0 on the peer."""
+    ack = torch.zeros(1)
+    times = []
+    for _ in range(rounds):
+        if first:
+            start = time.perf_counter()
+            work = dist.isend(tensor, peer)
+            times.append(time.perf_counter() - start)
+            assert work is not None, "isend in a group this rank belongs to"
+            work.wait()
+            dist.recv(ack, peer)
+        else:
+            dist.recv(tensor, peer)
+            dist.send(ack, peer)
+    return statistics.median(times) if times else 0.0
 
 
 def _wake(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
@@ -187,6 +219,9 @@ class ProbedLink:
             last rank's arrival at the one-number all-reduce to the last rank's release,
             the ranks arriving one after another (:func:`_staggered_scalar`; 0 in a world
             of one).
+        posting: seconds a rank spends posting a message of 4 bytes and of
+            :data:`POST_BYTES` to its peer, one pair at a time (:func:`_posting`; 0 in a
+            world of one).
     """
 
     latency: float
@@ -198,6 +233,7 @@ class ProbedLink:
     pairs: tuple[float, float] | None = None
     optimizer_gain: float = 1.0
     staggered: tuple[float, ...] = ()
+    posting: tuple[float, float] = (0.0, 0.0)
 
 
 def probe_link() -> ProbedLink:
@@ -210,7 +246,8 @@ def probe_link() -> ProbedLink:
     peer = rank + 1 if rank % 2 == 0 else rank - 1
     first = rank % 2 == 0
     small, large = torch.zeros(1), torch.zeros(LARGE_BYTES // 4)
-    latency = busy = per_large = wake = 0.0
+    posted = torch.zeros(POST_BYTES // 4)
+    latency = busy = per_large = wake = post_small = post_large = 0.0
     with communicating("measuring the link between ranks (send/recv pairs)"):
         dist.barrier()
         for pair in range(world // 2):  # one pair at a time: the others wait
@@ -218,6 +255,9 @@ def probe_link() -> ProbedLink:
                 _round_trips(peer, first, small, 5)
                 latency = _round_trips(peer, first, small, SMALL_ROUNDS)
                 wake = _wake(peer, first, small, WAKE_ROUNDS)
+                _posting(peer, first, posted, 3)
+                post_small = _posting(peer, first, small, POST_ROUNDS)
+                post_large = _posting(peer, first, posted, POST_ROUNDS)
             dist.barrier()
         if peer < world:  # every pair at once
             _round_trips(peer, first, small, 5)
@@ -230,18 +270,18 @@ def probe_link() -> ProbedLink:
         paired = _pair_all_reduces(buffers) if world > 2 else [0.0, 0.0]
         staggered = [_staggered_scalar(scalar, STAGGER_ROUNDS, after) if world > 1 else 0.0
                      for after in STAGGER_AFTER]
-        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired, *staggered],
-                              dtype=torch.float64)
+        agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired, post_small,
+                               post_large, *staggered], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big = (
-        float(v) for v in agreed[:9])
+    latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big, post_small, \
+        post_large = (float(v) for v in agreed[:11])
     # The latency's share of a large message: a lone pair's message, at most half of it.
     # Not the busy pairs' median: it reads about 50 us or 2 ms by the probe on 4 ranks of 2
     # cores, which took 2 ms off 8 MiB round trips of about 3 ms and doubled the bandwidth.
     bandwidth = LARGE_BYTES / max(per_large - latency, per_large / 2, 1e-9)
     return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big), one,
                       (pair_mid, pair_big) if world > 2 else None, probe_optimizer_gain(),
-                      tuple(float(v) for v in agreed[9:]))
+                      tuple(float(v) for v in agreed[11:]), (post_small, post_large))
 
 
 def _staggered_scalar(tensor: torch.Tensor, rounds: int, after: float) -> float:

@@ -18,6 +18,7 @@ if __name__ == "__main__":
                                   "wake": got.wake, "collective": list(got.collective),
                                   "scalar": got.scalar, "pairs": got.pairs,
                                   "optimizer_gain": got.optimizer_gain,
-                                  "staggered": got.staggered}),
+                                  "staggered": got.staggered,
+                                  "posting": got.posting}),
           flush=True)
     dist.destroy_process_group()

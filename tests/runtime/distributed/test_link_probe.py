@@ -10,7 +10,7 @@ from distributed_harness import launch, results
 
 from partitioner.cost.devices import REFERENCE_CPU
 from partitioner.planning.world import LOOPBACK, REFERENCE_LOOPBACK, world_cluster
-from partitioner.planning.world_agreement import cpu_world_link
+from partitioner.planning.world_agreement import cpu_world_link, post_figures
 from partitioner.runtime.distributed.link_probe import COLLECTIVE_BYTES
 
 WORKER = Path(__file__).with_name("link_worker.py")
@@ -26,14 +26,16 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     the all-reduces every rank times together the same on every rank, the loss all-reduce
     as a pipeline's ranks reach it one by one, and what the ranks' optimizer steps get done
     at once (never more than one step per rank, never less than
-    one rank's alone shared by all)."""
+    one rank's alone shared by all), and what posting a message costs its sender."""
     per_rank = results(launch(WORKER, world, [], timeout=120))
     figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"],
                 tuple(r[0]["collective"]), r[0]["scalar"],
                 tuple(r[0]["pairs"]) if r[0]["pairs"] is not None else None,
-                r[0]["optimizer_gain"], tuple(r[0]["staggered"])) for r in per_rank}
+                r[0]["optimizer_gain"], tuple(r[0]["staggered"]), tuple(r[0]["posting"]))
+               for r in per_rank}
     assert len(figures) == 1, figures
-    latency, bandwidth, busy, wake, (mid, big), scalar, pairs, gain, staggered = figures.pop()
+    (latency, bandwidth, busy, wake, (mid, big), scalar, pairs, gain, staggered,
+     posting) = figures.pop()
     assert 1 / world <= gain <= world
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
@@ -50,6 +52,11 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     if pairs is not None:
         assert 0 < pairs[0] < 1.0 and 0 < pairs[1] < 10.0
     assert big >= 2 * (world - 1) / world * COLLECTIVE_BYTES[1] / bandwidth * 0.5
+    # Posting a message (the isend call on the sender), 4 bytes and 1 MiB: positive, under a
+    # second; the link built from them charges no negative time.
+    assert all(0 < t < 1.0 for t in posting), posting
+    figures = post_figures(posting)
+    assert figures["post_latency"] == posting[0] and figures["post_bandwidth"] >= 0
 
 
 def test_reference_spec_plans_with_the_reference_link() -> None:
