@@ -74,6 +74,7 @@ def rank_main(case: str, calibrate: str, min_seconds: float, no_posting: bool = 
     if dist.get_rank() == 0:
         print("RECORDS " + json.dumps([{k: r.get(k) for k in (
             "label", "rank", "step_time", "measured_step_time", "tune_error", "config")}
+            | {"step_time": r.get("ranked_step_time", r.get("step_time"))}  # as ranked
             for r in dpm.plan.candidates]), flush=True)
     dpm.close()
 

@@ -423,8 +423,9 @@ def chosen_first(tuned: Sequence[dict[str, Any]], own: dict[str, Any]
                  ) -> tuple[dict[str, Any], ...]:
     """``tuned`` records as a plan keeps them: the chosen one first, holding ``own`` (the
     record of the plan that runs, built for that candidate: its prediction, stage costs and
-    cluster) with the rank and measurements tuning gave it; the search's summary stays on
-    the first record and the other records keep no stage costs.
+    cluster) with the rank and measurements tuning gave it (and ``ranked_step_time``, the
+    step time the search ranked it by, where the plan built for it predicts another); the
+    search's summary stays on the first record and the other records keep no stage costs.
 
     A plan's first candidate is the one its step is simulated from, explained and drawn
     (``Plan.candidates``); when tuning chose another, that must be the plan that runs.
@@ -442,6 +443,8 @@ def chosen_first(tuned: Sequence[dict[str, Any]], own: dict[str, Any]
         return tuple(tuned)
     first = {k: v for k, v in own.items() if k != "search"}
     first.update({k: v for k, v in tuned[index].items() if k in TUNING_KEYS})
+    if tuned[index].get("step_time") != own.get("step_time"):
+        first["ranked_step_time"] = tuned[index].get("step_time")  # what the search ranked
     if "search" in tuned[0]:
         first["search"] = tuned[0]["search"]
     others = ({k: v for k, v in r.items() if k not in DETAIL_KEYS and k != "search"}
