@@ -6,12 +6,12 @@ name in the captured graph (``partitioner.cost.cost``); any other such operation
 (``x - x.mean(0)``, a softmax or a sort over dim 0, ``x.T @ x``) only by its result, which
 is what :func:`mixes_samples` looks at: the first :data:`PROBE_SAMPLES` samples of the
 example batch run as one batch and as two halves split as the runtime splits a batch
-(:func:`~partitioner.runtime.microbatch.scatter`), the rows of every output with a batch
-dimension concatenated and compared with the whole's. An output without one (a loss, an
-MoE router's auxiliary loss) is the micro-batches' average by the runtime's contract (the
-README's restrictions), so it is not compared. Found on 2026-12-05: ``strategy="auto"``
-gave such a model two replicas and its outputs differed from the model's by 2.4e-3, with
-no note.
+(:func:`~partitioner.runtime.microbatch.scatter`), the outputs joined as it joins them
+(``join_rules``, ``gather``) and those with a batch dimension compared with the whole's.
+An output without one (a loss, an MoE router's auxiliary loss) is the micro-batches'
+average by the runtime's contract (the README's restrictions), so it is not compared.
+Found on 2026-12-05: ``strategy="auto"`` gave such a model two replicas and its outputs
+differed from the model's by 2.4e-3, with no note.
 
 It runs in eval mode (dropout off; batch norm's running statistics, which its own rule
 covers), without gradients, under a forked random state, and puts back every buffer and
@@ -43,8 +43,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from partitioner.errors import OutputError
 from partitioner.runtime.device import fork_rng
-from partitioner.runtime.microbatch import batch_size, scatter
+from partitioner.runtime.microbatch import CAT, batch_size, gather, join_rules, scatter
 
 __all__ = ["PROBE_SAMPLES", "mixes_samples"]
 
@@ -79,14 +80,19 @@ def mixes_samples(model: nn.Module, args: tuple[Any, ...],
     leaves, spec = pytree.tree_flatten(first)
     if pytree.tree_flatten(again)[1] != spec or _differs(leaves, pytree.tree_leaves(again)):
         return None  # random outputs: whole and halves cannot be compared
-    split = [pytree.tree_flatten(p) for p in parts]
-    if any(s != spec for _, s in split):
+    if any(pytree.tree_flatten(p)[1] != spec for p in parts):
         return None
-    for index, leaf in enumerate(leaves):
-        joined = _joined(leaf, [p[index] for p, _ in split])
-        if joined is None:
+    sizes = [batch_size(half) or 1 for half in halves]
+    try:  # joined as the runtime joins micro-batches' outputs
+        rules = join_rules(parts, sizes)
+    except OutputError:  # the runtime refuses such outputs itself
+        return None
+    joined = pytree.tree_leaves(gather(parts, sizes, rules=rules))
+    for index, (rule, leaf, got) in enumerate(zip(rules, leaves, joined)):
+        # Only outputs with a batch dimension: the others are averages by contract.
+        if rule != CAT or not isinstance(leaf, torch.Tensor) or leaf.shape != got.shape:
             continue
-        gap = _gap(leaf, joined)
+        gap = _gap(leaf, got)
         if gap is not None:
             return (f"splitting the batch changes output {index} by up to {gap:.3g}: an "
                     "operation mixes the samples (a reduction, softmax or sort over dim 0, a "
@@ -116,21 +122,6 @@ def _untouched(model: nn.Module) -> Iterator[None]:
                 buffer.copy_(saved)
         for module, training in modes.items():
             module.training = training
-
-
-def _joined(whole: Any, parts: list[Any]) -> torch.Tensor | None:
-    """The halves' outputs joined as the runtime joins an output with a batch dimension
-    (rows concatenated, where they add up to the whole's); ``None`` for what is not a tensor
-    or has no batch dimension: such an output (a loss, an MoE router's auxiliary loss) is
-    the micro-batches' average by the runtime's contract (the README), not the model's."""
-    if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor)
-                                                      for p in parts):
-        return None
-    if whole.dim() > 0 and all(p.dim() == whole.dim() and p.shape[1:] == whole.shape[1:]
-                               for p in parts) and sum(p.shape[0] for p in parts) == \
-            whole.shape[0] and any(p.shape != whole.shape for p in parts):
-        return torch.cat(parts)
-    return None
 
 
 def _tolerance(dtype: torch.dtype) -> float:
