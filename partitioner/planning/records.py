@@ -28,7 +28,11 @@ from partitioner.cost.devices import Cluster, DeviceSpec, LinkSpec
 from partitioner.cost.memory import MemoryBreakdown
 from partitioner.planning.predict import Config, ConfigError, Prediction, StageProfile
 
-__all__ = ["to_record", "from_record"]
+__all__ = ["to_record", "from_record", "DETAIL_KEYS"]
+
+DETAIL_KEYS = ("stages", "memory", "dp_times", "optimizer_times", "breakdown", "cluster")
+"""What a detailed record adds (:func:`to_record` with ``detail``): only the chosen
+candidate's record of a plan holds them."""
 
 
 def to_record(prediction: Prediction, cluster: Cluster | None = None, *,
@@ -48,13 +52,13 @@ def to_record(prediction: Prediction, cluster: Cluster | None = None, *,
         "dp_time": prediction.dp_time, "optimizer_time": prediction.optimizer_time,
         "boundaries": list(prediction.boundaries)}
     if detail:
-        record["stages"] = [asdict(s) for s in prediction.stages]
-        record["memory"] = [asdict(m) for m in prediction.memory]
-        record["dp_times"] = list(prediction.dp_times)
-        record["optimizer_times"] = list(prediction.optimizer_times)
-        record["breakdown"] = dict(prediction.breakdown)
-        if cluster is not None:
-            record["cluster"] = _cluster_dict(cluster)
+        detailed = dict(stages=[asdict(s) for s in prediction.stages],
+                        memory=[asdict(m) for m in prediction.memory],
+                        dp_times=list(prediction.dp_times),
+                        optimizer_times=list(prediction.optimizer_times),
+                        breakdown=dict(prediction.breakdown),
+                        cluster=_cluster_dict(cluster) if cluster is not None else None)
+        record.update({k: detailed[k] for k in DETAIL_KEYS if detailed[k] is not None})
     return json.loads(json.dumps(record))  # lists, not tuples: equal after a JSON round trip
 
 

@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from partitioner.errors import TuneError
+from partitioner.planning.records import DETAIL_KEYS
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
            "KEEP_WITHIN", "SETTLE_TRIALS", "CONFIRM_TRIALS", "REFINE", "REFINE_WITHIN",
@@ -415,8 +416,6 @@ def tuned_records(records: Sequence[dict[str, Any]], trials: Sequence[Trial]
 
 TUNING_KEYS = ("rank", "chosen", "measured_step_time", "measured_rounds", "tune_error")
 """What tuning writes into a candidate's record (:func:`tuned_records`)."""
-DETAIL_KEYS = ("stages", "memory", "dp_times", "optimizer_times", "breakdown", "cluster")
-"""What only the chosen candidate's record holds (``partitioner.planning.records``)."""
 
 
 def chosen_first(tuned: Sequence[dict[str, Any]], own: dict[str, Any]
