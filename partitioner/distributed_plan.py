@@ -28,17 +28,20 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze
+from partitioner.cost.cost import Workload
 from partitioner.cost.devices import Cluster
 from partitioner.cost.precision_cost import precision_workload
 from partitioner.cost.sequence_cost import sequence_parallel_workload
 from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, StrategyError
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
-from partitioner.planning.calibrated import calibrated
-from partitioner.planning.compile import SEARCH_NOTES, shard_specs, split_layers
+from partitioner.planning.calibrated import calibrated, carried
+from partitioner.planning.compile import SEARCH_NOTES, search_notes, shard_specs, split_layers
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
+from partitioner.planning.records import built_first
 from partitioner.planning.space import SearchSpace
+from partitioner.planning.tp_costing import as_split
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
 from partitioner.planning.tune import (
     CONFIRM_TRIALS,
@@ -199,7 +202,8 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     capacity = capacity_of(cluster, reserve, limit)
     # Ranks of this host's CPU: rank 0 times the model at the ranks' thread count (the
     # others wait in the broadcast of its plan), as partition() does in one process.
-    workload = calibrated(analysis, request, cluster, analysis.workload)
+    scaled = calibrated(analysis, request, cluster, analysis.workload)
+    workload = _as_split(model, analysis, options, scaled)
     if options.sequence_parallel:
         workload = sequence_parallel_workload(workload)
 
@@ -224,25 +228,44 @@ def _search(model: nn.Module, example_inputs: tuple[Any, ...] | None,
     plan = world_plan(result, analysis.layer_names, cluster,
                       capture=analysis.captured.method, notes=analysis.workload.notes)
     if plan.mesh is not None and plan.mesh.tp > 1:
-        plan, analysis = _split(model, analysis, options, cluster, capacity, plan)
+        plan, analysis = _split(model, analysis, options, cluster, capacity, plan, scaled)
     return record(plan, model, analysis, request, "auto")  # sends: one replica's share
 
 
+def _as_split(model: nn.Module, analysis: Analysis, options: AutoOptions,
+              workload: Workload) -> Workload:
+    """``workload`` costed as the tensor-parallel pass splits it (``tp_costing``: the layers
+    it leaves whole, the all-reduces of its pairs), from its sharding at the given degree
+    (else 2); unchanged where tensor parallelism is off or the pass cannot split the model
+    (``tensor_parallel_check`` then refuses its candidates)."""
+    tp = options.degrees.tp
+    if tp == 1:
+        return workload
+    try:
+        plan = resolve_shardings(analysis.captured.graph_module, model, tp or 2,
+                                 TensorParallelRules.parse(options.rules))
+    except PartitionError:
+        return workload
+    return as_split(workload, plan.split(), plan.pairs)
+
+
 def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: Cluster,
-           capacity: float | None, plan: Plan) -> tuple[Plan, Analysis]:
+           capacity: float | None, plan: Plan, scaled: Workload) -> tuple[Plan, Analysis]:
     """A chosen tensor-parallel ``plan`` cut from the layers merged for its ``tp`` on the
-    same capture (no column/row pair across a boundary), its mesh, micro-batches, schedule
-    and checkpoint mode kept, its shard specs filled in: every rank then runs it as a given
-    plan, checking it against its own capture instead of planning again."""
+    same capture (no column/row pair across a boundary), taking what their layers measured
+    in ``scaled`` (``calibrated.carried``), its mesh, micro-batches, schedule and checkpoint
+    mode kept, its shard specs filled in, its own record first (``records.built_first``):
+    every rank then runs it as a given plan, checking it against its own capture instead of
+    planning again."""
     assert plan.mesh is not None
     mesh = plan.mesh
     merged, split = split_layers(analysis, model, mesh.tp,
                                  TensorParallelRules.parse(options.rules))
-    workload = merged.workload
-    assert workload is not None, "a costed analysis stays costed when merged"
+    assert merged.workload is not None, "a costed analysis stays costed when merged"
+    workload = carried(scaled, merged.workload, split.layer_names, cluster.spec(0))
     if options.sequence_parallel:
         workload = sequence_parallel_workload(workload)
-        merged = replace(merged, workload=workload)
+    merged = replace(merged, workload=workload)
     chosen = SearchSpace(chunks=plan.chunks, checkpoint=plan.checkpoint,
                          schedules=(plan.schedule,),
                          optimizer_sharding=plan.optimizer_sharding)
@@ -250,9 +273,13 @@ def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: 
                           Degrees(mesh.pp, mesh.dp, mesh.tp), chosen, capacity=capacity)
     cut = world_plan(result, merged.layer_names, cluster, capture=plan.capture,
                      notes=workload.notes)
-    return replace(cut, candidates=plan.candidates, notes=plan.notes,
-                   predicted_step_time=plan.predicted_step_time,
-                   predicted_bubble=plan.predicted_bubble,
+    records = plan.candidates
+    if records and cut.candidates:
+        records = built_first(records, 0, cut.candidates[0],
+                              tuple(k for k in records[0] if k not in cut.candidates[0]))
+    notes = (*(n for n in plan.notes if not n.startswith(SEARCH_NOTES)),
+             *search_notes(plan.notes, records))
+    return replace(cut, candidates=records, notes=notes,
                    shard_specs=shard_specs(split.shard_plan)), merged
 
 

@@ -12,6 +12,11 @@ optimizer's to what it measured; the plan's other terms (pipeline actions, repli
 collectives between threads, stages sharing the cores) stay the model's, measured by the
 CPU's calibration.
 
+A tensor-parallel plan is built on layers merged so that no stage boundary cuts a
+column/row pair (``partitioner.planning.compile.split_layers``), costed again on the
+capture; :func:`carried` gives them what their layers measured, so the plan built is
+predicted with the calibration the search ranked it by.
+
 ``calibrate=None`` (``partition``'s default) calibrates only where it can and should: the
 devices are this machine's CPU planned with its *measured* spec (a pinned spec or
 ``PARTITIONER_CPU_SPEC=reference`` is a request for plans that do not depend on this
@@ -22,20 +27,21 @@ spec; ``False`` never.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from partitioner.analysis import Analysis
 from partitioner.cost.cost import Workload, phase_times
-from partitioner.cost.devices import Cluster
+from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.machine import local_cluster, measured_cpu_spec
 from partitioner.cost.measure import calibrate
 from partitioner.errors import PartitionError
 from partitioner.planning.predict import Config, predict
 from partitioner.request import PlanRequest
 
-__all__ = ["calibrated", "BUDGET", "should_calibrate"]
+__all__ = ["calibrated", "carried", "BUDGET", "should_calibrate"]
 
 BUDGET = 1.0
 """Seconds a training step of the whole model may be predicted to take for
@@ -90,3 +96,32 @@ def calibrated(analysis: Analysis, request: PlanRequest, cluster: Cluster,
     one = local_cluster([cluster.local[0]])
     predicted = predict(scaled, one, Config()).optimizer_times[0]
     return replace(scaled, optimizer_scale=step / predicted) if predicted > 0 else scaled
+
+
+def carried(scaled: Workload, merged: Workload, names: Sequence[Sequence[str]],
+            spec: DeviceSpec) -> Workload:
+    """``merged`` (layers merged from those of ``scaled``, ``names`` listing each one's, and
+    costed again) taking the time its layers took in ``scaled``, and its optimizer step's
+    scale; ``merged`` itself when ``scaled`` was not calibrated.
+
+    Example:
+        >>> from partitioner.cost.cost import LayerCost, Op
+        >>> from partitioner.cost.devices import REFERENCE_CPU
+        >>> fc = Op("matmul", flops=1e6)
+        >>> a, b = (LayerCost(n, (fc,), 0, time_scale=t) for n, t in (("a", 2.0), ("b", 4.0)))
+        >>> both = LayerCost("a", (fc, fc), 0)
+        >>> out = carried(Workload((a, b), (0.0,) * 3, batch=4, optimizer_scale=1.5),
+        ...               Workload((both,), (0.0,) * 2, batch=4), [["a", "b"]], REFERENCE_CPU)
+        >>> round(out.layers[0].time_scale, 6), out.optimizer_scale
+        (3.0, 1.5)
+    """
+    if scaled.optimizer_scale == 1.0 and all(c.time_scale == 1.0 for c in scaled.layers):
+        return merged
+    by_name = {c.name: c for c in scaled.layers}
+    layers = []
+    for layer, members in zip(merged.layers, names, strict=True):
+        took = sum(sum(phase_times(by_name[n], spec, merged.batch)) for n in members)
+        costed = sum(phase_times(replace(layer, time_scale=1.0), spec, merged.batch))
+        layers.append(replace(layer, time_scale=max(took / costed, 1e-3)) if costed > 0
+                      else layer)
+    return replace(merged, layers=tuple(layers), optimizer_scale=scaled.optimizer_scale)

@@ -33,21 +33,27 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from partitioner.analysis import Analysis, analyze, regrouped
+from partitioner.cost.cost import Workload
+from partitioner.cost.machine import local_cluster
 from partitioner.passes.group_layers import Layer
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
+from partitioner.planning.calibrated import calibrated, carried
 from partitioner.planning.planner import (
     plan_request,
     record,
     shardable_plans,
     tensor_parallel_plan,
 )
+from partitioner.planning.records import built_first
 from partitioner.planning.tp_costing import as_split
 from partitioner.planning.tp_rules import ShardPlan, TensorParallelRules, resolve_shardings
+from partitioner.plans.explain import explain
 from partitioner.plans.plan import Mesh, Plan, PlannerInputs, ShardSpec
 from partitioner.request import PlanRequest
 
 __all__ = ["Compiled", "TensorParallelSplit", "compile_model", "split_layers", "split_plan",
-           "tensor_parallel_record", "device_groups_of", "shard_specs", "SEARCH_NOTES"]
+           "tensor_parallel_record", "device_groups_of", "shard_specs", "SEARCH_NOTES",
+           "search_notes"]
 
 
 @dataclass(frozen=True)
@@ -85,17 +91,23 @@ def compile_model(model: nn.Module, request: PlanRequest) -> Compiled:
     analysis = analyze(model, request.example_inputs, request.kwargs,
                        need_costs=not request.fixes_split)
     shardable = _shardable(model, analysis, request)
-    searched = analysis
+    searched, asked = analysis, request
     if shardable and analysis.workload is not None:
-        # Ranked by what the pass splits (``tp_costing``), not by every weight halved.
-        work = as_split(analysis.workload, next(iter(shardable.values())).split())
+        # Ranked by what the pass splits (``tp_costing``), not by every weight halved; timed
+        # here (not in the search) so that the layers merged for a tensor-parallel pick
+        # take what their layers measured (``calibrated.carried``).
+        first = next(iter(shardable.values()))
+        work = as_split(analysis.workload, first.split(), first.pairs)
+        if request.precision == "fp32":
+            work = calibrated(analysis, request, local_cluster(list(request.devices)), work)
+            asked = request.with_changes(calibrate=False)
         searched = replace(analysis, workload=work, costs=list(work.layers))
-    made = record(plan_request(searched, request,
+    made = record(plan_request(searched, asked,
                                tp_degrees=None if shardable is None else tuple(shardable)),
                   model, analysis, request, request.strategy)
     if (made.mesh or Mesh()).tp == 1 or not _local(request):
         return Compiled(analysis, made)
-    return split_plan(model, analysis, request, made)
+    return split_plan(model, analysis, request, made, searched.workload)
 
 
 def _local(request: PlanRequest) -> bool:
@@ -139,20 +151,40 @@ them from the plan that chose it, once (the stages cut for a tensor-parallel pic
 tuning's; tuning replaces both with its own)."""
 
 
+def search_notes(notes: Sequence[str], records: Sequence[dict[str, Any]]
+                 ) -> tuple[str, ...]:
+    """The search's and tuning's ``notes`` of a plan (:data:`SEARCH_NOTES`), told again
+    from ``records`` (the plan built may predict another step time than the one the search
+    ranked, and run under another label: one micro-batch's GPipe is 1F1B)."""
+    kept = tuple(n for n in notes if n.startswith(SEARCH_NOTES))
+    if not records:
+        return kept
+    told = {line.split(":")[0] + ":": line for line in explain(records).splitlines()
+            if line.startswith(SEARCH_NOTES)}
+    return tuple(told.get(n.split(":")[0] + ":", n) for n in kept)
+
+
 def device_groups_of(request: PlanRequest, mesh: Mesh) -> list[list[Any]]:
     """The first replica's devices, one group of ``tp`` per pipeline stage."""
     devices = list(request.devices)[:mesh.pp * mesh.tp]
     return [devices[k:k + mesh.tp] for k in range(0, len(devices), mesh.tp)]
 
 
-def split_plan(model: nn.Module, analysis: Analysis, request: PlanRequest, plan: Plan
-               ) -> Compiled:
+def split_plan(model: nn.Module, analysis: Analysis, request: PlanRequest, plan: Plan,
+               scaled: Workload | None = None) -> Compiled:
     """A plan with ``tp > 1`` chosen for this machine, its stages cut from the merged layers
     (the micro-batches, checkpoint mode and schedule it chose kept), its shard specs filled
-    in, the search's candidates and step time kept for ``explain()``."""
+    in, the search's candidates kept for ``explain()`` behind the record of the plan built
+    (:func:`~partitioner.planning.records.built_first`: with ``ranked_step_time``, what the
+    search ranked it by). ``scaled``: the workload the search ranked, whose calibration the
+    merged layers take (:func:`~partitioner.planning.calibrated.carried`)."""
     mesh = plan.mesh or Mesh()
     merged, split = split_layers(analysis, model, mesh.tp)
     groups = device_groups_of(request, mesh)
+    if scaled is not None and merged.workload is not None:
+        work = carried(scaled, merged.workload, split.layer_names,
+                       local_cluster([groups[0][0]]).spec(0))
+        merged = replace(merged, workload=work, costs=list(work.layers))
     limit = min(request.memory_limit) if request.memory_limit else None
     stages = request.with_changes(
         devices=tuple(g[0] for g in groups), strategy="auto", chunks=plan.chunks,
@@ -161,11 +193,13 @@ def split_plan(model: nn.Module, analysis: Analysis, request: PlanRequest, plan:
         cluster=None, virtual_stages=None, calibrate=False)
     made = tensor_parallel_record(tensor_parallel_plan(merged, stages, groups), model, merged,
                                   stages, split.shard_plan, groups)
-    chosen = replace(made, candidates=plan.candidates,
-                     predicted_step_time=plan.predicted_step_time,
-                     predicted_bubble=plan.predicted_bubble,
+    records = plan.candidates
+    if records and made.candidates:
+        records = built_first(records, 0, made.candidates[0],
+                              tuple(k for k in records[0] if k not in made.candidates[0]))
+    chosen = replace(made, candidates=records,
                      notes=(*(n for n in made.notes if not n.startswith(SEARCH_NOTES)),
-                            *(n for n in plan.notes if n.startswith(SEARCH_NOTES))),
+                            *search_notes(plan.notes, records)),
                      planner=replace(made.planner or PlannerInputs(),
                                      strategy=request.strategy, mesh=request.mesh))
     if mesh.dp > 1:

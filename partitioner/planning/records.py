@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -28,11 +29,43 @@ from partitioner.cost.devices import Cluster, DeviceSpec, LinkSpec
 from partitioner.cost.memory import MemoryBreakdown
 from partitioner.planning.predict import Config, ConfigError, Prediction, StageProfile
 
-__all__ = ["to_record", "from_record", "DETAIL_KEYS"]
+__all__ = ["to_record", "from_record", "built_first", "DETAIL_KEYS"]
 
 DETAIL_KEYS = ("stages", "memory", "dp_times", "optimizer_times", "breakdown", "cluster")
 """What a detailed record adds (:func:`to_record` with ``detail``): only the chosen
 candidate's record of a plan holds them."""
+
+
+def built_first(records: Sequence[dict[str, Any]], index: int, own: dict[str, Any],
+                keep: Sequence[str]) -> tuple[dict[str, Any], ...]:
+    """``records`` as a plan keeps them once the plan that runs was built for
+    ``records[index]``: that one first, holding ``own`` (the built plan's record: its
+    prediction, stage costs and cluster) with the keys ``keep`` of ``records[index]``, and
+    ``ranked_step_time``, the step time the candidate was ranked by, where the plan built
+    predicts another; the search's summary stays on the first record and the others keep no
+    stage costs.
+
+    A plan's first candidate is the one its step is simulated from, explained and drawn
+    (``Plan.candidates``): it must be the plan that runs.
+
+    Example:
+        >>> ranked = [{"label": "a", "step_time": 0.1, "stages": [1], "search": {"n": 2}},
+        ...           {"label": "b", "step_time": 0.2, "rank": 2}]
+        >>> own = {"label": "b", "step_time": 0.3, "stages": [2], "rank": 1}
+        >>> [(r["label"], r.get("rank"), r.get("ranked_step_time"), r.get("stages"),
+        ...   r.get("search"))
+        ...  for r in built_first(ranked, 1, own, ("rank",))]
+        [('b', 2, 0.2, [2], {'n': 2}), ('a', None, None, None, None)]
+    """
+    first = {k: v for k, v in own.items() if k != "search"}
+    first.update({k: v for k, v in records[index].items() if k in keep})
+    if records[index].get("step_time") != own.get("step_time"):
+        first["ranked_step_time"] = records[index].get("step_time")
+    if "search" in records[0]:
+        first["search"] = records[0]["search"]
+    others = ({k: v for k, v in r.items() if k not in DETAIL_KEYS and k != "search"}
+              for i, r in enumerate(records) if i != index)
+    return (first, *others)
 
 
 def to_record(prediction: Prediction, cluster: Cluster | None = None, *,

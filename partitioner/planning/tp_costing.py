@@ -7,6 +7,14 @@ lone input projection, or a block whose pairs it does not recognize, runs whole 
 rank. :func:`as_split` makes the workload say so, so ``"auto"`` does not rank a tensor-
 parallel plan by halves its ranks never get.
 
+Nor by all-reduces its ranks never run. The capture charges a layer one all-reduce per two
+weight products (a block holding its pairs), but a flattened ``nn.Sequential`` puts a pair's
+column ``Linear`` and its row ``Linear`` in layers of their own: each was charged one, twice
+the pair's one all-reduce, and the column side's on its wide output (an MLP 1024 -> 4096 ->
+1024 was charged 5x the bytes its tensor-parallel run all-reduces). Given the pass's pairs,
+a layer holding a pair's modules is charged one all-reduce per pair it ends (its row side):
+what the runtime runs, and what the layers merged for the build are charged.
+
 Example:
     >>> from partitioner.cost.cost import LayerCost, Op, Workload
     >>> fc = Op("matmul", flops=1e3, weight_grad=64, split=True)
@@ -14,11 +22,14 @@ Example:
     ...                  LayerCost("b", (fc,), 64, split_param_bytes=64)), (0.0,) * 3, batch=2)
     >>> [layer.splittable for layer in as_split(work, ["b.fc.weight"]).layers]
     [False, True]
+    >>> both = as_split(work, ["a.fc.weight", "b.fc.weight"], pairs=((("a",), ("b",)),))
+    >>> [layer.tp_all_reduces for layer in both.layers]
+    [0, 1]
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from partitioner.cost.cost import LayerCost, Workload
@@ -26,21 +37,39 @@ from partitioner.cost.cost import LayerCost, Workload
 __all__ = ["as_split"]
 
 
-def as_split(workload: Workload, split_names: Iterable[str]) -> Workload:
+Pairs = Sequence[tuple[Sequence[str], Sequence[str]]]
+"""The pass's Megatron pairs, ``(column modules, row modules)`` (``ShardPlan.pairs``)."""
+
+
+def as_split(workload: Workload, split_names: Iterable[str], pairs: Pairs = ()) -> Workload:
     """``workload`` with the layers none of whose parameters the pass splits (named by
     ``split_names``, the model's parameter names: ``ShardPlan.split()``) costed whole on
-    every rank; the others as they were."""
+    every rank; the layers holding modules of ``pairs`` charged one all-reduce per pair
+    whose row side they hold; the others as they were."""
     names = list(split_names)
-    layers = tuple(layer if _holds_any(layer, names) else _whole(layer)
+    layers = tuple(_paired(layer, pairs) if _holds_any(layer, names) else _whole(layer)
                    for layer in workload.layers)
     if layers == workload.layers:
         return workload
     return replace(workload, layers=layers)
 
 
-def _holds_any(layer: LayerCost, names: list[str]) -> bool:
+def _holds_any(layer: LayerCost, names: Iterable[str]) -> bool:
     prefixes = {layer.name + ".", layer.name.replace(".", "_") + "."}
     return any(n == layer.name or any(n.startswith(p) for p in prefixes) for n in names)
+
+
+def _paired(layer: LayerCost, pairs: Pairs) -> LayerCost:
+    """``layer`` charged the all-reduces of the pairs it ends (unchanged when it holds no
+    module of a pair)."""
+    if not any(_holds_any(layer, (*cols, *rows)) for cols, rows in pairs):
+        return layer
+    ends = sum(1 for _, rows in pairs if _holds_any(layer, rows))
+    if ends == layer.tp_all_reduces:
+        return layer
+    # Layers of one signature cost the same; a column side and a row side of equal shapes
+    # no longer do.
+    return replace(layer, tp_all_reduces=ends, signature=f"{layer.signature}:ar{ends}")
 
 
 def _whole(layer: LayerCost) -> LayerCost:

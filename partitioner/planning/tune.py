@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from partitioner.errors import TuneError
-from partitioner.planning.records import DETAIL_KEYS
+from partitioner.planning.records import built_first
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
            "KEEP_WITHIN", "SETTLE_TRIALS", "CONFIRM_TRIALS", "REFINE", "REFINE_WITHIN",
@@ -440,15 +440,7 @@ def chosen_first(tuned: Sequence[dict[str, Any]], own: dict[str, Any]
     index = next((i for i, r in enumerate(tuned) if r.get("chosen")), 0)
     if index == 0:
         return tuple(tuned)
-    first = {k: v for k, v in own.items() if k != "search"}
-    first.update({k: v for k, v in tuned[index].items() if k in TUNING_KEYS})
-    if tuned[index].get("step_time") != own.get("step_time"):
-        first["ranked_step_time"] = tuned[index].get("step_time")  # what the search ranked
-    if "search" in tuned[0]:
-        first["search"] = tuned[0]["search"]
-    others = ({k: v for k, v in r.items() if k not in DETAIL_KEYS and k != "search"}
-              for i, r in enumerate(tuned) if i != index)
-    return (first, *others)
+    return built_first(tuned, index, own, TUNING_KEYS)
 
 
 def _rank(records: Sequence[dict[str, Any]], i: int) -> tuple[int, int]:

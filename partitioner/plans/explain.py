@@ -159,6 +159,8 @@ def _why(ranked: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
             f"{format_bytes(winner['peak_memory'])} per device)")
     if winner.get("measured_step_time") is not None:
         text += f", measured {format_seconds(winner['measured_step_time'])}"
+    if winner.get("ranked_step_time") is not None:
+        text += f"; ranked at {format_seconds(winner['ranked_step_time'])} before it was built"
     others = [r for r in ranked if r is not winner]
     if others and winner.get("measured_step_time") is None:  # tuned: the tuned line says
         text += _against(winner, others[0])
