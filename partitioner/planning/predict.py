@@ -46,7 +46,13 @@ from partitioner.cost.comm import (
     fsdp_time,
     replica_sync_time,
 )
-from partitioner.cost.cost import Workload, phase_times, split_backward_overhead, weight_time
+from partitioner.cost.cost import (
+    Workload,
+    phase_times,
+    split_backward_overhead,
+    split_forward_overhead,
+    weight_time,
+)
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
@@ -441,7 +447,8 @@ def _profiles(workload: Workload, cluster: Cluster, config: Config,
         layers = workload.layers[a:b]
         # The runtime's own cost per action: one forward and one backward per micro-batch
         # (a split backward: two, and its weight products queued through Python).
-        forward = sum(times[i][0] for i in range(a, b)) + spec.action_overhead
+        forward = sum(times[i][0] for i in range(a, b)) + spec.action_overhead + (
+            split_forward_overhead(layers, spec) if split else 0.0)
         backward = sum(times[i][1] for i in range(a, b)) + spec.action_overhead + (
             split_backward_overhead(layers, spec) if split else 0.0)
         # What W runs: the Linear weight products (traced on 4 gloo ranks, `mlp` x4's I
