@@ -99,7 +99,8 @@ def compile_model(model: nn.Module, request: PlanRequest) -> Compiled:
         first = next(iter(shardable.values()))
         work = as_split(analysis.workload, first.split(), first.pairs)
         if request.precision == "fp32":
-            work = calibrated(analysis, request, local_cluster(list(request.devices)), work)
+            cluster = request.cluster or local_cluster(list(request.devices))
+            work = calibrated(analysis, request, cluster, work)
             asked = request.with_changes(calibrate=False)
         searched = replace(analysis, workload=work, costs=list(work.layers))
     made = record(plan_request(searched, asked,
