@@ -36,10 +36,9 @@ from partitioner.errors import MemoryLimitError, PartitionError, ScheduleError, 
 from partitioner.passes.tensor_parallel.shard_graph import merge_split_layers
 from partitioner.planning.auto import SearchResult
 from partitioner.planning.calibrated import calibrated, carried
-from partitioner.planning.compile import SEARCH_NOTES, search_notes, shard_specs, split_layers
+from partitioner.planning.compile import SEARCH_NOTES, as_built, shard_specs, split_layers
 from partitioner.planning.planner import record
 from partitioner.planning.predict import Config
-from partitioner.planning.records import built_first
 from partitioner.planning.space import SearchSpace
 from partitioner.planning.tp_costing import as_split
 from partitioner.planning.tp_rules import TensorParallelRules, resolve_shardings
@@ -273,14 +272,8 @@ def _split(model: nn.Module, analysis: Analysis, options: AutoOptions, cluster: 
                           Degrees(mesh.pp, mesh.dp, mesh.tp), chosen, capacity=capacity)
     cut = world_plan(result, merged.layer_names, cluster, capture=plan.capture,
                      notes=workload.notes)
-    records = plan.candidates
-    if records and cut.candidates:
-        records = built_first(records, 0, cut.candidates[0],
-                              tuple(k for k in records[0] if k not in cut.candidates[0]))
-    notes = (*(n for n in plan.notes if not n.startswith(SEARCH_NOTES)),
-             *search_notes(plan.notes, records))
-    return replace(cut, candidates=records, notes=notes,
-                   shard_specs=shard_specs(split.shard_plan)), merged
+    built = as_built(plan, cut, [n for n in plan.notes if not n.startswith(SEARCH_NOTES)])
+    return replace(built, shard_specs=shard_specs(split.shard_plan)), merged
 
 
 def local_batch(example_inputs: tuple[Any, ...] | None,

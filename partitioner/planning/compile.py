@@ -53,7 +53,7 @@ from partitioner.request import PlanRequest
 
 __all__ = ["Compiled", "TensorParallelSplit", "compile_model", "split_layers", "split_plan",
            "tensor_parallel_record", "device_groups_of", "shard_specs", "SEARCH_NOTES",
-           "search_notes"]
+           "as_built"]
 
 
 @dataclass(frozen=True)
@@ -152,17 +152,22 @@ them from the plan that chose it, once (the stages cut for a tensor-parallel pic
 tuning's; tuning replaces both with its own)."""
 
 
-def search_notes(notes: Sequence[str], records: Sequence[dict[str, Any]]
-                 ) -> tuple[str, ...]:
-    """The search's and tuning's ``notes`` of a plan (:data:`SEARCH_NOTES`), told again
-    from ``records`` (the plan built may predict another step time than the one the search
-    ranked, and run under another label: one micro-batch's GPipe is 1F1B)."""
-    kept = tuple(n for n in notes if n.startswith(SEARCH_NOTES))
-    if not records:
-        return kept
+def as_built(searched: Plan, built: Plan, notes: Sequence[str]) -> Plan:
+    """``built``, the plan cut for the configuration ``searched`` chose, holding the
+    search's candidates behind its own record (:func:`~partitioner.planning.records.
+    built_first`: with ``ranked_step_time``, what the search ranked it by), ``notes``, and
+    the search's and tuning's notes (:data:`SEARCH_NOTES`) told again from those records:
+    the plan built may predict another step time, and run under another label (one
+    micro-batch's GPipe is 1F1B)."""
+    records = searched.candidates
+    if records and built.candidates:
+        own = built.candidates[0]
+        records = built_first(records, 0, own, tuple(k for k in records[0] if k not in own))
     told = {line.split(":")[0] + ":": line for line in explain(records).splitlines()
-            if line.startswith(SEARCH_NOTES)}
-    return tuple(told.get(n.split(":")[0] + ":", n) for n in kept)
+            if line.startswith(SEARCH_NOTES)} if records else {}
+    kept = (told.get(n.split(":")[0] + ":", n) for n in searched.notes
+            if n.startswith(SEARCH_NOTES))
+    return replace(built, candidates=records, notes=(*notes, *kept))
 
 
 def device_groups_of(request: PlanRequest, mesh: Mesh) -> list[list[Any]]:
@@ -194,13 +199,8 @@ def split_plan(model: nn.Module, analysis: Analysis, request: PlanRequest, plan:
         cluster=None, virtual_stages=None, calibrate=False)
     made = tensor_parallel_record(tensor_parallel_plan(merged, stages, groups), model, merged,
                                   stages, split.shard_plan, groups)
-    records = plan.candidates
-    if records and made.candidates:
-        records = built_first(records, 0, made.candidates[0],
-                              tuple(k for k in records[0] if k not in made.candidates[0]))
-    chosen = replace(made, candidates=records,
-                     notes=(*(n for n in made.notes if not n.startswith(SEARCH_NOTES)),
-                            *search_notes(plan.notes, records)),
+    chosen = replace(as_built(plan, made, [n for n in made.notes
+                                           if not n.startswith(SEARCH_NOTES)]),
                      planner=replace(made.planner or PlannerInputs(),
                                      strategy=request.strategy, mesh=request.mesh))
     if mesh.dp > 1:
