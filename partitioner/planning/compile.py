@@ -132,7 +132,8 @@ def split_layers(analysis: Analysis, model: nn.Module, tp: int,
                  rules: TensorParallelRules | None = None
                  ) -> tuple[Analysis, TensorParallelSplit]:
     """The splits for ``tp`` devices, and ``analysis`` with its layers merged so that no
-    stage boundary cuts a column/row pair (costed again on the same capture).
+    stage boundary cuts a column/row pair (costed again on the same capture, as the pass
+    splits them: ``tp_costing.as_split``).
 
     Raises:
         TensorParallelError: the model's dimensions do not divide by ``tp``, or the rules
@@ -143,7 +144,11 @@ def split_layers(analysis: Analysis, model: nn.Module, tp: int,
     assert shard_plan.choice is not None, "resolve_shardings records the pass's choice"
     merged = merge_split_layers(gm, analysis.layers, shard_plan.choice.propagation)
     names = _merged_names(analysis.layers, merged)
-    return regrouped(analysis, merged), TensorParallelSplit(shard_plan, names, analysis)
+    regroup = regrouped(analysis, merged)
+    if regroup.workload is not None:
+        work = as_split(regroup.workload, shard_plan.split(), shard_plan.pairs, names)
+        regroup = replace(regroup, workload=work, costs=list(work.layers))
+    return regroup, TensorParallelSplit(shard_plan, names, analysis)
 
 
 SEARCH_NOTES = ("chosen:", "tuned:")

@@ -41,30 +41,35 @@ Pairs = Sequence[tuple[Sequence[str], Sequence[str]]]
 """The pass's Megatron pairs, ``(column modules, row modules)`` (``ShardPlan.pairs``)."""
 
 
-def as_split(workload: Workload, split_names: Iterable[str], pairs: Pairs = ()) -> Workload:
+def as_split(workload: Workload, split_names: Iterable[str], pairs: Pairs = (),
+             members: Sequence[Sequence[str]] | None = None) -> Workload:
     """``workload`` with the layers none of whose parameters the pass splits (named by
     ``split_names``, the model's parameter names: ``ShardPlan.split()``) costed whole on
     every rank; the layers holding modules of ``pairs`` charged one all-reduce per pair
-    whose row side they hold; the others as they were."""
+    whose row side they hold; the others as they were. ``members``: per layer, the names
+    of the layers it holds (layers merged for tensor parallelism,
+    ``TensorParallelSplit.layer_names``); by default each layer holds itself."""
     names = list(split_names)
-    layers = tuple(_paired(layer, pairs) if _holds_any(layer, names) else _whole(layer)
-                   for layer in workload.layers)
+    held = members if members is not None else [[c.name] for c in workload.layers]
+    layers = tuple(_paired(layer, own, pairs) if _holds_any(own, names) else _whole(layer)
+                   for layer, own in zip(workload.layers, held, strict=True))
     if layers == workload.layers:
         return workload
     return replace(workload, layers=layers)
 
 
-def _holds_any(layer: LayerCost, names: Iterable[str]) -> bool:
-    prefixes = {layer.name + ".", layer.name.replace(".", "_") + "."}
-    return any(n == layer.name or any(n.startswith(p) for p in prefixes) for n in names)
+def _holds_any(own: Sequence[str], names: Iterable[str]) -> bool:
+    """Whether layers named ``own`` hold a module or parameter of ``names``."""
+    prefixes = tuple(p for name in own for p in (name + ".", name.replace(".", "_") + "."))
+    return any(n in own or n.startswith(prefixes) for n in names)
 
 
-def _paired(layer: LayerCost, pairs: Pairs) -> LayerCost:
-    """``layer`` charged the all-reduces of the pairs it ends (unchanged when it holds no
-    module of a pair)."""
-    if not any(_holds_any(layer, (*cols, *rows)) for cols, rows in pairs):
+def _paired(layer: LayerCost, own: Sequence[str], pairs: Pairs) -> LayerCost:
+    """``layer`` (holding the layers ``own``) charged the all-reduces of the pairs it ends
+    (unchanged when it holds no module of a pair)."""
+    if not any(_holds_any(own, (*cols, *rows)) for cols, rows in pairs):
         return layer
-    ends = sum(1 for _, rows in pairs if _holds_any(layer, rows))
+    ends = sum(1 for _, rows in pairs if _holds_any(own, rows))
     if ends == layer.tp_all_reduces:
         return layer
     # Layers of one signature cost the same; a column side and a row side of equal shapes

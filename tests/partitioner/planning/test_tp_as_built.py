@@ -163,3 +163,32 @@ def test_the_distributed_search_records_the_plan_it_cuts() -> None:
     assert plan.mesh is not None and (plan.mesh.pp, plan.mesh.tp) == (2, 2)
     _records_hold_the_built_plan(plan)
     assert plan.candidates[0]["cluster"]["processes"]
+
+
+def test_merged_layers_are_charged_the_pairs_they_hold() -> None:
+    # A merged layer takes its first member's name; its pairs are found by every member's
+    # (the capture charged one all-reduce per two weight products: 4 for a Llama block).
+    model, x = _wide()
+    analysis = analyze(model, (x,))
+    merged, split = split_layers(analysis, model, 2)
+    assert merged.workload is not None
+    assert [layer.tp_all_reduces for layer in merged.workload.layers] == [1, 0, 1]
+    assert split.layer_names[0] == ["0", "1", "2"]
+
+
+def test_a_transformers_llama_plan_is_predicted_as_it_was_ranked() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                      intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (4, 16))
+    pm = partition(model, ["cpu"] * 4, example_inputs=(ids,), mesh=Mesh(dp=1, pp=2, tp=2))
+    _records_hold_the_built_plan(pm.plan)
+    ranked = pm.plan.candidates[0].get("ranked_step_time", pm.plan.predicted_step_time)
+    # Built on blocks whose 7 products were charged 4 all-reduces, not their 2 pairs' 2,
+    # it read 24% slower than ranked.
+    assert ranked == pytest.approx(pm.plan.predicted_step_time, rel=0.02)
+    with torch.no_grad():
+        assert torch.allclose(pm(ids).logits, model(ids).logits, atol=1e-5)
