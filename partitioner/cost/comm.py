@@ -34,7 +34,7 @@ from partitioner.errors import CommError
 
 __all__ = ["CommError", "COLLECTIVES", "p2p_time", "all_reduce_time", "all_gather_time",
            "reduce_scatter_time", "collective_time", "replica_sync_time", "fsdp_time",
-           "fsdp_ends_time"]
+           "fsdp_ends_time", "computing_all_reduce_time"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -69,6 +69,23 @@ def all_reduce_time(nbytes: float, n: int, link: LinkSpec) -> float:
     """
     _check(nbytes, n)
     return 2 * _ring_steps(nbytes, n, link)
+
+
+def computing_all_reduce_time(nbytes: float, n: int, link: LinkSpec,
+                              between: float) -> float:
+    """Seconds of an all-reduce of ``nbytes`` among ``n`` ranks entered from ``between``
+    seconds of compute, as a tensor-parallel layer's: :func:`all_reduce_time` and what
+    the link measured such an all-reduce to cost beyond it (``LinkSpec.computing_excess``;
+    processes on one CPU host, nothing elsewhere).
+
+    Example:
+        >>> link = LinkSpec("l", 1e9, 1e-4, computing_all_reduce=((2, 1e-3, 5e-4),))
+        >>> round(computing_all_reduce_time(1e6, 2, link, 3e-3) * 1e3, 2)  # 1.2 + 0.5
+        1.7
+    """
+    if n <= 1:
+        return 0.0
+    return all_reduce_time(nbytes, n, link) + link.computing_excess(n, between)
 
 
 def all_gather_time(nbytes: float, n: int, link: LinkSpec) -> float:

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partitioner.errors import DeviceError
@@ -85,6 +86,15 @@ class LinkSpec:
             (the ``isend`` call: gloo writes into the socket in the caller's thread),
             measured by the link probe; 0: none (the presets, NCCL's queued sends).
         post_bandwidth: bytes per second of that posting beyond ``post_latency``; 0: none.
+        computing_all_reduce: ``(group size n, seconds computed before, seconds)``, in
+            increasing order of the first two: what an all-reduce among ``n`` ranks costs
+            beyond its ring's figure (:func:`~partitioner.cost.comm.all_reduce_time` with
+            :attr:`rings`) when each rank computes that long between all-reduces, as a
+            tensor-parallel forward does (products, all-reduce, products, all-reduce),
+            measured by the link probe with every group of the host at once; empty: none
+            (the presets; one process's threads). On the 2-core CI VM (2026-12-06) a 64
+            KiB all-reduce of 2 gloo ranks cost 0.5-1.5 ms more between 1-3 ms of compute
+            than the probe's all-reduces between short ones (:meth:`computing_excess`).
     """
 
     name: str
@@ -99,6 +109,7 @@ class LinkSpec:
     staggered_all_reduce: tuple[tuple[float, float], ...] = ()
     post_latency: float = 0.0
     post_bandwidth: float = 0.0
+    computing_all_reduce: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -123,6 +134,12 @@ class LinkSpec:
                 a[0] >= b[0] for a, b in itertools.pairwise(points)):
             problems.append(f"staggered_all_reduce={points!r}; it must be (seconds after "
                             ">= 0, seconds >= 0) pairs in increasing order of the first")
+        rows = self.computing_all_reduce
+        if any(len(r) != 3 or not (int(r[0]) == r[0] >= 2 and r[1] >= 0 and r[2] >= 0)
+               for r in rows) or any(a[:2] >= b[:2] for a, b in itertools.pairwise(rows)):
+            problems.append(f"computing_all_reduce={rows!r}; it must be (group size >= 2, "
+                            "seconds computed >= 0, seconds >= 0) rows in increasing order "
+                            "of the first two")
         if not self.wake >= 0:
             problems.append(f"wake={self.wake!r}; it must be >= 0")
         if not (self.post_latency >= 0 and self.post_bandwidth >= 0):
@@ -147,14 +164,28 @@ class LinkSpec:
             [1.0, 2.0, 3.0]
         """
         points = self.staggered_all_reduce
-        if not points:
-            return None
-        if after <= points[0][0]:
-            return points[0][1]
-        for (a, t), (b, u) in itertools.pairwise(points):
-            if after <= b:
-                return t + (u - t) * (after - a) / (b - a)
-        return points[-1][1]
+        return _interpolated(points, after) if points else None
+
+    def computing_excess(self, n: int, between: float) -> float:
+        """Seconds an all-reduce among ``n`` ranks costs beyond its ring's figure when the
+        ranks compute ``between`` seconds before it (:attr:`computing_all_reduce`): the rows
+        of the timed group size ``n``, else the next larger one timed, else the largest;
+        interpolated in ``between``, the nearest row outside them; 0 where none were timed.
+
+        Example:
+            >>> link = LinkSpec("l", 3e9, 4e-5, computing_all_reduce=(
+            ...     (2, 1e-3, 5e-4), (2, 4e-3, 1.1e-3), (4, 1e-3, 2e-3)))
+            >>> [round(link.computing_excess(2, b) * 1e3, 2) for b in (0.0, 2e-3, 9e-3)]
+            [0.5, 0.7, 1.1]
+            >>> link.computing_excess(3, 1e-3), LinkSpec("l", 3e9, 4e-5).computing_excess(2, 1)
+            (0.002, 0.0)
+        """
+        if not self.computing_all_reduce:
+            return 0.0
+        sizes = sorted({r[0] for r in self.computing_all_reduce})
+        size = next((s for s in sizes if s >= n), sizes[-1])
+        points = [(a, t) for s, a, t in self.computing_all_reduce if s == size]
+        return _interpolated(points, between)
 
     @property
     def step_latency(self) -> float:
@@ -233,6 +264,16 @@ LINKS: dict[str, LinkSpec] = {
     "ethernet-10g": LinkSpec("Ethernet 10 Gb/s (assumed)", 1.25e9, 50e-6, 0.9),
 }
 """Link presets, by name: the one place links are defined."""
+
+
+def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
+    """``points``' ``(x, y)`` line at ``x`` (``x`` increasing), the nearest ``y`` outside."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (a, t), (b, u) in itertools.pairwise(points):
+        if x <= b:
+            return t + (u - t) * (x - a) / (b - a)
+    return points[-1][1]
 
 
 def fit_ring_steps(ranks: int, sizes: tuple[float, float], seconds: tuple[float, float],

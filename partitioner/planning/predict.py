@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from partitioner.cost.comm import (
     all_gather_time,
     all_reduce_time,
+    computing_all_reduce_time,
     fsdp_ends_time,
     fsdp_time,
     replica_sync_time,
@@ -299,7 +300,9 @@ def replayed(checkpoint: str, chunks: int) -> int:
 def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
                   chunks: int = 1, rank: int = 0) -> list[tuple[float, float]]:
     """Per layer, (forward, backward) seconds on one TP rank, all-reduces included (in the
-    backward also those its replayed forward runs again, ``replayed_all_reduces``).
+    backward also those its replayed forward runs again, ``replayed_all_reduces``), each
+    with what an all-reduce entered from compute costs beyond its ring's figure
+    (``LinkSpec.computing_excess``, measured between processes).
 
     With ``chunks`` micro-batches all but the first backward accumulate weight gradients.
     """
@@ -311,11 +314,12 @@ def layer_profile(workload: Workload, cluster: Cluster, samples: float, tp: int,
         if layer.signature not in cache:
             f, b = phase_times(layer, spec, samples, tp if layer.splittable else 1,
                                workload.dtype, (chunks - 1) / chunks)
-            one = all_reduce_time(layer.output_bytes * samples, tp, link) if tp > 1 else 0.0
+            nbytes, ends = layer.output_bytes * samples, max(layer.tp_all_reduces, 1)
+            fa, ba = (computing_all_reduce_time(nbytes, tp, link, t / ends) for t in (f, b))
             # A replayed forward all-reduces again (torchtitan's checkpointing does).
-            cache[layer.signature] = (f + layer.tp_all_reduces * one,
-                                      b + (layer.tp_all_reduces + layer.replayed_all_reduces)
-                                      * one)
+            cache[layer.signature] = (f + layer.tp_all_reduces * fa,
+                                      b + layer.tp_all_reduces * ba
+                                      + layer.replayed_all_reduces * fa)
         out.append(cache[layer.signature])
     return out
 

@@ -137,4 +137,7 @@ def _cluster_from(data: dict[str, Any]) -> Cluster:
 def _link_from(data: dict[str, Any]) -> LinkSpec:
     rings = tuple((int(n), float(a), float(b)) for n, a, b in data.get("rings", ()))
     staggered = tuple((float(a), float(t)) for a, t in data.get("staggered_all_reduce", ()))
-    return LinkSpec(**{**data, "rings": rings, "staggered_all_reduce": staggered})
+    computing = tuple((int(n), float(a), float(t))
+                      for n, a, t in data.get("computing_all_reduce", ()))
+    return LinkSpec(**{**data, "rings": rings, "staggered_all_reduce": staggered,
+                       "computing_all_reduce": computing})

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner import errors
+from partitioner.cost.comm import all_reduce_time
 from partitioner.cost.cost import Workload
 from partitioner.cost.devices import REFERENCE_CPU, Cluster, LinkSpec
 from partitioner.cost.links import fit_ring_steps
@@ -40,11 +41,12 @@ from partitioner.runtime.distributed.link_probe import (
     COLLECTIVE_BYTES,
     POST_BYTES,
     STAGGER_AFTER,
+    ProbedLink,
     probe_link,
 )
 
-__all__ = ["infer_cluster", "cpu_world_link", "post_figures", "predicted_for_world",
-           "rank0_error"]
+__all__ = ["infer_cluster", "cpu_world_link", "computing_excess", "post_figures",
+           "predicted_for_world", "rank0_error"]
 
 
 def infer_cluster(option: Cluster | str | None, device: torch.device) -> Cluster:
@@ -93,6 +95,10 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
                           for n, a, b in rings)
         staggered = " or ".join(f"{t * 1e3:.2f} ms ({a * 1e3:.1f} ms of compute after)"
                                 for a, t in zip(STAGGER_AFTER, got.staggered))
+        computing = computing_excess(got, LinkSpec("rings", got.bandwidth, got.latency,
+                                                   rings=tuple(rings)))
+        beyond = ", ".join(f"{n} ranks {t * 1e3:.2f} ms ({a * 1e3:.1f} ms of compute before)"
+                           for n, a, t in computing) or "nothing"
         _MEASURED_LINKS[key] = LinkSpec(
             f"gloo over loopback (measured: {got.latency * 1e6:.0f} us a message, "
             f"{got.bandwidth / 1e9:.1f} GB/s; an all-reduce's step over {steps}; a rank's "
@@ -101,12 +107,32 @@ def cpu_world_link(hosts: list[Any]) -> LinkSpec | None:
             "in when they come one by one; the ranks' optimizer steps at once "
             f"{got.optimizer_gain:.2f}x one alone; posting a message "
             f"{got.posting[0] * 1e6:.0f} us, {POST_BYTES >> 20} MiB {got.posting[1] * 1e6:.0f} "
-            "us)", got.bandwidth, got.latency,
+            f"us; an all-reduce between computing ranks costs {beyond} more)",
+            got.bandwidth, got.latency, computing_all_reduce=computing,
             busy_latency=got.busy_latency, wake=got.wake, rings=tuple(rings),
             scalar_all_reduce=got.scalar, optimizer_gain=got.optimizer_gain,
             staggered_all_reduce=tuple(zip(STAGGER_AFTER, got.staggered)),
             **post_figures(got.posting))
     return _MEASURED_LINKS[key]
+
+
+def computing_excess(got: ProbedLink, ring: LinkSpec) -> tuple[tuple[int, float, float], ...]:
+    """``LinkSpec.computing_all_reduce`` from the probe's all-reduces between computations
+    (``ProbedLink.computing``): each row's seconds beyond what the fitted ``ring`` charges
+    the same all-reduce (``COLLECTIVE_BYTES[0]``), never below 0; ordered by group size,
+    then compute.
+
+    Example:
+        >>> from partitioner.runtime.distributed.link_probe import ProbedLink
+        >>> got = ProbedLink(5e-5, 3e9, 5e-5, 0.0, (1e-3, 4e-3),
+        ...                  computing=((2, 4e-3, 2.5e-3), (2, 1e-3, 1e-4)))
+        >>> ring = LinkSpec("ring", 3e9, 5e-5, rings=((2, 5e-4, 1e9),))
+        >>> [(n, a, round(t * 1e3, 3)) for n, a, t in computing_excess(got, ring)]
+        [(2, 0.001, 0.0), (2, 0.004, 1.434)]
+    """
+    rows = {(int(n), between): max(took - all_reduce_time(COLLECTIVE_BYTES[0], int(n), ring),
+                                   0.0) for n, between, took in got.computing}
+    return tuple((n, between, excess) for (n, between), excess in sorted(rows.items()))
 
 
 def post_figures(posting: tuple[float, float]) -> dict[str, float]:

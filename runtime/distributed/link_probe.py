@@ -49,7 +49,8 @@ from partitioner.runtime.distributed.optimizer_probe import probe_optimizer_gain
 
 __all__ = ["probe_link", "ProbedLink", "SMALL_ROUNDS", "LARGE_BYTES", "WAKE_GAP",
            "WAKE_ROUNDS", "COLLECTIVE_BYTES", "COLLECTIVE_ROUNDS", "STAGGER_GAP",
-           "STAGGER_ROUNDS", "STAGGER_AFTER", "POST_BYTES", "POST_ROUNDS"]
+           "STAGGER_ROUNDS", "STAGGER_AFTER", "POST_BYTES", "POST_ROUNDS", "COMPUTING_BETWEEN",
+           "COMPUTING_ROUNDS", "COMPUTING_CYCLES"]
 
 SMALL_ROUNDS = 40
 """Round trips of a 4-byte message timed for the latency (after 5 not timed)."""
@@ -103,6 +104,22 @@ slower."""
 
 POST_ROUNDS = 15
 """Messages of each size timed for their posting (after 3 not timed); the median counts."""
+
+COMPUTING_BETWEEN = (1e-3, 4e-3)
+"""Seconds each rank computes between the all-reduces of :func:`_computing_all_reduces` (a
+tensor-parallel forward's products between its all-reduces). On the 2-core CI VM
+(2026-12-06, 01:20 UTC) a 64 KiB all-reduce of 2 gloo ranks took 0.8-1.8 ms between short
+computations (what :func:`_all_reduces` times) and 0.5-1.5 ms more between 1-3 ms of
+compute; 4 ranks in pairs 0.1-1.9 ms more, all 4 at once 1.8-3.5 ms more."""
+
+COMPUTING_ROUNDS = 20
+"""Rounds of :data:`COMPUTING_CYCLES` timed per :data:`COMPUTING_BETWEEN` (after 2 not
+timed), with and without the all-reduces; their means count, the slowest tenth left out."""
+
+COMPUTING_CYCLES = 4
+"""Cycles of compute and all-reduce per round (the ranks meet at a barrier before each
+round, not between its cycles: the first of them enters together, the others from
+compute)."""
 
 COLLECTIVE_ROUNDS = 60
 """All-reduces timed per size (after 5 not timed: the first of a size sets gloo's buffers
@@ -222,6 +239,11 @@ class ProbedLink:
         posting: seconds a rank spends posting a message of 4 bytes and of
             :data:`POST_BYTES` to its peer, one pair at a time (:func:`_posting`; 0 in a
             world of one).
+        computing: ``(group size, seconds computed between, seconds)`` per group size
+            timed (pairs, and the whole world of more than 2) and per
+            :data:`COMPUTING_BETWEEN`: an all-reduce of ``COLLECTIVE_BYTES[0]`` between
+            computations of that length, every group at once
+            (:func:`_computing_all_reduces`; empty in a world of one).
     """
 
     latency: float
@@ -234,6 +256,7 @@ class ProbedLink:
     optimizer_gain: float = 1.0
     staggered: tuple[float, ...] = ()
     posting: tuple[float, float] = (0.0, 0.0)
+    computing: tuple[tuple[int, float, float], ...] = ()
 
 
 def probe_link() -> ProbedLink:
@@ -268,6 +291,7 @@ def probe_link() -> ProbedLink:
         reduced = ([_all_reduces(scalar), *(_all_reduces(b) for b in buffers)] if world > 1
                    else [0.0, 0.0, 0.0])
         paired = _pair_all_reduces(buffers) if world > 2 else [0.0, 0.0]
+        computing = _computing_rows(buffers[0]) if world > 1 else []
         staggered = [_staggered_scalar(scalar, STAGGER_ROUNDS, after) if world > 1 else 0.0
                      for after in STAGGER_AFTER]
         agreed = torch.tensor([latency, per_large, busy, wake, *reduced, *paired, post_small,
@@ -275,13 +299,21 @@ def probe_link() -> ProbedLink:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     latency, per_large, busy, wake, one, mid, big, pair_mid, pair_big, post_small, \
         post_large = (float(v) for v in agreed[:11])
+    rows = []
+    if computing:
+        got = torch.tensor([v for _, between, took in computing for v in (between, took)],
+                           dtype=torch.float64)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)  # the slowest group's, as above
+        rows = [(n, float(got[2 * i]), float(got[2 * i + 1]))
+                for i, (n, _, _) in enumerate(computing)]
     # The latency's share of a large message: a lone pair's message, at most half of it.
     # Not the busy pairs' median: it reads about 50 us or 2 ms by the probe on 4 ranks of 2
     # cores, which took 2 ms off 8 MiB round trips of about 3 ms and doubled the bandwidth.
     bandwidth = LARGE_BYTES / max(per_large - latency, per_large / 2, 1e-9)
     return ProbedLink(latency, bandwidth, max(busy, latency), wake, (mid, big), one,
                       (pair_mid, pair_big) if world > 2 else None, probe_optimizer_gain(),
-                      tuple(float(v) for v in agreed[11:]), (post_small, post_large))
+                      tuple(float(v) for v in agreed[11:]), (post_small, post_large),
+                      tuple(rows))
 
 
 def _staggered_scalar(tensor: torch.Tensor, rounds: int, after: float) -> float:
@@ -343,14 +375,77 @@ def _all_reduces(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -
 
 def _pair_all_reduces(buffers: list[torch.Tensor]) -> list[float]:
     """Seconds of an all-reduce of each buffer within this rank's pair (``2k``,
-    ``2k + 1``), every pair at once; a lone last rank times nothing (0). Every rank creates
-    every pair's group, as ``new_group`` requires."""
+    ``2k + 1``), every pair at once; a lone last rank times nothing (0)."""
+    return _in_pairs(lambda mine: [_all_reduces(b, mine) for b in buffers],
+                     [0.0] * len(buffers))
+
+
+def _in_pairs(timed: Callable[[dist.ProcessGroup], list[float]],
+              alone: list[float]) -> list[float]:
+    """``timed`` of this rank's pair's group (``2k``, ``2k + 1``), every pair at once;
+    ``alone`` on a lone last rank. Every rank creates every pair's group, as
+    ``new_group`` requires."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
     mine = groups[rank // 2] if rank // 2 < len(groups) else None
     dist.barrier()
-    times = [_all_reduces(b, mine) if mine is not None else 0.0 for b in buffers]
+    times = timed(mine) if mine is not None else alone
     dist.barrier()
     if mine is not None:
         dist.destroy_process_group(mine)
     return times
+
+
+def _computing_rows(tensor: torch.Tensor) -> list[tuple[int, float, float]]:
+    """``(group size, seconds computed between, seconds)`` of :func:`_computing_all_reduces`
+    per :data:`COMPUTING_BETWEEN`: within pairs (every pair at once), and over the whole
+    world where it has more than two ranks (collective)."""
+    world = dist.get_world_size()
+    rows = []
+    if world > 2:
+        got = _in_pairs(lambda mine: [v for between in COMPUTING_BETWEEN for v in
+                                      _computing_all_reduces(tensor, between, mine)],
+                        [0.0] * 2 * len(COMPUTING_BETWEEN))
+        rows += [(2, got[2 * i], got[2 * i + 1]) for i in range(len(COMPUTING_BETWEEN))]
+    rows += [(world, *_computing_all_reduces(tensor, between)) for between in
+             COMPUTING_BETWEEN]
+    return rows
+
+
+def _computing_all_reduces(tensor: torch.Tensor, between: float,
+                           group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """``(seconds computed between, seconds)`` of an all-reduce of ``tensor`` over
+    ``group`` (every rank) that each rank enters from about ``between`` seconds of compute
+    and leaves into the next, as a tensor-parallel forward's products and all-reduces
+    alternate: :data:`COMPUTING_CYCLES` cycles a round timed with the all-reduces and
+    without (every rank computing at once), their difference a cycle; the means of
+    :data:`COMPUTING_ROUNDS`, the slowest tenth left out.
+
+    On the 2-core CI VM (2026-12-06) with 2 ranks and 3 ms between, the cycle took 2.1 ms
+    more than its compute where the same all-reduce between short computations took 1.1-1.3
+    ms: a rank released first computes, and its peer, still in the all-reduce, waits for a
+    core (:data:`COMPUTING_BETWEEN`).
+    """
+    work = _reference_work()
+    for _ in range(5):
+        work()
+    start = time.perf_counter()
+    for _ in range(10):
+        work()
+    each = torch.tensor([(time.perf_counter() - start) / 10], dtype=torch.float64)
+    dist.all_reduce(each, group=group)  # every rank of the group computes as many
+    count = max(1, round(between * dist.get_world_size(group) / float(each)))
+    alone, cycles = [], []
+    for with_all_reduce, into in ((False, alone), (True, cycles)):
+        for k in range(COMPUTING_ROUNDS + 2):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(COMPUTING_CYCLES):
+                for _ in range(count):
+                    work()
+                if with_all_reduce:
+                    dist.all_reduce(tensor, group=group)
+            if k >= 2:
+                into.append((time.perf_counter() - start) / COMPUTING_CYCLES)
+    computed = _trimmed_mean(alone)
+    return computed, max(_trimmed_mean(cycles) - computed, 0.0)

@@ -19,6 +19,7 @@ if __name__ == "__main__":
                                   "scalar": got.scalar, "pairs": got.pairs,
                                   "optimizer_gain": got.optimizer_gain,
                                   "staggered": got.staggered,
-                                  "posting": got.posting}),
+                                  "posting": got.posting,
+                                  "computing": got.computing}),
           flush=True)
     dist.destroy_process_group()

@@ -11,7 +11,7 @@ from distributed_harness import launch, results
 from partitioner.cost.devices import REFERENCE_CPU
 from partitioner.planning.world import LOOPBACK, REFERENCE_LOOPBACK, world_cluster
 from partitioner.planning.world_agreement import cpu_world_link, post_figures
-from partitioner.runtime.distributed.link_probe import COLLECTIVE_BYTES
+from partitioner.runtime.distributed.link_probe import COLLECTIVE_BYTES, COMPUTING_BETWEEN
 
 WORKER = Path(__file__).with_name("link_worker.py")
 
@@ -31,11 +31,12 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     figures = {(r[0]["latency"], r[0]["bandwidth"], r[0]["busy"], r[0]["wake"],
                 tuple(r[0]["collective"]), r[0]["scalar"],
                 tuple(r[0]["pairs"]) if r[0]["pairs"] is not None else None,
-                r[0]["optimizer_gain"], tuple(r[0]["staggered"]), tuple(r[0]["posting"]))
+                r[0]["optimizer_gain"], tuple(r[0]["staggered"]), tuple(r[0]["posting"]),
+                tuple(tuple(row) for row in r[0]["computing"]))
                for r in per_rank}
     assert len(figures) == 1, figures
     (latency, bandwidth, busy, wake, (mid, big), scalar, pairs, gain, staggered,
-     posting) = figures.pop()
+     posting, computing) = figures.pop()
     assert 1 / world <= gain <= world
     assert 0 < latency <= busy < 1.0 and 1e6 < bandwidth < 1e13
     assert 0 <= wake < 0.1
@@ -57,6 +58,13 @@ def test_every_rank_agrees_on_the_measured_link(world: int) -> None:
     assert all(0 < t < 1.0 for t in posting), posting
     figures = post_figures(posting)
     assert figures["post_latency"] == posting[0] and figures["post_bandwidth"] >= 0
+    # An all-reduce between computations (a tensor-parallel forward's), per group size
+    # (pairs, and the whole world of more than 2) and per compute length: the compute
+    # about as long as asked, the all-reduce's cycle cost not negative, under a second.
+    sizes = [2, world] if world > 2 else [2]
+    assert [n for n, _, _ in computing] == [n for n in sizes for _ in COMPUTING_BETWEEN]
+    for (_, between, took), asked in zip(computing, COMPUTING_BETWEEN * len(sizes)):
+        assert asked / 4 < between < asked * 8 and 0 <= took < 1.0, computing
 
 
 def test_reference_spec_plans_with_the_reference_link() -> None:
