@@ -60,8 +60,7 @@ from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
            "workload_from_graph", "op_times", "weight_time", "phase_times",
-           "layer_time", "split_backward_overhead", "split_forward_overhead",
-           "FUSED_FORWARD_SHARE", "OP_KINDS", "ATTENTION_BACKWARD"]
+           "layer_time", "OP_KINDS", "ATTENTION_BACKWARD"]
 
 OP_KINDS = ("matmul", "attention", "memory")
 
@@ -155,6 +154,10 @@ class LayerCost:
             its backward when its ops replay their forward (``Op.replay``): all of them
             under full recomputation, the all-gathers' half under a policy that saves the
             reduce-scatters (``partitioner.planning.predict.layer_profile``).
+        call_seconds: seconds its forward and its backward pay per call beyond the ops'
+            costs, whatever the samples (autograd's bookkeeping, Python; not scaled by
+            ``time_scale``): fitted by timing the model at two batch sizes
+            (``partitioner.cost.measure.calibrate``), 0 otherwise.
     """
 
     name: str
@@ -170,6 +173,7 @@ class LayerCost:
     time_scale: float = 1.0
     param_tensors: int = 0
     replayed_all_reduces: float = 0.0
+    call_seconds: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}" for k in
@@ -177,6 +181,8 @@ class LayerCost:
                      "split_activation_bytes", "output_bytes", "tp_all_reduces",
                      "replayed_all_reduces")
                     if not getattr(self, k) >= 0]
+        if len(self.call_seconds) != 2 or not min(self.call_seconds) >= 0:
+            problems.append(f"call_seconds={self.call_seconds!r}")
         if not self.time_scale > 0:
             problems.append(f"time_scale={self.time_scale!r}")
         if self.split_param_bytes > self.param_bytes:
@@ -374,47 +380,18 @@ def _product_pass(op: Op, spec: DeviceSpec, samples: float, tp: int, dtype: str)
 
 def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
                 dtype: str = "fp32", accumulate: float = 0.0) -> tuple[float, float]:
-    """Seconds of a layer's forward and backward for a micro-batch of ``samples``; the
-    backward includes what each op replays of its forward (``Op.replay``).
-
-    Tensor-parallel communication is not included (see :mod:`partitioner.cost.comm`).
-    """
-    forward = backward = 0.0
+    """Seconds of a layer's forward and backward for a micro-batch of ``samples``, with its
+    ``call_seconds``; the backward includes what each op replays of its forward
+    (``Op.replay``, and that share of the forward's call). Tensor-parallel communication is
+    not included (see :mod:`partitioner.cost.comm`)."""
+    forward = backward = replayed = 0.0
     for op in layer.ops:
         f, b = op_times(op, spec, samples, tp, dtype, accumulate)
-        forward += f
-        backward += b + f * op.replay
-    return forward * layer.time_scale, backward * layer.time_scale
-
-
-FUSED_FORWARD_SHARE = 0.65
-"""The share of ``DeviceSpec.fused_linear_overhead`` a Linear's forward pays (the autograd
-function's ``apply``): 5.0 of 8.2 us for 16 8 x 8 layers and 0.11 of 0.16 ms for `mlp`'s 14
-``Linear(128)`` (one thread, 2026-12-05); `mlp` on 2 gloo ranks ran each stage's forward
-0.10 ms slower under ``zero_bubble`` than ``1f1b``, where all was charged to ``W``."""
-
-
-def _fused_products(layers: Sequence[LayerCost]) -> float:
-    """Products with a weight gradient, routed through ``fused_linear`` by a split backward
-    (convolutions count too: the costs do not tell them apart)."""
-    return sum(op.count for layer in layers for op in layer.ops
-               if op.kind == "matmul" and op.weight_grad > 0)
-
-
-def split_forward_overhead(layers: Sequence[LayerCost], spec: DeviceSpec) -> float:
-    """Seconds a schedule that splits its backwards adds to a stage's forward of one
-    micro-batch: its share (:data:`FUSED_FORWARD_SHARE`) of every product run through
-    ``fused_linear``."""
-    return FUSED_FORWARD_SHARE * _fused_products(layers) * spec.fused_linear_overhead
-
-
-def split_backward_overhead(layers: Sequence[LayerCost], spec: DeviceSpec) -> float:
-    """Seconds a schedule that splits its backwards (``I`` and ``W``) adds to a stage's
-    backward of one micro-batch: the ``W`` action's own runtime cost, and the backward's
-    share of every product with a weight gradient run through ``fused_linear`` (whose
-    queue the ``W`` action runs; the forward pays the rest, :func:`split_forward_overhead`)."""
-    return spec.action_overhead + (1 - FUSED_FORWARD_SHARE) * _fused_products(layers) \
-        * spec.fused_linear_overhead
+        forward, backward, replayed = forward + f, backward + b + f * op.replay, \
+            replayed + f * op.replay
+    call, again = layer.call_seconds, replayed / forward if forward > 0 else 0.0
+    return (forward * layer.time_scale + call[0],
+            backward * layer.time_scale + call[1] + call[0] * again)
 
 
 def layer_time(layer: LayerCost, spec: DeviceSpec, samples: float, *, tp: int = 1,

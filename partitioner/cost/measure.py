@@ -53,6 +53,7 @@ from partitioner.cost.calibration_cache import (
     report_problem,
     runs_to_use,
 )
+from partitioner.cost.call_fit import fit_calls, small_batch
 from partitioner.cost.caller_spin import SETTLE, spin_timings, spin_window
 from partitioner.cost.cost import LayerCost, phase_times
 from partitioner.cost.devices import FRESH_RAMP, DeviceSpec
@@ -486,6 +487,25 @@ class Progress:
             sys.stderr.flush()
 
 
+def _fitted_calls(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
+                  inputs: Sequence[Any], spec: DeviceSpec, batch: int,
+                  timed: Sequence[tuple[float, float]], repeats: int,
+                  min_seconds: float) -> list[LayerCost] | None:
+    """The costs fitted to the layers' times on the example batch and on a smaller one
+    (``partitioner.cost.call_fit``); ``None`` where no smaller batch can be cut or the graph
+    does not run on it (its shapes fixed at capture)."""
+    cut = small_batch(list(inputs), batch)
+    if cut is None:
+        return None
+    try:
+        with _preserved(gm, weights=False):
+            few = time_layers(gm, layers, cut[0], repeats=repeats, optimizer=False,
+                              min_seconds=min_seconds)
+    except Exception:  # a graph captured for one batch size: one scale, as before
+        return None
+    return fit_calls(costs, spec, batch, timed, cut[1], few.layers)
+
+
 def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
                      inputs: Sequence[Any], spec: DeviceSpec, batch: int, *,
                      progress: bool = True, repeats: int = 3) -> list[LayerCost]:
@@ -530,6 +550,14 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
     with _preserved(gm, weights=optimizer):
         timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer,
                             min_seconds=min_seconds)
+    fitted = _fitted_calls(gm, layers, costs, inputs, spec, batch, timed.layers, repeats,
+                           min_seconds)
+    if fitted is not None:
+        if progress:
+            print(f"partitioner: timed {len(costs)} layers in training passes of the whole "
+                  f"model ({len({c.signature for c in costs})} distinct, {timed.passes} "
+                  f"passes; a smaller batch too, for what each call costs)", file=sys.stderr)
+        return fitted, timed.optimizer
     measured: dict[str, list[float]] = {}
     for cost, (forward, backward) in zip(costs, timed.layers):
         measured.setdefault(cost.signature, []).append(forward + backward)

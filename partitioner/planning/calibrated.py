@@ -101,8 +101,9 @@ def calibrated(analysis: Analysis, request: PlanRequest, cluster: Cluster,
 def carried(scaled: Workload, merged: Workload, names: Sequence[Sequence[str]],
             spec: DeviceSpec) -> Workload:
     """``merged`` (layers merged from those of ``scaled``, ``names`` listing each one's, and
-    costed again) taking the time its layers took in ``scaled``, and its optimizer step's
-    scale; ``merged`` itself when ``scaled`` was not calibrated.
+    costed again) taking the time its layers took in ``scaled`` (their ``call_seconds``
+    summed), and its optimizer step's scale; ``merged`` itself when ``scaled`` was not
+    calibrated.
 
     Example:
         >>> from partitioner.cost.cost import LayerCost, Op
@@ -115,13 +116,17 @@ def carried(scaled: Workload, merged: Workload, names: Sequence[Sequence[str]],
         >>> round(out.layers[0].time_scale, 6), out.optimizer_scale
         (3.0, 1.5)
     """
-    if scaled.optimizer_scale == 1.0 and all(c.time_scale == 1.0 for c in scaled.layers):
+    if scaled.optimizer_scale == 1.0 and all(c.time_scale == 1.0 and not any(c.call_seconds)
+                                             for c in scaled.layers):
         return merged
     by_name = {c.name: c for c in scaled.layers}
     layers = []
     for layer, members in zip(merged.layers, names, strict=True):
+        # The members' calls add up; the rest of their time scales the merged layer's ops.
+        calls = tuple(sum(by_name[n].call_seconds[i] for n in members) for i in (0, 1))
         took = sum(sum(phase_times(by_name[n], spec, merged.batch)) for n in members)
-        costed = sum(phase_times(replace(layer, time_scale=1.0), spec, merged.batch))
-        layers.append(replace(layer, time_scale=max(took / costed, 1e-3)) if costed > 0
-                      else layer)
+        bare = replace(layer, time_scale=1.0, call_seconds=(0.0, 0.0))
+        costed = sum(phase_times(bare, spec, merged.batch))
+        layers.append(replace(layer, time_scale=max((took - sum(calls)) / costed, 1e-3),
+                              call_seconds=calls) if costed > 0 else layer)
     return replace(merged, layers=tuple(layers), optimizer_scale=scaled.optimizer_scale)

@@ -50,8 +50,6 @@ from partitioner.cost.comm import (
 from partitioner.cost.cost import (
     Workload,
     phase_times,
-    split_backward_overhead,
-    split_forward_overhead,
     weight_time,
 )
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
@@ -66,6 +64,7 @@ from partitioner.cost.memory import (
 )
 from partitioner.cost.optimizer_steps import optimizer_copies, overlaps
 from partitioner.cost.sharing import lone_gain, lone_work, shared_work, sharing_gains
+from partitioner.cost.split_backward import split_backward_overhead, split_forward_overhead
 from partitioner.errors import ConfigError
 from partitioner.planning.solver import (
     InfeasibleError,

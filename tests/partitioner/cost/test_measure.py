@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import platform
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from partitioner import partition
 from partitioner.analysis import analyze
 from partitioner.cost.adam_timing import adam_update
 from partitioner.cost.calibration_cache import Run
-from partitioner.cost.cost import phase_times
+from partitioner.cost.cost import LayerCost, Op, phase_times
 from partitioner.cost.devices import FRESH_RAMP, DeviceSpec
 from partitioner.cost.layer_timing import Timed
 from partitioner.cost.measure import (
@@ -26,6 +27,7 @@ from partitioner.cost.measure import (
     calibrate_layers,
     measure_cpu,
 )
+from partitioner.errors import CostModelError
 from partitioner.runtime.host_memory import cpu_host_memory_mode
 
 SPEC = DeviceSpec("cpu", {"fp32": 100e9}, 16e9, 20e9, matmul_efficiency=1.0,
@@ -102,8 +104,13 @@ def test_repeated_blocks_share_the_median_of_their_times(
     costs = analysis.workload.layers
     # Each layer timed in context at 1, 2, 3, ... ms (forward), twice that (backward).
     given = [(1e-3 * (k + 1), 2e-3 * (k + 1)) for k in range(len(costs))]
-    monkeypatch.setattr(partitioner.cost.measure, "time_layers",
-                        lambda gm, layers, inputs, **kw: Timed(given))
+
+    def timed(gm, layers, inputs, **kw):  # type: ignore[no-untyped-def]
+        if inputs[0].shape[0] != 16:  # a graph whose shapes were fixed at capture
+            raise RuntimeError("shape mismatch")
+        return Timed(given)
+
+    monkeypatch.setattr(partitioner.cost.measure, "time_layers", timed)
     scaled = calibrate_layers(analysis.captured.graph_module, analysis.layers, costs,
                               analysis.inputs, SPEC, 16, progress=False, repeats=2)
     signatures = {c.signature for c in costs}
@@ -113,6 +120,58 @@ def test_repeated_blocks_share_the_median_of_their_times(
         forward, backward = phase_times(cost, SPEC, 16)
         assert new.time_scale == pytest.approx(statistics.median(same) / (forward + backward))
         assert new.time_scale == scaled[costs.index(cost)].time_scale
+
+
+def test_a_smaller_batch_fits_what_each_call_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed at the example batch and at an eighth of it, each layer's time is fitted as
+    ``time_scale x predicted + call_seconds`` at both (repeated blocks: their medians), so a
+    small micro-batch pays its calls in full where one scale shrank them with the rows."""
+    model = Repeated()
+    x = torch.randn(16, 8)
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None and analysis.inputs is not None
+    costs = analysis.workload.layers
+
+    def truth(samples: int) -> list[tuple[float, float]]:  # twice the model, 0.1 + 0.3 ms a call
+        return [(2 * f + 1e-4, 2 * b + 3e-4)
+                for f, b in (phase_times(c, SPEC, samples) for c in costs)]
+    batches: list[int] = []
+
+    def timed(gm, layers, inputs, **kw):  # type: ignore[no-untyped-def]
+        batches.append(inputs[0].shape[0])
+        return Timed(truth(inputs[0].shape[0]))
+
+    monkeypatch.setattr(partitioner.cost.measure, "time_layers", timed)
+    scaled = calibrate_layers(analysis.captured.graph_module, analysis.layers, costs,
+                              analysis.inputs, SPEC, 16, progress=False, repeats=2)
+    assert batches == [16, 2]
+    for cost, new in zip(costs, scaled):
+        assert new.time_scale == pytest.approx(2.0)
+        assert new.call_seconds == pytest.approx((1e-4, 3e-4))
+        for samples in (16, 2, 1):  # and any micro-batch between or below
+            want = sum(truth(samples)[costs.index(cost)])
+            assert sum(phase_times(new, SPEC, samples)) == pytest.approx(want)
+    # Each call's part is its own: no share of it shrinks with the samples.
+    one = scaled[0]
+    per_sample = [sum(phase_times(one, SPEC, n)) / n for n in (1, 2, 16)]
+    assert per_sample[0] > per_sample[1] > per_sample[2]
+
+
+def test_the_fit_keeps_what_it_can_of_noisy_times() -> None:
+    from partitioner.cost.call_fit import MIN_SCALE, fit_calls
+    layer = LayerCost("fc", (Op("matmul", flops=1e6, weight_read=1e3),))
+    f, b = phase_times(layer, SPEC, 16)
+    # The small batch read slower per sample than linear, not slower per call: one scale.
+    [flat] = fit_calls([layer], SPEC, 16, [(2 * f, 2 * b)], 2, [(2 * f / 16, 2 * b / 16)])
+    assert flat.call_seconds == (0.0, 0.0)
+    assert flat.time_scale == pytest.approx(2.0)
+    # The small batch as slow as the large one (noise, or a layer that does not grow with
+    # its rows): all per call, the smallest scale; never a negative part.
+    [fixed] = fit_calls([layer], SPEC, 16, [(f, b)], 2, [(2 * f, 2 * b)])
+    assert fixed.time_scale == MIN_SCALE and min(fixed.call_seconds) >= 0
+    assert sum(phase_times(fixed, SPEC, 16)) == pytest.approx(f + b)
+    with pytest.raises(CostModelError, match="call_seconds"):
+        replace(layer, call_seconds=(-1e-3, 0.0))
 
 
 def test_calibration_leaves_gradients_and_buffers_alone() -> None:

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 import partitioner.planning.predict
-from partitioner.cost.cost import FUSED_FORWARD_SHARE, LayerCost, Op, Workload
+from partitioner.cost.cost import LayerCost, Op, Workload
 from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.split_backward import FUSED_FORWARD_SHARE
 from partitioner.cost.transformer_model import GPTShape, gpt_workload
 from partitioner.planning.predict import Config, ConfigError, predict, replayed
 from partitioner.planning.solver import BalanceError

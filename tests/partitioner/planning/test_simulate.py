@@ -377,7 +377,7 @@ def test_a_split_backward_gives_w_the_linear_weight_products_and_i_the_rest() ->
     first stage, which computes no input gradient, 0.09. Convolutions compute their weight
     gradients in ``I``: a stage of them gives ``W`` its own action cost alone."""
     from partitioner.analysis import analyze
-    from partitioner.cost.cost import split_backward_overhead
+    from partitioner.cost.split_backward import split_backward_overhead
 
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.LayerNorm(256),
