@@ -131,10 +131,13 @@ def test_a_smaller_batch_fits_what_each_call_costs(monkeypatch: pytest.MonkeyPat
     analysis = analyze(model, (x,))
     assert analysis.workload is not None and analysis.inputs is not None
     costs = analysis.workload.layers
+    # Products at full rate and no fixed cost per op: each layer's predicted time grows with
+    # its rows (2 samples under half of 16's), as a fit needs (``MAX_SMALL_SHARE``).
+    spec = replace(SPEC, op_overhead=0.0, matmul_half_flops=1.0)
 
     def truth(samples: int) -> list[tuple[float, float]]:  # twice the model, 0.1 + 0.3 ms a call
         return [(2 * f + 1e-4, 2 * b + 3e-4)
-                for f, b in (phase_times(c, SPEC, samples) for c in costs)]
+                for f, b in (phase_times(c, spec, samples) for c in costs)]
     batches: list[int] = []
 
     def timed(gm, layers, inputs, **kw):  # type: ignore[no-untyped-def]
@@ -143,33 +146,41 @@ def test_a_smaller_batch_fits_what_each_call_costs(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(partitioner.cost.measure, "time_layers", timed)
     scaled = calibrate_layers(analysis.captured.graph_module, analysis.layers, costs,
-                              analysis.inputs, SPEC, 16, progress=False, repeats=2)
+                              analysis.inputs, spec, 16, progress=False, repeats=2)
     assert batches == [16, 2]
     for cost, new in zip(costs, scaled):
         assert new.time_scale == pytest.approx(2.0)
         assert new.call_seconds == pytest.approx((1e-4, 3e-4))
         for samples in (16, 2, 1):  # and any micro-batch between or below
             want = sum(truth(samples)[costs.index(cost)])
-            assert sum(phase_times(new, SPEC, samples)) == pytest.approx(want)
+            assert sum(phase_times(new, spec, samples)) == pytest.approx(want)
     # Each call's part is its own: no share of it shrinks with the samples.
     one = scaled[0]
-    per_sample = [sum(phase_times(one, SPEC, n)) / n for n in (1, 2, 16)]
+    per_sample = [sum(phase_times(one, spec, n)) / n for n in (1, 2, 16)]
     assert per_sample[0] > per_sample[1] > per_sample[2]
 
 
 def test_the_fit_keeps_what_it_can_of_noisy_times() -> None:
-    from partitioner.cost.call_fit import MIN_SCALE, fit_calls
-    layer = LayerCost("fc", (Op("matmul", flops=1e6, weight_read=1e3),))
-    f, b = phase_times(layer, SPEC, 16)
-    # The small batch read slower per sample than linear, not slower per call: one scale.
-    [flat] = fit_calls([layer], SPEC, 16, [(2 * f, 2 * b)], 2, [(2 * f / 16, 2 * b / 16)])
+    from partitioner.cost.call_fit import MAX_SMALL_SHARE, MIN_SCALE, fit_calls
+    spec = replace(SPEC, op_overhead=0.0, matmul_half_flops=1.0)
+    layer = LayerCost("fc", (Op("matmul", flops=1e6),))
+    f, b = phase_times(layer, spec, 16)
+    # The small batch read faster per sample than the large: no call to fit, one scale.
+    [flat] = fit_calls([layer], spec, 16, [(2 * f, 2 * b)], 2, [(2 * f / 16, 2 * b / 16)])
     assert flat.call_seconds == (0.0, 0.0)
     assert flat.time_scale == pytest.approx(2.0)
     # The small batch as slow as the large one (noise, or a layer that does not grow with
     # its rows): all per call, the smallest scale; never a negative part.
-    [fixed] = fit_calls([layer], SPEC, 16, [(f, b)], 2, [(2 * f, 2 * b)])
+    [fixed] = fit_calls([layer], spec, 16, [(f, b)], 2, [(2 * f, 2 * b)])
     assert fixed.time_scale == MIN_SCALE and min(fixed.call_seconds) >= 0
-    assert sum(phase_times(fixed, SPEC, 16)) == pytest.approx(f + b)
+    assert sum(phase_times(fixed, spec, 16)) == pytest.approx(f + b)
+    # A layer the model says costs about as much at 2 samples as at 16 (its weights): the
+    # two times cannot tell a call's cost from noise; one scale, as before the fit.
+    heavy = LayerCost("fc", (Op("matmul", flops=1e6, weight_read=1e9),))
+    hf, hb = phase_times(heavy, spec, 16)
+    assert sum(phase_times(heavy, spec, 2)) > MAX_SMALL_SHARE * (hf + hb)
+    [kept] = fit_calls([heavy], spec, 16, [(2 * hf, 2 * hb)], 2, [(3 * hf, 3 * hb)])
+    assert kept.call_seconds == (0.0, 0.0) and kept.time_scale == pytest.approx(2.0)
     with pytest.raises(CostModelError, match="call_seconds"):
         replace(layer, call_seconds=(-1e-3, 0.0))
 

@@ -152,6 +152,29 @@ def test_carried_gives_each_merged_layer_what_its_layers_took() -> None:
                    REFERENCE_CPU) is merged.workload
 
 
+def test_carried_sums_what_the_merged_layers_calls_cost() -> None:
+    """A calibration at two batch sizes gives each layer a per-call part
+    (``call_seconds``): a merged layer pays its members' calls at any micro-batch, and the
+    rest of their time as its ops' scale."""
+    model, x = _wide()
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None
+    scaled = replace(analysis.workload, layers=tuple(
+        replace(c, time_scale=2.0, call_seconds=(1e-4 * (k + 1), 2e-4 * (k + 1)))
+        for k, c in enumerate(analysis.workload.layers)))
+    merged, split = split_layers(analysis, model, 2)
+    assert merged.workload is not None
+    out = carried(scaled, merged.workload, split.layer_names, REFERENCE_CPU)
+    by_name = {c.name: c for c in scaled.layers}
+    for layer, names in zip(out.layers, split.layer_names):
+        calls = [sum(by_name[n].call_seconds[i] for n in names) for i in (0, 1)]
+        assert layer.call_seconds == pytest.approx(calls)
+        for samples in (scaled.batch, 1):  # the calls do not shrink with the rows
+            took = sum(sum(phase_times(by_name[n], REFERENCE_CPU, samples)) for n in names)
+            assert sum(phase_times(layer, REFERENCE_CPU, samples)) == pytest.approx(
+                took, rel=1e-3)
+
+
 def test_the_distributed_search_records_the_plan_it_cuts() -> None:
     from partitioner.distributed_plan import AutoOptions, _search
     from partitioner.planning.world import Degrees
