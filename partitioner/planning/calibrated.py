@@ -123,7 +123,8 @@ def carried(scaled: Workload, merged: Workload, names: Sequence[Sequence[str]],
     layers = []
     for layer, members in zip(merged.layers, names, strict=True):
         # The members' calls add up; the rest of their time scales the merged layer's ops.
-        calls = tuple(sum(by_name[n].call_seconds[i] for n in members) for i in (0, 1))
+        calls = (sum(by_name[n].call_seconds[0] for n in members),
+                 sum(by_name[n].call_seconds[1] for n in members))
         took = sum(sum(phase_times(by_name[n], spec, merged.batch)) for n in members)
         bare = replace(layer, time_scale=1.0, call_seconds=(0.0, 0.0))
         costed = sum(phase_times(bare, spec, merged.batch))

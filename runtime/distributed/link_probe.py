@@ -435,7 +435,8 @@ def _computing_all_reduces(tensor: torch.Tensor, between: float,
     each = torch.tensor([(time.perf_counter() - start) / 10], dtype=torch.float64)
     dist.all_reduce(each, group=group)  # every rank of the group computes as many
     count = max(1, round(between * dist.get_world_size(group) / float(each)))
-    alone, cycles = [], []
+    alone: list[float] = []
+    cycles: list[float] = []
     for with_all_reduce, into in ((False, alone), (True, cycles)):
         for k in range(COMPUTING_ROUNDS + 2):
             dist.barrier(group=group)
