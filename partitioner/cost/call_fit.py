@@ -85,29 +85,34 @@ def small_batch(inputs: Sequence[Any], batch: int) -> tuple[list[Any], int] | No
 
 
 def fit_calls(costs: Sequence[LayerCost], spec: DeviceSpec, batch: int,
-              timed: Sequence[tuple[float, float]], small: int,
-              timed_small: Sequence[tuple[float, float]]) -> list[LayerCost]:
+              timed: Sequence[tuple[float, float]], small: int | None = None,
+              timed_small: Sequence[tuple[float, float]] | None = None) -> list[LayerCost]:
     """``costs`` with ``time_scale`` and ``call_seconds`` fitted to their (forward,
-    backward) seconds ``timed`` on ``batch`` samples and ``timed_small`` on ``small``."""
-    medians: dict[str, list[list[float]]] = {}
-    for cost, big, few in zip(costs, timed, timed_small, strict=True):
-        medians.setdefault(cost.signature, []).append([*big, *few])
-    by_signature = {k: [statistics.median(column) for column in zip(*rows)]
-                    for k, rows in medians.items()}
-    return [_fitted(cost, spec, batch, small, *by_signature[cost.signature])
-            for cost in costs]
+    backward) seconds ``timed`` on ``batch`` samples and ``timed_small`` on ``small``
+    (layers of one signature: the medians of their times); without a small batch, one
+    scale each, measured / predicted."""
+    rows: dict[str, list[tuple[float, ...]]] = {}
+    for k, (cost, big) in enumerate(zip(costs, timed, strict=True)):
+        few = timed_small[k] if timed_small is not None else (0.0, 0.0)
+        rows.setdefault(cost.signature, []).append((sum(big), sum(few), *few))
+    medians = {k: [statistics.median(column) for column in zip(*v)] for k, v in rows.items()}
+    return [_fitted(cost, spec, batch, small if timed_small is not None else None,
+                    *medians[cost.signature]) for cost in costs]
 
 
-def _fitted(cost: LayerCost, spec: DeviceSpec, batch: int, small: int, big_f: float,
-            big_b: float, few_f: float, few_b: float) -> LayerCost:
+def _fitted(cost: LayerCost, spec: DeviceSpec, batch: int, small: int | None, big: float,
+            few: float, few_f: float, few_b: float) -> LayerCost:
     bare = replace(cost, time_scale=1.0, call_seconds=(0.0, 0.0))
-    (pf, pb), (sf, sb) = phase_times(bare, spec, batch), phase_times(bare, spec, small)
-    big, few, predicted, predicted_small = big_f + big_b, few_f + few_b, pf + pb, sf + sb
-    if predicted_small > MAX_SMALL_SHARE * predicted or predicted <= 0:
-        return replace(bare, time_scale=max(big / max(predicted, 1e-12), MIN_SCALE))
-    scale = (big - few) / (predicted - predicted_small)
+    predicted = sum(phase_times(bare, spec, batch))
+    one_scale = replace(bare, time_scale=max(big / max(predicted, 1e-12), MIN_SCALE))
+    if small is None or predicted <= 0:
+        return one_scale
+    sf, sb = phase_times(bare, spec, small)
+    if sf + sb > MAX_SMALL_SHARE * predicted:
+        return one_scale
+    scale = (big - few) / (predicted - sf - sb)
     if big - scale * predicted <= 0:  # no per-call part: the large batch's scale
-        return replace(bare, time_scale=max(big / predicted, MIN_SCALE))
+        return one_scale
     scale = max(scale, MIN_SCALE)
     call = max(big - scale * predicted, 0.0)
     forward, backward = max(few_f - scale * sf, 0.0), max(few_b - scale * sb, 0.0)

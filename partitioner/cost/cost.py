@@ -387,8 +387,9 @@ def phase_times(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
     forward = backward = replayed = 0.0
     for op in layer.ops:
         f, b = op_times(op, spec, samples, tp, dtype, accumulate)
-        forward, backward, replayed = forward + f, backward + b + f * op.replay, \
-            replayed + f * op.replay
+        forward += f
+        replayed += f * op.replay
+        backward += b + f * op.replay
     call, again = layer.call_seconds, replayed / forward if forward > 0 else 0.0
     return (forward * layer.time_scale + call[0],
             backward * layer.time_scale + call[1] + call[0] * again)

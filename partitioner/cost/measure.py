@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ from partitioner.cost.calibration_cache import (
 )
 from partitioner.cost.call_fit import fit_calls, small_batch
 from partitioner.cost.caller_spin import SETTLE, spin_timings, spin_window
-from partitioner.cost.cost import LayerCost, phase_times
+from partitioner.cost.cost import LayerCost
 from partitioner.cost.devices import FRESH_RAMP, DeviceSpec
 from partitioner.cost.layer_timing import time_layers
 from partitioner.cost.memory import optimizer_traffic
@@ -487,13 +486,12 @@ class Progress:
             sys.stderr.flush()
 
 
-def _fitted_calls(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
-                  inputs: Sequence[Any], spec: DeviceSpec, batch: int,
-                  timed: Sequence[tuple[float, float]], repeats: int,
-                  min_seconds: float) -> list[LayerCost] | None:
-    """The costs fitted to the layers' times on the example batch and on a smaller one
-    (``partitioner.cost.call_fit``); ``None`` where no smaller batch can be cut or the graph
-    does not run on it (its shapes fixed at capture)."""
+def _small_batch_times(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[Any],
+                       batch: int, repeats: int, min_seconds: float
+                       ) -> tuple[int, list[tuple[float, float]]] | None:
+    """The layers' (forward, backward) seconds on a smaller batch than the example one, and
+    its size (``partitioner.cost.call_fit``); ``None`` where no smaller batch can be cut or
+    the graph does not run on it (its shapes fixed at capture)."""
     cut = small_batch(list(inputs), batch)
     if cut is None:
         return None
@@ -503,7 +501,7 @@ def _fitted_calls(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[L
                               min_seconds=min_seconds)
     except Exception:  # a graph captured for one batch size: one scale, as before
         return None
-    return fit_calls(costs, spec, batch, timed, cut[1], few.layers)
+    return cut[1], few.layers
 
 
 def calibrate_layers(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost],
@@ -550,26 +548,14 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
     with _preserved(gm, weights=optimizer):
         timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer,
                             min_seconds=min_seconds)
-    fitted = _fitted_calls(gm, layers, costs, inputs, spec, batch, timed.layers, repeats,
-                           min_seconds)
-    if fitted is not None:
-        if progress:
-            print(f"partitioner: timed {len(costs)} layers in training passes of the whole "
-                  f"model ({len({c.signature for c in costs})} distinct, {timed.passes} "
-                  f"passes; a smaller batch too, for what each call costs)", file=sys.stderr)
-        return fitted, timed.optimizer
-    measured: dict[str, list[float]] = {}
-    for cost, (forward, backward) in zip(costs, timed.layers):
-        measured.setdefault(cost.signature, []).append(forward + backward)
-    scaled = []
-    for cost in costs:
-        forward, backward = phase_times(replace(cost, time_scale=1.0), spec, batch)
-        # Repeated blocks share one scale: the median of their times.
-        scale = statistics.median(measured[cost.signature]) / max(forward + backward, 1e-12)
-        scaled.append(replace(cost, time_scale=max(scale, 1e-3)))
+    few = _small_batch_times(gm, layers, inputs, batch, repeats, min_seconds)
+    # Repeated blocks share one fit: the medians of their times.
+    scaled = fit_calls(costs, spec, batch, timed.layers, *(few or (None, None)))
     if progress:
         print(f"partitioner: timed {len(costs)} layers in training passes of the whole "
-              f"model ({len(measured)} distinct, {timed.passes} passes)", file=sys.stderr)
+              f"model ({len({c.signature for c in costs})} distinct, {timed.passes} passes"
+              f"{'; a smaller batch too, for what each call costs' if few else ''})",
+              file=sys.stderr)
     return scaled, timed.optimizer
 
 

@@ -47,11 +47,7 @@ from partitioner.cost.comm import (
     fsdp_time,
     replica_sync_time,
 )
-from partitioner.cost.cost import (
-    Workload,
-    phase_times,
-    weight_time,
-)
+from partitioner.cost.cost import Workload, phase_times, weight_time
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
     OPTIMIZERS,
