@@ -36,6 +36,7 @@ __all__ = [
     "bubble_fraction",
     "check_counts",
     "clock_ticks",
+    "held_by_stage",
     "count_problems",
     "in_flight",
     "pipeline_depth",
@@ -466,6 +467,48 @@ def in_flight(schedule: Schedule) -> tuple[int, ...]:
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def held_by_stage(schedule: Schedule, placement: Placement) -> tuple[tuple[tuple[int, ...],
+                                                                          ...], ...]:
+    """Per device, the micro-batches in flight on each of its virtual stages at the moments
+    that can be its activation peak.
+
+    :func:`in_flight` counts a device's micro-batches as if every virtual stage held as many
+    activations; where the stages differ (an interleaved device whose last chunk holds the
+    head and its logits), the peak is the largest ``sum_k count_k * bytes_k`` over the
+    moments after a forward. This gives those moments' counts, one entry per virtual stage
+    of the device in stage order (``stages_on``), keeping only counts no other moment's
+    exceed in every entry.
+
+    Args:
+        schedule: Per device, the ordered actions it runs.
+        placement: Per virtual stage, the device that runs it.
+
+    Example:
+        >>> from partitioner.runtime.placement import looped
+        >>> from partitioner.runtime.schedule_generators import interleaved
+        >>> held_by_stage(interleaved(2, 2, 2), looped(2, 2))
+        (((2, 2),), ((2, 1),))
+        >>> held_by_stage(interleaved(2, 4, 2), looped(2, 2))[1]  # either can be the peak
+        ((2, 1), (3, 0))
+    """
+    found = []
+    for j, actions in enumerate(schedule):
+        mine = [k for k, device in enumerate(placement) if device == j]
+        where = {k: n for n, k in enumerate(mine)}
+        live = [0] * len(mine)
+        moments: set[tuple[int, ...]] = set()
+        for a in actions:
+            if a.phase is Phase.FORWARD:
+                live[where[a.stage]] += 1
+                moments.add(tuple(live))
+            elif a.phase.frees:
+                live[where[a.stage]] -= 1
+        found.append(tuple(sorted(
+            c for c in moments
+            if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in moments))))
+    return tuple(found)
 
 
 def bubble_fraction(

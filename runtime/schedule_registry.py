@@ -39,7 +39,7 @@ from types import MappingProxyType
 from partitioner.errors import ScheduleError
 from partitioner.runtime.action import Phase, Schedule
 from partitioner.runtime.placement import Placement, looped
-from partitioner.runtime.schedule import clock_ticks, count_problems, in_flight
+from partitioner.runtime.schedule import clock_ticks, count_problems, held_by_stage, in_flight
 from partitioner.runtime.schedule_generators import (
     gpipe,
     interleaved,
@@ -275,6 +275,15 @@ class ScheduleKind:
             return self.peak(n_stages, n_microbatches, stage, virtual)
         return _counted_peaks(self, n_stages, n_microbatches, virtual)[stage]
 
+    def held_by_stage(self, n_stages: int, n_microbatches: int, stage: int, virtual: int = 1
+                      ) -> tuple[tuple[int, ...], ...]:
+        """Stage ``j``'s micro-batches in flight per virtual stage it holds, at each moment
+        that can be its activation peak (``partitioner.runtime.schedule.held_by_stage``);
+        one stage per device: its :meth:`in_flight`."""
+        if virtual == 1:
+            return ((self.in_flight(n_stages, n_microbatches, stage, virtual),),)
+        return _counted_held(self, n_stages, n_microbatches, virtual)[stage]
+
     def fill_drain(self, n_stages: int, n_microbatches: int, virtual: int) -> float:
         """Chunk times (one virtual stage's forward and backward of one micro-batch) a step
         of ``P`` devices, ``m`` micro-batches and ``v`` virtual stages each takes beyond
@@ -315,6 +324,13 @@ def _splits(kind: ScheduleKind) -> bool:
 def _counted_peaks(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
                    ) -> tuple[int, ...]:
     return in_flight(kind.build(n_stages, n_microbatches, virtual))
+
+
+@lru_cache(maxsize=256)
+def _counted_held(kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
+                  ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return held_by_stage(kind.build(n_stages, n_microbatches, virtual),
+                         kind.place(n_stages, virtual))
 
 
 @lru_cache(maxsize=256)

@@ -23,15 +23,16 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partitioner.errors import MemoryModelError
 from partitioner.runtime.checkpointing import ALWAYS, NEVER, checkpoint_problem
 from partitioner.runtime.schedule_registry import SCHEDULES, name_problem
 
-__all__ = ["MemoryModelError", "OPTIMIZERS", "MemoryBreakdown", "in_flight",
+__all__ = ["MemoryModelError", "OPTIMIZERS", "MemoryBreakdown", "in_flight", "held_by_stage",
            "per_parameter_bytes", "optimizer_traffic", "optimizer_temporaries",
-           "activation_memory", "device_memory"]
+           "activation_memory", "activation_peak", "device_memory"]
 
 OPTIMIZERS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2,
                                "fused_adam": 2}
@@ -64,6 +65,27 @@ def in_flight(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
     if unknown is not None:
         raise MemoryModelError(unknown)
     return SCHEDULES[schedule].in_flight(n_stages, n_microbatches, stage, virtual)
+
+
+def held_by_stage(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
+                  virtual: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Micro-batches a stage holds per virtual stage at each moment that can be its peak.
+
+    One entry per virtual stage of device ``stage`` (in stage order) in each tuple: what
+    :func:`activation_peak` weighs by each chunk's bytes, since an interleaved device's
+    chunks need not keep alike (the last holds the head's logits).
+
+    Example:
+        >>> held_by_stage("1f1b", 4, 8), held_by_stage("interleaved", 2, 4, 1, virtual=2)
+        (((4,),), ((2, 1), (3, 0)))
+
+    Raises:
+        MemoryModelError: for an unknown schedule.
+    """
+    unknown = name_problem(schedule)
+    if unknown is not None:
+        raise MemoryModelError(unknown)
+    return SCHEDULES[schedule].held_by_stage(n_stages, n_microbatches, stage, virtual)
 
 
 def per_parameter_bytes(optimizer: str, element: int, mixed_precision: bool) -> int:
@@ -138,6 +160,43 @@ def activation_memory(checkpoint: str, held: int, full: float, stage_input: floa
     if checkpoint == ALWAYS:
         return held * stage_input + full
     return (held - 1) * stage_input + full
+
+
+def activation_peak(checkpoint: str, held: Sequence[Sequence[int]], full: Sequence[float],
+                    stage_input: Sequence[float]) -> float:
+    """Activation bytes of a device whose virtual stages keep different amounts.
+
+    :func:`activation_memory` for each moment of ``held`` (:func:`held_by_stage`), its
+    chunk ``k`` keeping ``full[k]`` per micro-batch (``stage_input[k]`` when checkpointed),
+    the largest of them: with checkpointing, the chunk whose replay adds most is the one
+    replayed at the peak.
+
+    Example:
+        >>> activation_peak("never", [(2, 1), (3, 0)], [10.0, 30.0], [1.0, 1.0])
+        50.0
+        >>> activation_peak("always", [(2, 1), (3, 0)], [10.0, 30.0], [1.0, 1.0])
+        33.0
+        >>> activation_peak("never", [(4,)], [100.0], [10.0]) == activation_memory(
+        ...     "never", 4, 100.0, 10.0)
+        True
+    """
+    unknown = checkpoint_problem(checkpoint)
+    if unknown is not None:
+        raise MemoryModelError(unknown)
+    peak = 0.0
+    for counts in held:
+        kept = [k for k, c in enumerate(counts) if c]
+        if not kept:
+            continue
+        if checkpoint == NEVER:
+            peak = max(peak, sum(counts[k] * full[k] for k in kept))
+            continue
+        inputs = sum(counts[k] * stage_input[k] for k in kept)
+        # ``always``: every held micro-batch keeps its input, one is replayed in full;
+        # ``except_last``: the replayed one is the last, kept whole instead of its input.
+        extra = full if checkpoint == ALWAYS else [f - i for f, i in zip(full, stage_input)]
+        peak = max(peak, inputs + max(extra[k] for k in kept))
+    return peak
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,9 @@ def executable(config: Config, cluster: Cluster,
     if config.optimizer_sharding and not support.optimizer_sharding:
         return (f"optimizer sharding: {support.name} does not shard the optimizer state "
                 "(the one-process replicas step one optimizer; partition_distributed does)")
+    if config.overlap_param_gather:
+        return ("overlap_param_gather: no runtime here overlaps the sharded optimizer's "
+                "all-gather with the next forward (a configuration for published runs)")
     if config.tp > 1 and not support.tensor_parallel:
         return f"tp={config.tp}: {support.name} has no tensor parallelism"
     if config.tp > 1 and support.name == LOCAL_RUNTIME.name:

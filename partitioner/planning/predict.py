@@ -1,6 +1,7 @@
 """Predicting one parallel configuration: its stage split, step time, bubble and memory.
 
-A :class:`Config` says how a :class:`~partitioner.cost.cost.Workload` is spread over a
+A :class:`Config` (``partitioner.planning.config``) says how a
+:class:`~partitioner.cost.cost.Workload` is spread over a
 :class:`~partitioner.cost.devices.Cluster`: ``dp x tp x pp`` devices, ``chunks`` micro-batches per
 replica, the schedule (a name of ``partitioner.runtime.schedule_registry``: ``gpipe``,
 ``1f1b``, or Megatron's ``interleaved`` 1F1B with ``virtual`` model chunks per device) and
@@ -17,10 +18,13 @@ the checkpoint mode. :func:`predict` finds the optimal stage split
   the V), and never faster than the host can get through the work on shared cores;
 * after each device's last backward: the data-parallel all-reduce of its gradients
   (overlapped with that backward when ``overlap_grad_reduce``; under FSDP its all-gathers
-  and reduce-scatter, the first layer's in no window), then the optimizer step
+  and reduce-scatter, the first layer's in no window; a sharded optimizer's reduce-scatter
+  and all-gather after it, or in the backward and the next forward with
+  ``overlap_param_gather``), then the optimizer step
   (memory-bound; devices sharing one host are stepped one after another by one process's
   optimizer once the whole backward is done);
-* memory per device from ``partitioner.cost.memory``.
+* memory per device from ``partitioner.cost.memory``, each virtual stage's micro-batches in
+  flight weighed by the activations that stage keeps (``held_by_stage``).
 
 :mod:`partitioner.planning.simulate` plays the same numbers out event by event.
 
@@ -45,15 +49,16 @@ from partitioner.cost.comm import (
     computing_all_reduce_time,
     fsdp_ends_time,
     fsdp_time,
+    reduce_scatter_time,
     replica_sync_time,
 )
 from partitioner.cost.cost import Workload, phase_times, weight_time
 from partitioner.cost.devices import Cluster, DeviceSpec, interpolate_speedup
 from partitioner.cost.memory import (
-    OPTIMIZERS,
     MemoryBreakdown,
-    activation_memory,
+    activation_peak,
     device_memory,
+    held_by_stage,
     in_flight,
     optimizer_temporaries,
     optimizer_traffic,
@@ -62,6 +67,7 @@ from partitioner.cost.optimizer_steps import optimizer_copies, overlaps
 from partitioner.cost.sharing import lone_gain, lone_work, shared_work, sharing_gains
 from partitioner.cost.split_backward import split_backward_overhead, split_forward_overhead
 from partitioner.errors import ConfigError
+from partitioner.planning.config import Config
 from partitioner.planning.solver import (
     InfeasibleError,
     PartitionProblem,
@@ -73,95 +79,16 @@ from partitioner.runtime.checkpointing import (
     ALWAYS,
     EXCEPT_LAST,
     NEVER,
-    checkpoint_problem,
     checkpoint_stop,
 )
 from partitioner.runtime.placement import stages_on
-from partitioner.runtime.schedule_registry import name_problem, schedule_kind
+from partitioner.runtime.schedule_registry import schedule_kind
 
 INPUT_SHARE = 0.5
 """The share of a stage's backward its input-gradient half (``I``) takes; ``W`` the rest."""
 
 __all__ = ["INPUT_SHARE", "ConfigError", "Config", "StageProfile", "Prediction", "predict",
            "layer_profile", "replayed", "stage_problem", "replica_sync_time"]
-
-
-@dataclass(frozen=True)
-class Config:
-    """How a workload is spread over a cluster.
-
-    Attributes:
-        dp: data-parallel replicas.
-        tp: tensor-parallel ranks per stage (inside one node).
-        pp: pipeline stages (devices along the pipeline).
-        chunks: micro-batches per replica per step (``m``).
-        schedule: a name of ``partitioner.runtime.schedule_registry.SCHEDULES``:
-            ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
-        virtual: model chunks per device (``v``; interleaved only, else 1).
-        checkpoint: ``"never"``, ``"always"`` or ``"except_last"``.
-        optimizer: a key of :data:`partitioner.cost.memory.OPTIMIZERS`.
-        overlap_grad_reduce: whether the gradient all-reduce overlaps the last backward.
-        overlap_p2p: whether sending activations and gradients between stages overlaps
-            compute; when not (Megatron-LM 2021's blocking send/receive), a stage waits for
-            its sends.
-        optimizer_sharding: ZeRO-1 (``partition_distributed(optimizer_sharding=True)``):
-            each replica holds and steps ``1 / dp`` of the optimizer state; the gradients
-            are reduce-scattered and the weights all-gathered (the bytes of one ring
-            all-reduce), after the last backward rather than overlapping it.
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    chunks: int = 1
-    schedule: str = "gpipe"
-    virtual: int = 1
-    checkpoint: str = "never"
-    optimizer: str = "adam"
-    overlap_grad_reduce: bool = True
-    overlap_p2p: bool = True
-    optimizer_sharding: bool = False
-
-    def __post_init__(self) -> None:
-        problems = [f"{k}={getattr(self, k)!r}" for k in ("dp", "tp", "pp", "chunks", "virtual")
-                    if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int)
-                    or getattr(self, k) < 1]
-        unknown = name_problem(self.schedule)
-        if unknown is not None:
-            problems.append(unknown)
-        elif not problems:
-            problems += schedule_kind(self.schedule).problems(self.pp, self.chunks, self.virtual)
-        unfit = checkpoint_problem(self.checkpoint)
-        if unfit is not None:
-            problems.append(unfit)
-        if self.optimizer not in OPTIMIZERS:
-            problems.append(f"optimizer={self.optimizer!r} (use one of {sorted(OPTIMIZERS)})")
-        if self.optimizer_sharding and self.dp < 2:
-            problems.append(f"optimizer_sharding=True with dp={self.dp} (shards the optimizer "
-                            "state over 2 or more replicas; pass dp >= 2 or False)")
-        if problems:
-            raise ConfigError("bad Config: " + "; ".join(problems))
-
-    @property
-    def devices(self) -> int:
-        """``dp * tp * pp``."""
-        return self.dp * self.tp * self.pp
-
-    @property
-    def stages(self) -> int:
-        """Virtual stages: ``pp * virtual``."""
-        return self.pp * self.virtual
-
-    def label(self) -> str:
-        """A short description: ``"dp=2 tp=1 pp=4 m=8 1f1b ckpt=always"``."""
-        schedule = self.schedule + (f"(v={self.virtual})" if self.virtual > 1 else "")
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.chunks} {schedule} "
-                f"ckpt={self.checkpoint}" + (" zero1" if self.optimizer_sharding else ""))
-
-    @property
-    def optimizer_shards(self) -> int:
-        """Replicas the optimizer state is divided over: ``dp`` when sharded, else 1."""
-        return self.dp if self.optimizer_sharding else 1
 
 
 @dataclass(frozen=True)
@@ -532,15 +459,14 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
     drained = 0.0
     for j in range(p):
         mine = [stages[k] for k in stages_on(where, j)]
-        held = in_flight(config.schedule, p, m, j, v)
-        chunk = max(s.activation_bytes for s in mine)
-        acts = activation_memory(config.checkpoint, held, chunk,
-                                 max(s.input_bytes for s in mine))
+        # Each chunk's micro-batches in flight weighed by what the chunk keeps.
+        held = held_by_stage(config.schedule, p, m, j, v)
+        full, inputs = [s.activation_bytes for s in mine], [s.input_bytes for s in mine]
+        acts = activation_peak(config.checkpoint, held, full, inputs)
         if config.checkpoint == EXCEPT_LAST and not kind.last_backward_first:
             # The last micro-batch is kept whole on every chunk of the device while earlier
             # ones are replayed (GPipe runs its backward first, 1F1B does not).
-            acts = activation_memory(ALWAYS, held, chunk, max(s.input_bytes for s in mine)) \
-                + sum(s.activation_bytes for s in mine)
+            acts = activation_peak(ALWAYS, held, full, inputs) + sum(full)
         params = sum(s.param_bytes for s in mine)
         memory.append(device_memory(params, sum(s.buffer_bytes for s in mine), acts,
                                     optimizer=config.optimizer, element=element,
@@ -561,12 +487,18 @@ def _assemble(workload: Workload, cluster: Cluster, config: Config,
         elif workload.fsdp:  # its ends in no window (``StageProfile.fsdp_ends``)
             reduce = fsdp_time(grads, config.dp, cluster.group_link(ranks),
                                workload.reduce_scale)
+        elif config.overlap_param_gather:
+            # The reduce-scatter in the backward's window; the all-gather behind the next
+            # step's first forward, what it leaves charged there too.
+            link = cluster.group_link(ranks)
+            reduce = reduce_scatter_time(grads, config.dp, link) + max(
+                all_gather_time(params, config.dp, link) - mine[0].forward, 0.0)
         else:
             reduce = all_reduce_time(grads, config.dp, cluster.group_link(ranks))
-        # The sharded optimizer's reduce-scatter starts after the last backward; where the
-        # others hide behind it: ``optimizer_steps.overlaps``.
+        # The runtime's sharded optimizer reduce-scatters after the last backward; where
+        # the others hide behind it: ``optimizer_steps.overlaps``.
         window = mine[0].backward + share * mine[0].replay if config.overlap_grad_reduce \
-            and overlaps(cluster) and not config.optimizer_sharding else 0
+            and overlaps(cluster) and config.reduces_in_backward else 0
         # Plus a fixed cost per parameter tensor (one flat buffer when sharded).
         tensors = 1 if config.optimizer_sharding else sum(
             lay.param_tensors for s in mine for lay in workload.layers[s.first:s.last])

@@ -364,7 +364,7 @@ class _Simulation:
             return
         grads = sum(self.stages[k].grad_bytes for k in stages_on(self.where, j))
         buckets = max(1, math.ceil(grads / 25e6))
-        overlap = self.config.overlap_grad_reduce
+        overlap = self.config.overlap_grad_reduce and self.config.reduces_in_backward
         free = begin = start if overlap else end
         for b in range(buckets):
             ready = start + (b + 1) / buckets * (end - start) if overlap else end

@@ -222,6 +222,26 @@ def test_every_registered_peak_matches_its_schedule(
                  for j in range(n_stages)) == peaks
 
 
+@registered
+def test_every_registered_schedule_s_held_moments_reach_its_peak(
+    kind: ScheduleKind, n_stages: int, n_microbatches: int, virtual: int
+) -> None:
+    # Weighing every virtual stage alike, the heaviest moment is the plain peak; no moment
+    # kept is exceeded by another in every entry.
+    for j in range(n_stages):
+        moments = kind.held_by_stage(n_stages, n_microbatches, j, virtual)
+        assert max(map(sum, moments)) == kind.in_flight(n_stages, n_microbatches, j, virtual)
+        assert {len(c) for c in moments} == {virtual}
+        assert not any(a != b and all(x >= y for x, y in zip(a, b))
+                       for a in moments for b in moments)
+
+
+def test_held_moments_see_an_interleaved_device_s_chunks_apart() -> None:
+    # Device 1 of 2, 4 micro-batches, 2 chunks: three of chunk 0 with none of chunk 1 (the
+    # fill) or two and one; the plain count (3) would hold three of the larger chunk.
+    assert SCHEDULES["interleaved"].held_by_stage(2, 4, 1, 2) == ((2, 1), (3, 0))
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_registered_rule_is_the_generator_s(name: str) -> None:
     # The entry states which counts its generator accepts (the search enumerates from

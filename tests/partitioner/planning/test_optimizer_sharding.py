@@ -16,6 +16,7 @@ from partitioner.planning.auto import (
     search,
 )
 from partitioner.planning.predict import Config, predict
+from partitioner.planning.simulate import simulate
 from partitioner.planning.space import SearchSpace
 from partitioner.planning.world import Degrees, search_world, world_plan
 from partitioner.plans.plan import Plan
@@ -94,9 +95,10 @@ def test_sharding_one_replica_is_a_config_error() -> None:
 
 def test_a_plan_carries_the_sharding_the_search_chose() -> None:
     workload = gpt_workload(SHAPE, BATCH)
-    config = _config(True)
+    # The searched schedule, sharded: its peak fits, the plain optimizer's does not.
+    config = Config(8, 8, 16, BATCH // 8, "1f1b", 1, "always", optimizer_sharding=True)
     prediction = predict(workload, CLUSTER, config, megatron_boundaries(SHAPE, config.stages))
-    capacity = max(m.total for m in prediction.memory) * 1.01  # fits sharded, not plain
+    capacity = max(m.total for m in prediction.memory) * 1.01
     asked = SearchSpace(chunks=BATCH // 8, checkpoint="always", schedules=("1f1b",),
                         optimizer_sharding=None)
     result = search_world(workload, CLUSTER, Degrees(dp=8, tp=8, pp=16), asked,
@@ -107,3 +109,41 @@ def test_a_plan_carries_the_sharding_the_search_chose() -> None:
     assert Plan.from_dict(plan.to_dict()).optimizer_sharding
     with pytest.raises(ValueError, match="optimizer_sharding is true but the mesh has dp=1"):
         Plan.from_dict({**plan.to_dict(), "mesh": {"dp": 1, "pp": 16, "tp": 8}})
+
+
+def test_overlap_param_gather_needs_the_sharded_optimizer_and_overlapped_reduction() -> None:
+    with pytest.raises(ConfigError, match="overlap_param_gather=True without optimizer_shard"):
+        Config(dp=2, overlap_param_gather=True)
+    with pytest.raises(ConfigError, match="overlap_param_gather=True without"):
+        Config(dp=2, optimizer_sharding=True, overlap_grad_reduce=False,
+               overlap_param_gather=True)
+    config = Config(dp=2, optimizer_sharding=True, overlap_param_gather=True)
+    assert config.label().endswith("zero1 overlapped") and config.reduces_in_backward
+    assert not Config(dp=2, optimizer_sharding=True).reduces_in_backward
+    # No runtime here overlaps the all-gather with the next forward.
+    here = Cluster.local_devices(["cpu"] * 2, [REFERENCE_CPU] * 2)
+    why = executable(config, here, MULTI_PROCESS_RUNTIME)
+    assert why is not None and "overlap_param_gather" in why
+
+
+def test_megatron_s_overlapped_distributed_optimizer_hides_what_the_runtime_s_does_not() -> None:
+    workload = gpt_workload(SHAPE, BATCH)
+    base = dict(dp=8, tp=8, pp=16, chunks=BATCH // 8, schedule="1f1b", checkpoint="always",
+                optimizer="fused_adam")
+    after = Config(**base, optimizer_sharding=True)  # type: ignore[arg-type]
+    overlapped = Config(**base, optimizer_sharding=True,  # type: ignore[arg-type]
+                        overlap_param_gather=True)
+    plain = Config(**base)  # type: ignore[arg-type]
+    bounds = megatron_boundaries(SHAPE, plain.stages)
+    p_after, p_over, p_plain = (predict(workload, CLUSTER, c, bounds, capacity=1e15)
+                                for c in (after, overlapped, plain))
+    # The same state sharded; the reduce-scatter in the backward, the all-gather behind the
+    # next forward: no more time than the plain all-reduce, less than after the backward.
+    assert p_over.memory == p_after.memory
+    assert max(p_over.dp_times) <= max(p_plain.dp_times)
+    assert p_over.step_time < p_after.step_time
+    assert p_over.step_time <= p_plain.step_time
+    # The simulation overlaps what the prediction overlaps.
+    for prediction in (p_after, p_over, p_plain):
+        assert simulate(prediction, CLUSTER).step_time == pytest.approx(
+            prediction.step_time, rel=1e-3)
