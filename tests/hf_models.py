@@ -15,7 +15,8 @@ VOCAB, SEQ, BATCH = 96, 8, 4
 
 
 def config(family: str) -> Any:
-    """A tiny config of ``family`` (``"llama"``, ``"mistral"`` or ``"mixtral"``)."""
+    """A tiny config of ``family`` (``"llama"``, ``"mistral"``, ``"mixtral"``, ``"qwen2_moe"``,
+    ``"gemma"``, ``"phi3"`` or ``"gpt2"``)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -28,6 +29,22 @@ def config(family: str) -> Any:
     if family == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=4,
                                           num_experts_per_tok=2, sliding_window=None)
+    if family == "qwen2_moe":  # shared expert beside the routed ones, biased q/k/v
+        return transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48)
+    if family == "gemma":  # tied embeddings, the embedding scaled by sqrt(hidden)
+        return transformers.GemmaConfig(**{**common, "tie_word_embeddings": True},
+                                        head_dim=16)
+    if family == "phi3":  # fused q/k/v and gate/up products
+        return transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1,
+                                       eos_token_id=2)
+    if family == "gpt2":  # Conv1D layers, learned positions; no dropout, to compare
+        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                       n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0, use_cache=False,
+                                       bos_token_id=0, eos_token_id=0,
+                                       attn_implementation="sdpa")
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -42,7 +59,11 @@ def build(family: str) -> nn.Module:
 
     classes = {"llama": transformers.LlamaForCausalLM,
                "mistral": transformers.MistralForCausalLM,
-               "mixtral": transformers.MixtralForCausalLM}
+               "mixtral": transformers.MixtralForCausalLM,
+               "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+               "gemma": transformers.GemmaForCausalLM,
+               "phi3": transformers.Phi3ForCausalLM,
+               "gpt2": transformers.GPT2LMHeadModel}
     return classes[family](config(family))
 
 

@@ -1,6 +1,6 @@
 """transformers decoders built on the meta device, partitioned end to end in bf16: Llama
-(grouped-query attention, rotary), Mistral (sliding window) and Mixtral (mixture of
-experts) built under ``torch.device("meta")``, partitioned with ``init_fn``, filled by
+(grouped-query attention, rotary), Mistral (sliding window), Mixtral (mixture of
+experts), Qwen2-MoE, Gemma, Phi-3 and GPT-2 built under ``torch.device("meta")``, partitioned with ``init_fn``, filled by
 ``dpm.load`` from the whole model's own weights (a ``torch.save`` file, a safetensors
 file, a ``save_pretrained`` folder of shards) and trained: every rank's losses equal the
 whole model's (built normally, same weights) under bf16 autocast, to bf16 tolerance.
@@ -88,6 +88,17 @@ def test_meta_mistral_mixtral_and_gpt_train_like_the_whole_model_on_two_stages(
     failed on meta: "unsupported autocast device_type 'meta'")."""
     records = _run(tmp_path, family, "safetensors", pp=2)
     assert [r["stage"] for r in records] == [0, 1]
+    _loaded_everything(records, family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "gemma", "phi3", "gpt2"])
+def test_meta_decoders_of_other_kinds_train_like_the_whole_model_on_pp2_x_tp2(
+        tmp_path: Path, family: str) -> None:
+    """Qwen2-MoE's shared expert and biased projections, Gemma's tied and scaled embedding,
+    Phi-3's fused q/k/v and gate/up, GPT-2's Conv1D layers: built on meta, loaded, trained
+    on 2 stages of 2 tensor-parallel ranks."""
+    records = _run(tmp_path, family, "pt", pp=2, tp=2)
     _loaded_everything(records, family)
 
 
