@@ -1,9 +1,10 @@
 """transformers decoders built on the meta device, partitioned end to end in bf16: Llama
-(grouped-query attention, rotary), Mistral (sliding window), Mixtral (mixture of
-experts), Qwen2-MoE, Gemma, Phi-3 and GPT-2 built under ``torch.device("meta")``, partitioned with ``init_fn``, filled by
-``dpm.load`` from the whole model's own weights (a ``torch.save`` file, a safetensors
-file, a ``save_pretrained`` folder of shards) and trained: every rank's losses equal the
-whole model's (built normally, same weights) under bf16 autocast, to bf16 tolerance.
+(grouped-query attention, rotary), Mistral (sliding window), Mixtral (mixture of experts),
+Qwen2-MoE, Gemma, Phi-3 and GPT-2 built under ``torch.device("meta")``, partitioned with
+``init_fn``, filled by ``dpm.load`` from the whole model's own weights (a ``torch.save``
+file, a safetensors file, a ``save_pretrained`` folder of shards) and trained: every
+rank's losses equal the whole model's (built normally, same weights) under bf16 autocast,
+to bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -92,13 +93,20 @@ def test_meta_mistral_mixtral_and_gpt_train_like_the_whole_model_on_two_stages(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_moe", "gemma", "phi3", "gpt2"])
-def test_meta_decoders_of_other_kinds_train_like_the_whole_model_on_pp2_x_tp2(
-        tmp_path: Path, family: str) -> None:
-    """Qwen2-MoE's shared expert and biased projections, Gemma's tied and scaled embedding,
+@pytest.mark.parametrize("family, mesh", [
+    ("mistral", dict(tp=2)), ("mistral", dict(pp=2, tp=2)),
+    ("mixtral", dict(tp=2)), ("mixtral", dict(pp=2, tp=2)),
+    ("qwen2_moe", dict(pp=2, tp=2)), ("gemma", dict(pp=2, tp=2)),
+    ("phi3", dict(pp=2, tp=2)), ("gpt2", dict(pp=2, tp=2)),
+], ids=["mistral-tp2", "mistral-pp2xtp2", "mixtral-tp2", "mixtral-pp2xtp2",
+        "qwen2_moe-pp2xtp2", "gemma-pp2xtp2", "phi3-pp2xtp2", "gpt2-pp2xtp2"])
+def test_meta_decoders_of_other_kinds_train_like_the_whole_model_with_tensor_parallelism(
+        tmp_path: Path, family: str, mesh: dict[str, int]) -> None:
+    """Mistral's sliding window and Mixtral's experts split over tensor-parallel ranks;
+    Qwen2-MoE's shared expert and biased projections, Gemma's tied and scaled embedding,
     Phi-3's fused q/k/v and gate/up, GPT-2's Conv1D layers: built on meta, loaded, trained
     on 2 stages of 2 tensor-parallel ranks."""
-    records = _run(tmp_path, family, "pt", pp=2, tp=2)
+    records = _run(tmp_path, family, "pt", **mesh)
     _loaded_everything(records, family)
 
 
