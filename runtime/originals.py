@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from partitioner.errors import TensorParallelError
 
-__all__ = ["Originals"]
+__all__ = ["Originals", "guarding"]
 
 _FIX = ("load weights with wrapper.load_state_dict(...) and build the optimizer over "
         "wrapper.parameters(), or partition the model again after changing it")
@@ -90,6 +90,13 @@ class Originals:
     def release(self) -> None:
         """Stop refusing optimizers over the originals (the wrapper was closed)."""
         self._finalizer()
+
+
+def guarding(tensors: Iterable[torch.Tensor]) -> str | None:
+    """The name of a live wrapper guarding one of ``tensors``, or ``None``: what must be
+    closed before anything else trains them (``tune=True`` on the same model)."""
+    with _LOCK:
+        return next((_GUARDED[id(t)] for t in tensors if id(t) in _GUARDED), None)
 
 
 def _forget(ids: list[int]) -> None:

@@ -169,14 +169,16 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
     passes alternate with passes of ``gm`` itself, whose forward and backward totals the
     layers' times are scaled to: the clock's own cost (tens of microseconds a layer, most of
     a 64-wide layer's) is nobody's. With ``optimizer=True`` each plain pass is followed by
-    an Adam step with a learning rate of 0 (its state, two tensors the size of each
-    parameter, lives for the timing only; a gradient that is not finite would still turn
-    a weight into NaN, so callers keep the weights: :func:`partitioner.cost.measure.
-    calibrate` puts them back).
+    an Adam step over stand-ins of the parameters (copies given the pass's gradients; the
+    state, two tensors the size of each parameter, lives for the timing only): the same
+    work as stepping the model's own, which are never written (a live tensor-parallel
+    wrapper of the model refuses optimizers over them and watches them for writes,
+    ``partitioner.runtime.originals``).
     """
     timed = instrumented(gm, layers)
     params = [p for p in gm.parameters() if p.requires_grad]
-    adam = torch.optim.Adam(params, lr=0.0) if optimizer and params else None
+    stand_ins = [p.detach().clone() for p in params] if optimizer else []
+    adam = torch.optim.Adam(stand_ins, lr=0.0) if stand_ins else None
     runs: list[list[tuple[float, float]]] = []
     plain: list[tuple[float, float]] = []
     steps: list[float] = []
@@ -190,6 +192,8 @@ def time_layers(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequence[An
             _RUNNING.pop()
         begin, middle, finish = _pass(gm, inputs, params)
         if adam is not None:
+            for stand_in, param in zip(stand_ins, params):
+                stand_in.grad = param.grad
             stepping = time.perf_counter()
             adam.step()
             steps.append(time.perf_counter() - stepping)

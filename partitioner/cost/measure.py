@@ -496,7 +496,7 @@ def _small_batch_times(gm: fx.GraphModule, layers: Sequence[Layer], inputs: Sequ
     if cut is None:
         return None
     try:
-        with _preserved(gm, weights=False):
+        with _preserved(gm):
             few = time_layers(gm, layers, cut[0], repeats=repeats, optimizer=False,
                               min_seconds=min_seconds)
     except Exception:  # a graph captured for one batch size: one scale, as before
@@ -545,7 +545,7 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
         raise CalibrationError("calibrate=True times the layers on this machine, but the "
                                "model's weights are on the meta device; build it with real "
                                "weights or pass calibrate=False")
-    with _preserved(gm, weights=optimizer):
+    with _preserved(gm):
         timed = time_layers(gm, layers, list(inputs), repeats=repeats, optimizer=optimizer,
                             min_seconds=min_seconds)
     few = _small_batch_times(gm, layers, inputs, batch, repeats, min_seconds)
@@ -561,16 +561,18 @@ def calibrate(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[Layer
 
 class _preserved:
     """Restore parameter gradients, buffers and the CPU random generator after timing
-    (calibration leaves no trace: dropout in the timed passes draws from it), and the
-    parameters' values too when ``weights`` (an optimizer step was timed)."""
+    (calibration leaves no trace: dropout in the timed passes draws from it). The
+    parameters are never written (the timed optimizer steps stand-ins); a buffer is copied
+    back only where a pass changed its values (batch norm's running statistics, which its
+    kernel updates without a new version), so a model nothing wrote keeps its tensors'
+    versions (what a live tensor-parallel wrapper of it checks)."""
 
-    def __init__(self, gm: fx.GraphModule, weights: bool = False) -> None:
-        self.gm, self.weights = gm, weights
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
 
     def __enter__(self) -> None:
         self.grads = {p: p.grad for p in self.gm.parameters()}
         self.buffers = {b: b.detach().clone() for b in self.gm.buffers()}
-        self.values = {p: p.detach().clone() for p in self.grads} if self.weights else {}
         self.rng = torch.random.get_rng_state()
         for p in self.grads:
             p.grad = None
@@ -580,5 +582,6 @@ class _preserved:
         for p, g in self.grads.items():
             p.grad = g
         with torch.no_grad():
-            for b, saved in (*self.buffers.items(), *self.values.items()):
-                b.copy_(saved)
+            for b, saved in self.buffers.items():
+                if not torch.equal(b, saved):
+                    b.copy_(saved)

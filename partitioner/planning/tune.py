@@ -41,6 +41,7 @@ from torch import nn
 
 from partitioner.errors import TuneError
 from partitioner.planning.records import built_first
+from partitioner.runtime.originals import guarding
 
 __all__ = ["DEFAULT_CANDIDATES", "TIMED_STEPS", "WARMUP_STEPS", "ROUNDS", "RETIME_WITHIN",
            "KEEP_WITHIN", "SETTLE_TRIALS", "CONFIRM_TRIALS", "REFINE", "REFINE_WITHIN",
@@ -455,7 +456,18 @@ def _kept(records: Sequence[dict[str, Any]], measured: dict[int, float]) -> int:
 
 def snapshot_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy of ``model``'s parameters and buffers (those not on the meta device), which
-    :func:`restore_state` puts back after tuning trained candidates on them."""
+    :func:`restore_state` puts back after tuning trained candidates on them.
+
+    Raises:
+        TuneError: a live tensor-parallel module of ``model`` guards its weights (it
+            refuses optimizers over them and any write to them).
+    """
+    owner = guarding(model.parameters())
+    if owner is not None:
+        raise TuneError(f"tune=True trains this model's own weights to time the candidates, "
+                        f"but a live {owner} partitioned from it guards them (it refuses "
+                        f"optimizers over them and writes to them); close() that {owner} "
+                        "first, or pass tune=False")
     return {name: t.detach().clone() for name, t in
             [*model.named_parameters(remove_duplicate=False),
              *model.named_buffers(remove_duplicate=False)]

@@ -27,7 +27,8 @@ from partitioner.cost.measure import (
     calibrate_layers,
     measure_cpu,
 )
-from partitioner.errors import CostModelError
+from partitioner.errors import CostModelError, TuneError
+from partitioner.plans.plan import Mesh
 from partitioner.runtime.host_memory import cpu_host_memory_mode
 
 SPEC = DeviceSpec("cpu", {"fp32": 100e9}, 16e9, 20e9, matmul_efficiency=1.0,
@@ -289,6 +290,40 @@ def test_timing_the_optimizer_keeps_weights_a_non_finite_gradient_would_spoil() 
         analysis.inputs, SPEC, 4, progress=False, repeats=1, optimizer=True)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+
+
+def test_timing_the_optimizer_never_writes_the_model_s_weights() -> None:
+    # The timed Adam steps stand-ins: the weights keep their values and their versions.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 4)
+    analysis = analyze(model, (x,))
+    assert analysis.workload is not None and analysis.inputs is not None
+    versions = {name: p._version for name, p in model.named_parameters()}
+    _, adam = partitioner.cost.measure.calibrate(
+        analysis.captured.graph_module, analysis.layers, analysis.workload.layers,
+        analysis.inputs, SPEC, 4, progress=False, repeats=1, optimizer=True)
+    assert adam is not None and adam > 0
+    assert {name: p._version for name, p in model.named_parameters()} == versions
+
+
+def test_a_model_partitioned_with_tensor_parallelism_can_be_partitioned_again() -> None:
+    # The calibration of the second plan used to step an Adam over the model's own weights,
+    # which the live tensor-parallel module refuses ("this optimizer steps the original
+    # model's parameters"); and its writes would have made that module refuse to run.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(8, 8)
+    first = partition(model, ["cpu", "cpu"], example_inputs=(x,), mesh=Mesh(tp=2))
+    second = partition(model, ["cpu", "cpu"], example_inputs=(x,), mesh=Mesh(pp=2),
+                       calibrate=True)
+    torch.testing.assert_close(first(x), model(x))
+    torch.testing.assert_close(second(x), model(x))
+    # Tuning trains the model's own weights: refused while the first module guards them.
+    with pytest.raises(TuneError, match=r"live TensorParallelModule.*close\(\) that"):
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), tune=2)
+    first.close()
+    tuned = partition(model, ["cpu", "cpu"], example_inputs=(x,), tune=2)
+    torch.testing.assert_close(tuned(x), model(x))
 
 
 def test_calibration_leaves_the_random_generator_where_it_was() -> None:
