@@ -8,9 +8,16 @@ cost model's own terms say how: an op's forward and backward seconds (``op_times
 * its launches' fixed cost (Python and the dispatcher, taken in turn under the interpreter's
   lock): the same on one thread as on all, and no gain from other workers;
 * the part the intra-op threads divide: a product's FLOPs at the device's full rate
-  (``flops / peak``), all of a memory-bound op's traffic;
+  (``flops / peak``) and its memory traffic, all of a memory-bound op's traffic;
 * the rest of a product: its weights' repacking and the efficiency small products lose to
   synchronising threads, which more threads do not shorten.
+
+A layer's calibration (``time_scale``) scales both parts alike: what a call costs whatever
+its rows is apart (``LayerCost.call_seconds``), so the scaled time is the rows' work. Until
+2026-12-06 the excess of a product over its model was all counted in the rest; on
+transformers' GPT-2 with its 50,257-word head (1.6x its model here, two threads 1.84x
+one) that had two workers gaining 1.46x where they measured 1.04-1.09, and ``dp=2``
+predicted 1.27x faster than it ran.
 
 A lone worker takes ``parallel / worker_speed + rest`` (``worker_speed``: its share of the
 threads against all of them, timed on a product that runs at the full rate), and two workers
@@ -51,7 +58,8 @@ _ELEMENT = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 def thread_parts(layer: LayerCost, op: Op, spec: DeviceSpec, samples: float, tp: int = 1,
                  dtype: str = "fp32") -> tuple[float, float, float]:
     """An op's forward + backward seconds in ``layer``: the whole, its launches' fixed cost,
-    and the part the intra-op threads divide (a product's FLOPs at the device's full rate;
+    and the part the intra-op threads divide (a product's all but its repacking and the
+    size curve's loss, scaled as calibrated; an attention kernel's FLOPs at its full rate;
     all of a memory-bound op's work from :data:`GRAIN_SIZE` output elements on, none below).
 
     Example:
@@ -78,10 +86,17 @@ def thread_parts(layer: LayerCost, op: Op, spec: DeviceSpec, samples: float, tp:
     if op.kind == "attention":
         rate = spec.flops(dtype) * (spec.attention_efficiency or spec.matmul_efficiency)
         passes = 1 + ATTENTION_BACKWARD + op.replay
-    else:
-        rate = spec.flops(dtype) * spec.matmul_efficiency
-        passes = 3 + op.replay  # forward, input and weight gradients, replays
-    return seconds, fixed, min(flops * passes * op.count / rate, work)
+        return seconds, fixed, min(flops * passes * op.count / rate, work)
+    # What more threads do not shorten: the size curve's loss (threads synchronising on a
+    # small product) and repacking the weights, as modelled and scaled by the calibration
+    # like the rest; everything else (the FLOPs, the memory traffic) they divide.
+    passes = 3 + op.replay  # forward, input and weight gradients, replays
+    full = flops / (spec.flops(dtype) * spec.matmul_efficiency)
+    lost = max(flops / spec.matmul_rate(flops, dtype) - full, 0.0) if flops else 0.0
+    packs = (1 + op.replay + (1 if op.input_grad else 0)) * op.weight_read / share \
+        / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
+    serial = (passes * lost + packs) * op.count * layer.time_scale
+    return seconds, fixed, max(work - serial, 0.0)
 
 
 def pair_gain(work: float, parallel: float, spec: DeviceSpec) -> float:

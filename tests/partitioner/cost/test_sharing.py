@@ -46,13 +46,24 @@ def test_a_product_at_the_full_rate_is_all_the_threads_work_and_gains_nothing() 
 
 
 def test_a_product_mostly_repacking_its_weights_gains_from_a_second_worker() -> None:
-    # 8 rows of a 1024 x 1024 weight: repacking 4 MiB (4 ms) against 17 MFLOP (0.17 ms).
+    # 8 rows of a 1024 x 1024 weight: repacking 4 MiB twice (8.4 ms) against three passes
+    # reading it from memory (1.3 ms, which the threads divide) and 17 MFLOP.
     layer = _product(8, 1024)
     seconds, fixed, parallel = thread_parts(layer, layer.ops[0], CPU, 8)
-    assert parallel / (seconds - fixed) < 0.1
+    assert parallel / (seconds - fixed) == pytest.approx(3 * 4.2e-4 / 9.67e-3, rel=0.05)
     alone, two, *_ = shared_work(layer, CPU, 8)
-    assert alone / two > 1.8
-    assert alone / lone_work(layer, CPU, 8) > 0.9
+    assert alone / two > 1.7
+    assert alone / lone_work(layer, CPU, 8) > 0.85
+
+
+def test_the_repacking_stays_whole_scaled_like_the_rest() -> None:
+    # What the threads do not shorten (repacking the weights, the size curve's loss) is
+    # scaled by the calibration as the rest: so is what they divide.
+    small = _product(8, 1024)
+    slow = replace(small, time_scale=1.6)
+    seconds, fixed, parallel = thread_parts(slow, slow.ops[0], CPU, 8)
+    assert parallel == pytest.approx(1.6 * thread_parts(small, small.ops[0], CPU, 8)[2])
+    assert seconds - fixed > 5 * parallel
 
 
 def test_pair_gain_is_what_two_workers_at_their_share_get_done() -> None:
@@ -81,17 +92,19 @@ def test_small_element_wise_ops_run_on_one_thread_large_ones_on_all() -> None:
     assert lone_work(small, CPU, above) == pytest.approx((seconds - fixed) / 0.5 + fixed)
 
 
-def test_time_a_layer_measured_beyond_its_flops_is_not_divided_by_the_threads() -> None:
-    # A layer timed in context at 3x its modelled time (time_scale): its FLOPs at the full
-    # rate are still all the threads divide; the rest (Python, small kernels) is not.
+def test_time_a_layer_measured_beyond_its_flops_is_divided_by_the_threads() -> None:
+    # A layer timed in context at 3x its modelled time (time_scale): what a call costs
+    # whatever its rows is the calibration's call_seconds, apart; the scaled rest is the
+    # rows' work, which the threads divide as they divide the FLOPs (counted as not divided,
+    # it had two workers gain 1.46x on GPT-2's LM head, measured 1.04; docs/benchmarks.md).
     layer = _product(4096, 256)
     slow = replace(layer, time_scale=3.0)
     _, _, parallel = thread_parts(layer, layer.ops[0], CPU, 4096)
     seconds, fixed, scaled = thread_parts(slow, slow.ops[0], CPU, 4096)
-    assert scaled == pytest.approx(parallel)
-    assert seconds - fixed > 2.5 * scaled
+    assert scaled == pytest.approx(3.0 * parallel)
+    assert scaled > 0.95 * (seconds - fixed)
     alone = shared_work(slow, CPU, 4096)[0]
-    assert alone / lone_work(slow, CPU, 4096) > 0.7  # not 0.5: two thirds run as fast alone
+    assert alone / lone_work(slow, CPU, 4096) == pytest.approx(0.5, abs=0.03)
 
 
 def test_a_spec_without_a_lone_workers_speed_keeps_its_table_by_size() -> None:
