@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from partitioner.errors import MemoryModelError
 from partitioner.runtime.checkpointing import ALWAYS, NEVER, checkpoint_problem
-from partitioner.runtime.schedule_registry import SCHEDULES, name_problem
+from partitioner.runtime.schedule_registry import SCHEDULES, ScheduleKind, name_problem
 
 __all__ = ["MemoryModelError", "OPTIMIZERS", "MemoryBreakdown", "in_flight", "held_by_stage",
            "per_parameter_bytes", "optimizer_traffic", "optimizer_temporaries",
@@ -61,10 +61,7 @@ def in_flight(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
     Raises:
         MemoryModelError: for an unknown schedule.
     """
-    unknown = name_problem(schedule)
-    if unknown is not None:
-        raise MemoryModelError(unknown)
-    return SCHEDULES[schedule].in_flight(n_stages, n_microbatches, stage, virtual)
+    return _kind(schedule).in_flight(n_stages, n_microbatches, stage, virtual)
 
 
 def held_by_stage(schedule: str, n_stages: int, n_microbatches: int, stage: int = 0,
@@ -82,10 +79,14 @@ def held_by_stage(schedule: str, n_stages: int, n_microbatches: int, stage: int 
     Raises:
         MemoryModelError: for an unknown schedule.
     """
+    return _kind(schedule).held_by_stage(n_stages, n_microbatches, stage, virtual)
+
+
+def _kind(schedule: str) -> ScheduleKind:
     unknown = name_problem(schedule)
     if unknown is not None:
         raise MemoryModelError(unknown)
-    return SCHEDULES[schedule].held_by_stage(n_stages, n_microbatches, stage, virtual)
+    return SCHEDULES[schedule]
 
 
 def per_parameter_bytes(optimizer: str, element: int, mixed_precision: bool) -> int:
