@@ -505,9 +505,13 @@ def held_by_stage(schedule: Schedule, placement: Placement) -> tuple[tuple[tuple
                 moments.add(tuple(live))
             elif a.phase.frees:
                 live[where[a.stage]] -= 1
-        found.append(tuple(sorted(
-            c for c in moments
-            if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in moments))))
+        # Largest first: whatever exceeds a moment in every entry has a larger sum, so it
+        # (or one exceeding it) is kept before the moment is looked at.
+        kept: list[tuple[int, ...]] = []
+        for c in sorted(moments, key=sum, reverse=True):
+            if not any(all(x >= y for x, y in zip(o, c)) for o in kept):
+                kept.append(c)
+        found.append(tuple(sorted(kept)))
     return tuple(found)
 
 
