@@ -60,7 +60,7 @@ from partitioner.passes.shape_prop import tensor_bytes
 
 __all__ = ["CostModelError", "Op", "LayerCost", "Workload", "layer_costs", "boundary_bytes",
            "workload_from_graph", "op_times", "weight_time", "phase_times",
-           "layer_time", "OP_KINDS", "ATTENTION_BACKWARD"]
+           "layer_time", "pack_time", "OP_KINDS", "ATTENTION_BACKWARD"]
 
 OP_KINDS = ("matmul", "attention", "memory")
 
@@ -313,7 +313,7 @@ def op_times(op: Op, spec: DeviceSpec, samples: float, tp: int = 1, dtype: str =
         backward = ATTENTION_BACKWARD * max(product, traffic / bandwidth) + overhead
     elif op.kind == "matmul":
         one = _product_pass(op, spec, samples, tp, dtype)
-        pack = weights / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
+        pack = pack_time(op, spec, tp)
         forward = one + pack
         # Two products: the input gradient (which repacks the weights again) and the weight
         # gradient (whose output is weight-sized: the gradient traffic below); the weight
@@ -366,6 +366,13 @@ def weight_time(layer: LayerCost, spec: DeviceSpec, samples: float, tp: int = 1,
             seconds += spec.fresh_time(op.weight_grad / share)
         total += seconds * op.count
     return total * layer.time_scale
+
+
+def pack_time(op: Op, spec: DeviceSpec, tp: int = 1) -> float:
+    """Seconds a ``matmul`` op's product repacks its weights (its forward, and its input
+    gradient's again), one rank's share of them: no time without a ``pack_bandwidth``."""
+    share = tp if op.split else 1
+    return op.weight_read / share / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
 
 
 def _product_pass(op: Op, spec: DeviceSpec, samples: float, tp: int, dtype: str) -> float:

@@ -153,24 +153,18 @@ def activation_memory(checkpoint: str, held: int, full: float, stage_input: floa
         >>> activation_memory("never", 4, 100.0, 10.0), activation_memory("always", 4, 100.0, 10.0)
         (400.0, 140.0)
     """
-    unknown = checkpoint_problem(checkpoint)
-    if unknown is not None:
-        raise MemoryModelError(unknown)
-    if checkpoint == NEVER or held == 0:
-        return held * full
-    if checkpoint == ALWAYS:
-        return held * stage_input + full
-    return (held - 1) * stage_input + full
+    return activation_peak(checkpoint, ((held,),), (full,), (stage_input,))
 
 
 def activation_peak(checkpoint: str, held: Sequence[Sequence[int]], full: Sequence[float],
                     stage_input: Sequence[float]) -> float:
     """Activation bytes of a device whose virtual stages keep different amounts.
 
-    :func:`activation_memory` for each moment of ``held`` (:func:`held_by_stage`), its
-    chunk ``k`` keeping ``full[k]`` per micro-batch (``stage_input[k]`` when checkpointed),
-    the largest of them: with checkpointing, the chunk whose replay adds most is the one
-    replayed at the peak.
+    For each moment of ``held`` (:func:`held_by_stage`), chunk ``k`` keeps ``full[k]`` per
+    micro-batch in flight, or ``stage_input[k]`` when checkpointed, plus what a replay
+    holds (``always``: one micro-batch's ``full[k]``; ``except_last``: its ``full[k]``
+    instead of its input); the largest of them, the chunk whose replay adds most being the
+    one replayed at the peak. One chunk: :func:`activation_memory`.
 
     Example:
         >>> activation_peak("never", [(2, 1), (3, 0)], [10.0, 30.0], [1.0, 1.0])

@@ -7,8 +7,8 @@ cost model's own terms say how: an op's forward and backward seconds (``op_times
 
 * its launches' fixed cost (Python and the dispatcher, taken in turn under the interpreter's
   lock): the same on one thread as on all, and no gain from other workers;
-* the part the intra-op threads divide: a product's FLOPs at the device's full rate
-  (``flops / peak``) and its memory traffic, all of a memory-bound op's traffic;
+* the part the intra-op threads divide: a product's FLOPs (at the device's full rate,
+  ``flops / peak``) and its memory traffic, all of a memory-bound op's traffic;
 * the rest of a product: its weights' repacking and the efficiency small products lose to
   synchronising threads, which more threads do not shorten.
 
@@ -43,7 +43,7 @@ size of product of its ``shared_sizes``.
 
 from __future__ import annotations
 
-from partitioner.cost.cost import ATTENTION_BACKWARD, LayerCost, Op, op_times
+from partitioner.cost.cost import ATTENTION_BACKWARD, LayerCost, Op, op_times, pack_time
 from partitioner.cost.devices import DeviceSpec
 
 __all__ = ["shared_work", "lone_work", "sharing_gains", "lone_gain", "thread_parts",
@@ -93,8 +93,7 @@ def thread_parts(layer: LayerCost, op: Op, spec: DeviceSpec, samples: float, tp:
     passes = 3 + op.replay  # forward, input and weight gradients, replays
     full = flops / (spec.flops(dtype) * spec.matmul_efficiency)
     lost = max(flops / spec.matmul_rate(flops, dtype) - full, 0.0) if flops else 0.0
-    packs = (1 + op.replay + (1 if op.input_grad else 0)) * op.weight_read / share \
-        / spec.pack_bandwidth if spec.pack_bandwidth else 0.0
+    packs = (1 + op.replay + (1 if op.input_grad else 0)) * pack_time(op, spec, tp)
     serial = (passes * lost + packs) * op.count * layer.time_scale
     return seconds, fixed, max(work - serial, 0.0)
 
